@@ -1,0 +1,36 @@
+"""The ``chunked_logits`` torch.compile backend: stock Inductor plus our passes."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from torch.fx import GraphModule
+
+from .config import Config, disabled_by_env
+from .passes import transform
+
+__all__ = ["chunked_logits"]
+
+
+def chunked_logits(
+    gm: GraphModule,
+    example_inputs: list[Any],
+    options: Optional[Mapping[str, Any]] = None,
+    mode: Optional[str] = None,
+):
+    """``torch.compile(fn, backend="chunked_logits", options={...})``.
+
+    ``options`` are :class:`~fx_passes.config.Config` fields; Inductor's own settings
+    go under the key ``"inductor"``.  ``mode`` is Inductor's (e.g. "max-autotune").
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    options = dict(options or {})
+    inductor_options = dict(options.pop("inductor", None) or {})
+    config = Config.from_options(options)  # validates before any work
+    if mode is not None:
+        inductor_options = {**torch._inductor.list_mode_options(mode), **inductor_options}
+    if not disabled_by_env():
+        gm = transform(gm, config)
+    return compile_fx(gm, example_inputs, config_patches=inductor_options or None)

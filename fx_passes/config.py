@@ -1,0 +1,68 @@
+"""Settings of the chunked-logits passes: one frozen, self-validating dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any, Mapping
+
+__all__ = ["Config", "ENV_KILL_SWITCH"]
+
+# Set to 1 to turn every pass of this package off (the backend then is stock Inductor).
+ENV_KILL_SWITCH = "CHUNKED_LOGITS_DISABLE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What the passes do.  Build it from ``torch.compile(..., options={...})``.
+
+    Attributes:
+        rewrite: rewrite matched FP32-upcast regions into the fused per-row form.
+        temperature_after_upcast: where the graph divides the model-precision logits
+            by a temperature right before the upcast, divide in FP32 after it instead.
+            Turn off to keep the division (and its rounding) where the graph has it.
+        remove_div_by_one: drop ``x / 1`` and ``x * 1`` everywhere in the graph.
+        report_only: log and count what would be rewritten, change nothing.
+        strict: re-raise an error inside the pass instead of falling back to stock
+            Inductor (for debugging the pass itself).
+    """
+
+    rewrite: bool = True
+    temperature_after_upcast: bool = True
+    remove_div_by_one: bool = True
+    report_only: bool = False
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(
+                    f"chunked_logits option {f.name!r} must be True or False, got {value!r}"
+                )
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, **overrides: Any) -> "Config":
+        """Build a Config from a user's options dict; unknown keys are a ValueError."""
+        merged = dict(options or {})
+        merged.update(overrides)
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in merged:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"unknown chunked_logits option {key!r}; {hint}valid options: "
+                    f"{', '.join(names)} (Inductor settings go under options={{'inductor': {{...}}}})"
+                )
+        return cls(**merged)
+
+    def key(self) -> str:
+        """A stable text form, part of the pass's cache uuid."""
+        return repr(dataclasses.astuple(self))
+
+
+def disabled_by_env() -> bool:
+    """True when the kill switch is set in the environment."""
+    return os.environ.get(ENV_KILL_SWITCH, "").strip().lower() in {"1", "true", "yes", "on"}

@@ -1,0 +1,161 @@
+"""Read Dynamo (torch-level) FX nodes as canonical ops.
+
+A Dynamo graph spells one op many ways: ``x.float()``, ``x.to(torch.float32)``,
+``torch.log_softmax(x, dim=-1)``, ``F.log_softmax(x, -1)``, ``x.log_softmax(-1)``,
+``operator.truediv`` ... :func:`canon` maps each spelling to one name and
+:func:`get_arg` reads an argument by position or keyword, so the matcher is
+written once per op, not once per spelling.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+__all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# canonical name -> (torch-level callables, Tensor method names)
+_SPELLINGS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
+    "convert": ((), ("float", "to", "type")),
+    "getitem": ((operator.getitem,), ()),
+    "reshape": ((torch.reshape,), ("view", "reshape")),
+    "flatten": ((torch.flatten,), ("flatten",)),
+    "contiguous": ((), ("contiguous",)),
+    "div": ((operator.truediv, torch.div, torch.true_divide), ("div", "true_divide", "__truediv__")),
+    "mul": ((operator.mul, torch.mul), ("mul", "__mul__", "__rmul__")),
+    "sub": ((operator.sub, torch.sub), ("sub", "__sub__")),
+    "neg": ((operator.neg, torch.neg), ("neg", "__neg__")),
+    "exp": ((torch.exp,), ("exp",)),
+    "sum": ((torch.sum,), ("sum",)),
+    "log_softmax": ((torch.log_softmax, F.log_softmax, torch.special.log_softmax), ("log_softmax",)),
+    "softmax": ((torch.softmax, F.softmax, torch.special.softmax), ("softmax",)),
+    "logsumexp": ((torch.logsumexp, torch.special.logsumexp), ("logsumexp",)),
+    "gather": ((torch.gather,), ("gather",)),
+    "take_along_dim": ((torch.take_along_dim,), ("take_along_dim",)),
+    "cross_entropy": ((F.cross_entropy,), ()),
+    "nll_loss": ((F.nll_loss,), ()),
+}
+_BY_FUNCTION = {fn: name for name, (fns, _) in _SPELLINGS.items() for fn in fns}
+_BY_METHOD = {m: name for name, (_, methods) in _SPELLINGS.items() for m in methods}
+
+# Parameter names after the tensor input, per canonical op (torch's own names).
+_PARAMS: dict[str, tuple[str, ...]] = {
+    "div": ("other",),
+    "mul": ("other",),
+    "sub": ("other", "alpha"),
+    "sum": ("dim", "keepdim", "dtype"),
+    "log_softmax": ("dim", "_stacklevel", "dtype"),
+    "softmax": ("dim", "_stacklevel", "dtype"),
+    "logsumexp": ("dim", "keepdim"),
+    "gather": ("dim", "index", "sparse_grad"),
+    "take_along_dim": ("indices", "dim"),
+    "cross_entropy": ("target", "weight", "size_average", "ignore_index", "reduce",
+                      "reduction", "label_smoothing"),
+    "nll_loss": ("target", "weight", "size_average", "ignore_index", "reduce", "reduction"),
+    "reshape": ("shape",),
+    "flatten": ("start_dim", "end_dim"),
+    "getitem": ("index",),
+}
+# torch.softmax / torch.log_softmax name the dim positionally only; the methods accept
+# ``dtype`` as the second positional argument.
+_METHOD_PARAMS: dict[str, tuple[str, ...]] = {
+    "log_softmax": ("dim", "dtype"),
+    "softmax": ("dim", "dtype"),
+}
+
+
+def canon(node: Node) -> Optional[str]:
+    """The canonical op name of ``node``, or None for anything else."""
+    try:
+        if node.op == "call_function":
+            return _BY_FUNCTION.get(node.target)
+        if node.op == "call_method":
+            return _BY_METHOD.get(node.target)
+    except TypeError:  # unhashable target
+        return None
+    return None
+
+
+def tensor_input(node: Node) -> Any:
+    """The first (self / input) argument."""
+    if node.args:
+        return node.args[0]
+    return node.kwargs.get("input", node.kwargs.get("self"))
+
+
+def get_arg(node: Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a canonical op, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    op = canon(node)
+    params = _PARAMS.get(op, ())
+    if node.op == "call_method" and op in _METHOD_PARAMS:
+        params = _METHOD_PARAMS[op]
+    if name in params:
+        pos = 1 + params.index(name)
+        if pos < len(node.args):
+            return node.args[pos]
+    return default
+
+
+def meta(value: Any) -> Any:
+    """The example value of a node (Dynamo's ``example_value`` or AOT's ``val``)."""
+    if isinstance(value, Node):
+        if "example_value" in value.meta:
+            return value.meta["example_value"]
+        return value.meta.get("val")
+    return value
+
+
+def is_low_precision(value: Any) -> bool:
+    v = meta(value)
+    return isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
+
+
+def is_fp32(value: Any) -> bool:
+    v = meta(value)
+    return isinstance(v, torch.Tensor) and v.dtype == torch.float32
+
+
+_METADATA_METHODS = {"size", "dim", "numel", "stride", "ndimension", "nelement", "get_device"}
+_METADATA_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+                       torch.ops.aten.sym_stride.int}
+
+
+def is_metadata_query(node: Node) -> bool:
+    """``t.size(...)``, ``t.shape`` and friends: they read no element of ``t``."""
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    if node.op == "call_function":
+        if node.target in _METADATA_FUNCTIONS:
+            return True
+        if node.target is getattr and len(node.args) > 1:
+            return node.args[1] in {"shape", "dtype", "device", "ndim", "is_cuda"}
+    return False
+
+
+def is_pure(node: Node) -> bool:
+    """Safe to move: computes a value from its inputs, no side effect."""
+    if node.op == "call_method":
+        return not str(node.target).endswith("_")
+    if node.op != "call_function":
+        return False
+    if node.is_impure():
+        return False
+    name = getattr(node.target, "__name__", "")
+    return not name.endswith("_") and not name.startswith("_")
+
+
+def last_dim(dim: Any, ndim: int) -> bool:
+    """True when ``dim`` (int, or a one-element list/tuple) names the last dim."""
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    return isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, ndim - 1)

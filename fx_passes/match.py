@@ -1,0 +1,365 @@
+"""Find FP32-upcast regions in a Dynamo graph.
+
+A region starts at a model-precision (bf16/fp16) logits tensor ``x`` and its FP32
+upcast, goes through row views (``[:, :-1]``, ``view(-1, V)``) and at most one
+scalar temperature, and ends in per-row reductions over the vocabulary:
+
+    lp   = log_softmax(z, -1).gather(-1, tok[..., None])        # token log-prob
+    ent  = -(softmax(z, -1) * log_softmax(z, -1)).sum(-1)       # entropy
+    ent  = logsumexp(z, -1) - (softmax(z, -1) * z).sum(-1)      # entropy, other form
+    loss = cross_entropy(z, labels, ignore_index=.., reduction=..)
+
+Every FP32 ``[.., V]`` tensor of the region must be read only inside the region;
+the per-row results ("sinks") may be read by anything.  A region that breaks a
+rule raises :class:`~fx_passes.report.Decline` with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from .graph_ops import (
+    canon, get_arg, is_fp32, is_low_precision, is_metadata_query, last_dim, meta, tensor_input,
+)
+from .report import Decline, Reason
+
+__all__ = ["Region", "Sink", "find_regions"]
+
+ROW_VIEWS = {"getitem", "reshape", "flatten", "contiguous"}
+HEADS = {"log_softmax", "softmax", "logsumexp", "cross_entropy"}
+SINK_ROLES = {"logprob", "loss", "neg_entropy", "entropy", "lse", "expected_z"}
+TERMINAL_ROLES = {"logprob", "loss", "neg_entropy", "entropy"}
+
+
+@dataclasses.dataclass
+class Sink:
+    node: Node
+    role: str
+    keepdim: bool = False
+    ignore_index: int = -100
+    reduction: str = "none"
+
+
+@dataclasses.dataclass
+class Region:
+    upcast: Node
+    x: Node  # model-precision logits the rewritten region reads
+    moved_scale: Optional[Node]  # bf16 temperature node moved after the upcast
+    views: list[Node]  # FP32 row views, replayed on x
+    scale: Any  # None, a Python number or a Node (SymFloat / 0-d tensor)
+    scale_is_div: bool
+    z: Node  # the scaled FP32 logits every head reads
+    roles: dict[Node, str]
+    sinks: list[Sink]
+    index: Optional[Node]  # gather index [.., 1] or CE labels [N]
+    meta_users: list[tuple[Node, Node]]  # (shape query, FP32 node it reads)
+
+    @property
+    def want_entropy(self) -> bool:
+        return any(s.role in {"neg_entropy", "entropy", "expected_z"} for s in self.sinks)
+
+    def describe(self) -> str:
+        kinds = sorted({s.role for s in self.sinks})
+        scale = "none" if self.scale is None else ("/" if self.scale_is_div else "*") + (
+            self.scale.name if isinstance(self.scale, Node) else repr(self.scale))
+        moved = ", temperature moved after the upcast" if self.moved_scale is not None else ""
+        return f"{'+'.join(kinds)} over {tuple(meta(self.z).shape)} (temperature {scale}{moved})"
+
+
+def _scalar_operand(node: Node, chain: Node) -> Optional[tuple[Any, bool]]:
+    """For ``chain / s`` or ``chain * s`` (either order) with a scalar s: (s, is_div)."""
+    op = canon(node)
+    if op not in ("div", "mul") or get_arg(node, "rounding_mode") is not None:
+        return None
+    a, b = tensor_input(node), get_arg(node, "other")
+    if op == "div" and a is not chain:
+        return None
+    other = b if a is chain else a if b is chain else None
+    if other is None or other is chain:
+        return None
+    if isinstance(other, bool):
+        raise Decline(Reason.TEMPERATURE, f"boolean operand of {node.name}")
+    if isinstance(other, (int, float)):
+        return other, op == "div"
+    if isinstance(other, Node):
+        v = meta(other)
+        if isinstance(v, (torch.SymFloat, torch.SymInt)):
+            return other, op == "div"
+        if isinstance(v, torch.Tensor):
+            if v.dim() != 0 or v.requires_grad or not v.is_floating_point():
+                raise Decline(Reason.TEMPERATURE, f"{other.name} has shape {tuple(v.shape)}"
+                              f"{' and requires grad' if v.requires_grad else ''}")
+            return other, op == "div"
+    return None
+
+
+def _is_row_view(node: Node, src: Node) -> bool:
+    """A view that only selects or regroups rows, keeping each row's V entries whole."""
+    op = canon(node)
+    if op not in ROW_VIEWS or tensor_input(node) is not src:
+        return False
+    vin, vout = meta(src), meta(node)
+    if not isinstance(vout, torch.Tensor) or vout.dim() < 1 or vout.shape[-1] != vin.shape[-1]:
+        return False
+    if op == "getitem":
+        index = get_arg(node, "index")
+        index = index if isinstance(index, tuple) else (index,)
+        if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index):
+            return False  # tensor / symbolic indexing
+        if Ellipsis in index:
+            index = index[index.index(Ellipsis) + 1:]
+        else:
+            used = [i for i in index if i is not None]
+            if len(used) < vin.dim():
+                return True
+            index = used
+        used = [i for i in index if i is not None]
+        return not used or used[-1] == slice(None, None, None)
+    if op in ("reshape", "flatten"):
+        return vout.numel() == vin.numel() and vout.dim() >= 1
+    return True  # contiguous
+
+
+def _upcast_input(node: Node) -> Optional[Node]:
+    """The model-precision input if ``node`` upcasts it to FP32, else None."""
+    if canon(node) != "convert" or not is_fp32(node):
+        return None
+    src = tensor_input(node)
+    if not isinstance(src, Node) or not is_low_precision(src):
+        return None
+    vin, vout = meta(src), meta(node)
+    if vin.shape != vout.shape or vin.device != vout.device:
+        return None
+    return src
+
+
+class _Matcher:
+    def __init__(self, upcast: Node, temperature_after_upcast: bool) -> None:
+        self.upcast = upcast
+        self.move_scale = temperature_after_upcast
+        self.roles: dict[Node, str] = {upcast: "upcast"}
+        self.meta_users: list[tuple[Node, Node]] = []
+
+    def match(self) -> Region:
+        views, scale, is_div, cur = [], None, True, self.upcast
+        while True:
+            users = self._users(cur)
+            if len(users) != 1:
+                break
+            (u,) = users
+            if _is_row_view(u, cur):
+                views.append(u)
+                self.roles[u] = "view"
+            elif (s := _scalar_operand(u, cur)) is not None:
+                if scale is not None:
+                    raise Decline(Reason.TEMPERATURE, "several scalings of the FP32 logits")
+                (scale, is_div), self.roles[u] = s, "scale"
+            else:
+                break
+            cur = u
+        z = self.z = cur
+        vz = meta(z)
+        if vz.dim() < 1 or (isinstance(vz.shape[-1], int) and vz.shape[-1] < 2):
+            raise Decline(Reason.VOCAB_TOO_SMALL, f"shape {tuple(vz.shape)}")
+
+        x, moved = tensor_input(self.upcast), None
+        if self.move_scale and scale is None and len(x.users) == 1:
+            src = tensor_input(x)
+            try:
+                s = _scalar_operand(x, src)
+            except Decline:
+                s = None  # e.g. a per-row temperature: it stays where it is, in x
+            if s is not None and isinstance(src, Node) and is_low_precision(src):
+                moved, (scale, is_div), x = x, s, src
+
+        self._classify_users(z)
+        sinks = [self._sink(n, r) for n, r in self.roles.items() if r in SINK_ROLES]
+        sinks = [s for s in sinks if s is not None]
+        if not sinks:
+            raise Decline(Reason.ESCAPES, "no per-row result: the FP32 tensor itself is what the graph uses")
+        for n, r in self.roles.items():
+            if r in SINK_ROLES:
+                continue
+            for u in n.users:
+                if u not in self.roles and not is_metadata_query(u):
+                    where = "the graph output" if u.op == "output" else f"{u.name} ({u.target})"
+                    raise Decline(Reason.ESCAPES, f"{n.name} is read by {where}")
+        index = self._index(sinks)
+        return Region(self.upcast, x, moved, views, scale, is_div, z, self.roles, sinks, index,
+                      self.meta_users)
+
+    def _users(self, node: Node) -> list[Node]:
+        out = []
+        for u in node.users:
+            if is_metadata_query(u):
+                self.meta_users.append((u, node))
+            else:
+                out.append(u)
+        return out
+
+    def _kind(self, node: Any) -> Optional[str]:
+        """Structural kind of an operand: z, L = log_softmax(z), P = softmax(z) / exp(L)."""
+        if node is self.z:
+            return "z"
+        if not isinstance(node, Node):
+            return None
+        op, src = canon(node), tensor_input(node)
+        if op == "log_softmax" and src is self.z:
+            return "L"
+        if op == "softmax" and src is self.z:
+            return "P"
+        if op == "exp" and self._kind(src) == "L":
+            return "P"
+        return None
+
+    def _classify_users(self, start: Node) -> None:
+        queue = [start]
+        while queue:
+            node = queue.pop()
+            for u in self._users(node):
+                if u in self.roles:
+                    continue
+                role = self._role(u, node)
+                if role is None:
+                    if u.op == "output" or self.roles.get(node) in ("lse", "expected_z"):
+                        continue  # a per-row result read outside, or an escape checked later
+                    raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
+                self.roles[u] = role
+                if role not in TERMINAL_ROLES:
+                    queue.append(u)
+
+    def _check_softmax_like(self, node: Node) -> None:
+        if not last_dim(get_arg(node, "dim"), meta(node).dim()):
+            raise Decline(Reason.NOT_LAST_DIM, f"{node.name} dim={get_arg(node, 'dim')}")
+        if get_arg(node, "dtype") not in (None, torch.float32):
+            raise Decline(Reason.UNKNOWN_OP, f"{node.name} casts to {get_arg(node, 'dtype')}")
+
+    def _role(self, u: Node, src: Node) -> Optional[str]:
+        op, kind = canon(u), self._kind(src) if src is not self.z else "z"
+        if kind is None:
+            kind = self.roles.get(src)
+        if op in ("log_softmax", "softmax") and src is self.z and tensor_input(u) is src:
+            self._check_softmax_like(u)
+            return "L" if op == "log_softmax" else "P"
+        if op == "logsumexp" and src is self.z:
+            if not last_dim(get_arg(u, "dim"), meta(src).dim()):
+                raise Decline(Reason.NOT_LAST_DIM, f"{u.name} dim={get_arg(u, 'dim')}")
+            return "lse"
+        if op == "exp" and kind == "L":
+            return "P"
+        if op == "mul":
+            kinds = {self._kind(tensor_input(u)), self._kind(get_arg(u, "other"))}
+            if kinds == {"P", "L"}:
+                return "p_logp"
+            if kinds == {"P", "z"}:
+                return "p_z"
+            return None
+        if op == "sum" and self.roles.get(src) in ("p_logp", "p_z"):
+            if not last_dim(get_arg(u, "dim"), meta(src).dim()) or get_arg(u, "dtype") is not None:
+                raise Decline(Reason.NOT_LAST_DIM, f"{u.name} sums dim={get_arg(u, 'dim')}")
+            return "neg_entropy" if self.roles[src] == "p_logp" else "expected_z"
+        if op == "sub" and self._is_entropy_sub(u):
+            return "entropy"
+        if op in ("gather", "take_along_dim") and kind == "L" and tensor_input(u) is src:
+            return "logprob"
+        if op == "cross_entropy" and src is self.z and tensor_input(u) is src:
+            return "loss"
+        if op == "nll_loss" and kind == "L" and tensor_input(u) is src:
+            return "loss"
+        return None
+
+    def _is_entropy_sub(self, u: Node) -> bool:
+        a, b = tensor_input(u), get_arg(u, "other")
+        return (isinstance(a, Node) and isinstance(b, Node) and canon(a) == "logsumexp"
+                and tensor_input(a) is self.z and canon(b) == "sum"
+                and self.roles.get(b) == "expected_z" and get_arg(u, "alpha") in (None, 1)
+                and bool(get_arg(a, "keepdim", False)) == bool(get_arg(b, "keepdim", False)))
+
+    def _sink(self, node: Node, role: str) -> Optional[Sink]:
+        if role == "lse" or role == "expected_z":
+            if all(self.roles.get(u) == "entropy" for u in node.users):
+                return None  # only feeds the entropy sub
+        if role in ("lse", "neg_entropy", "expected_z", "entropy"):
+            head = tensor_input(node) if role == "entropy" else node
+            return Sink(node, role, keepdim=bool(get_arg(head, "keepdim", False)))
+        if role == "logprob":
+            dim = get_arg(node, "dim")
+            if not last_dim(dim, meta(node).dim()):
+                raise Decline(Reason.NOT_LAST_DIM, f"{node.name} gathers along dim={dim}")
+            if get_arg(node, "sparse_grad", False):
+                raise Decline(Reason.UNKNOWN_OP, f"{node.name} uses sparse_grad")
+            return Sink(node, role)
+        # loss
+        if meta(self.z).dim() != 2:
+            raise Decline(Reason.LOSS_OPTIONS, f"{node.name}: logits of rank {meta(self.z).dim()}, "
+                          "the pass handles [N, V] with the class dim last")
+        bad = [k for k in ("weight", "size_average", "reduce") if get_arg(node, k) is not None]
+        if get_arg(node, "label_smoothing", 0.0) not in (0, 0.0):
+            bad.append("label_smoothing")
+        reduction = get_arg(node, "reduction", "mean")
+        ignore = get_arg(node, "ignore_index", -100)
+        if bad or reduction not in ("none", "sum", "mean") or not isinstance(ignore, int):
+            raise Decline(Reason.LOSS_OPTIONS, f"{node.name}: {', '.join(bad) or reduction}")
+        return Sink(node, role, ignore_index=ignore, reduction=reduction)
+
+    def _index(self, sinks: list[Sink]) -> Optional[Node]:
+        found = set()
+        for s in sinks:
+            if s.role == "logprob":
+                idx = get_arg(s.node, "index" if canon(s.node) == "gather" else "indices")
+                vi, vz = meta(idx), meta(self.z)
+                if (not isinstance(vi, torch.Tensor) or vi.dtype != torch.int64
+                        or tuple(vi.shape) != tuple(vz.shape[:-1]) + (1,)):
+                    raise Decline(Reason.INDEX_SHAPE, f"{s.node.name} index shape "
+                                  f"{tuple(getattr(vi, 'shape', ()))} for logits {tuple(vz.shape)}")
+                found.add(("gather", idx))
+            elif s.role == "loss":
+                target = get_arg(s.node, "target")
+                vt = meta(target)
+                if (not isinstance(vt, torch.Tensor) or vt.dtype != torch.int64
+                        or tuple(vt.shape) != tuple(meta(self.z).shape[:-1])):
+                    raise Decline(Reason.LOSS_OPTIONS, f"{s.node.name} target is not one class index per row")
+                found.add(("labels", target))
+        if len(found) > 1:
+            raise Decline(Reason.SEVERAL_INDICES, ", ".join(n.name for _, n in found))
+        return next(iter(found))[1] if found else None
+
+
+def _walk_back(head: Node) -> Node:
+    """From a head's input, back through FP32 row views and scalings, to the root."""
+    cur = tensor_input(head)
+    while isinstance(cur, Node) and is_fp32(cur):
+        src = tensor_input(cur)
+        if not isinstance(src, Node):
+            break
+        if _is_row_view(cur, src) or (canon(cur) in ("div", "mul") and is_fp32(src)):
+            cur = src
+            continue
+        break
+    return cur
+
+
+def find_regions(graph: Graph, temperature_after_upcast: bool = True) -> list[Region | tuple[Node, Decline]]:
+    """Every candidate region, in graph order: a Region, or (root node, Decline)."""
+    out: list[Region | tuple[Node, Decline]] = []
+    seen: set[Node] = set()
+    for node in list(graph.nodes):
+        if canon(node) not in HEADS or not is_fp32(node if canon(node) != "cross_entropy" else tensor_input(node)):
+            continue
+        root = _walk_back(node)
+        if not isinstance(root, Node) or root in seen:
+            continue
+        seen.add(root)
+        if _upcast_input(root) is None:
+            if is_fp32(root):
+                out.append((root, Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already")))
+            continue
+        try:
+            out.append(_Matcher(root, temperature_after_upcast).match())
+        except Decline as d:
+            out.append((root, d))
+    return out

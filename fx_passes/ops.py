@@ -1,0 +1,106 @@
+"""The fused per-row log-softmax statistics that replace a matched region.
+
+Everything here is written in plain torch ops so that AOTAutograd traces it and
+Inductor generates the kernels.  The forward reads the model-precision logits,
+upcasts each element to FP32 inside the reduction (``x.float() / t`` is pointwise
+and Inductor fuses it into the reduction kernels, so no FP32 ``[T, V]`` buffer is
+ever allocated) and keeps only per-row results.  The backward is one pointwise
+expression that writes the logits gradient in model precision.
+
+Rows are independent: every result of a row depends only on that row, so it does
+not depend on how many rows there are, or how they are batched.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
+
+__all__ = ["row_stats", "RowStats"]
+
+
+def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
+    """The FP32 scaled logits ``x.float() / t`` (or ``* s``), formed per element."""
+    z = x.float()
+    if scale is None:
+        return z
+    return z / scale if scale_is_div else z * scale
+
+
+def _logsumexp(z: torch.Tensor) -> torch.Tensor:
+    # Same maths as torch.logsumexp: rows that are entirely -inf give -inf, a +inf
+    # anywhere gives +inf, and the shift keeps exp() from overflowing.
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(m.abs() == float("inf"), torch.zeros_like(m), m)
+    return (z - m).exp().sum(dim=-1).log() + m.squeeze(-1)
+
+
+class RowStats(torch.autograd.Function):
+    """Per-row ``lse``, token log-prob and entropy of ``x.float() / t``.
+
+    forward(x, tokens, scale, scale_is_div, want_entropy) -> (lse, logprob, entropy)
+    ``tokens`` may be None (then ``logprob`` is None); ``entropy`` is None unless
+    asked for.  ``tokens`` has ``x``'s shape without the last dim and must hold
+    valid class indices (the caller masks ignored rows).
+    """
+
+    @staticmethod
+    def forward(ctx, x, tokens, scale, scale_is_div, want_entropy):
+        z = _scaled(x, scale, scale_is_div)
+        lse = _logsumexp(z)
+        logprob = None
+        if tokens is not None:
+            picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            logprob = _scaled(picked, scale, scale_is_div) - lse
+        entropy = None
+        if want_entropy:
+            logp = z - lse.unsqueeze(-1)
+            entropy = -(logp.exp() * logp).sum(dim=-1)
+        ctx.scale = scale
+        ctx.scale_is_div = scale_is_div
+        ctx.has_tokens = tokens is not None
+        ctx.want_entropy = want_entropy
+        ctx.save_for_backward(x, tokens, lse, entropy)
+        return lse, logprob, entropy
+
+    @staticmethod
+    def backward(ctx, g_lse, g_logprob, g_entropy):
+        x, tokens, lse, entropy = ctx.saved_tensors
+        scale, is_div = ctx.scale, ctx.scale_is_div
+        logp = _scaled(x, scale, is_div) - lse.unsqueeze(-1)
+        p = logp.exp()
+        # d/dz of each output, z = x.float() / t:
+        #   lse:     p
+        #   logprob: onehot(token) - p
+        #   entropy: -p * (logp + entropy)
+        coeff_p = torch.zeros_like(lse)  # per-row weight of p
+        grad_z = None
+        if g_lse is not None:
+            coeff_p = coeff_p + g_lse
+        if ctx.has_tokens and g_logprob is not None:
+            coeff_p = coeff_p - g_logprob
+            vocab = torch.arange(x.shape[-1], device=x.device)
+            onehot = vocab == tokens.unsqueeze(-1)
+            grad_z = torch.where(onehot, g_logprob.unsqueeze(-1), 0.0)
+        if ctx.want_entropy and g_entropy is not None:
+            term = -(g_entropy.unsqueeze(-1) * p) * (logp + entropy.unsqueeze(-1))
+            grad_z = term if grad_z is None else grad_z + term
+        term = coeff_p.unsqueeze(-1) * p
+        grad_z = term if grad_z is None else grad_z + term
+        if scale is not None:
+            grad_z = grad_z / scale if is_div else grad_z * scale
+        return grad_z.to(x.dtype), None, None, None, None
+
+
+def row_stats(
+    x: torch.Tensor,
+    tokens: Optional[torch.Tensor],
+    scale: Scale,
+    scale_is_div: bool,
+    want_entropy: bool,
+):
+    """Entry point called from rewritten graphs; see :class:`RowStats`."""
+    return RowStats.apply(x, tokens, scale, scale_is_div, want_entropy)

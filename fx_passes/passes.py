@@ -1,0 +1,141 @@
+"""The pass pipeline on one Dynamo graph, with fault containment.
+
+    find_regions -> rewrite_region (each) -> remove_div_by_one
+
+Runs on a copy of the graph: if anything inside raises, the caller gets the
+original graph back untouched (unless ``Config.strict``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import pathlib
+import traceback
+import warnings
+
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph, GraphModule
+
+from .config import Config
+from .match import Region, find_regions
+from .report import COUNTER, Decline, log, record_decline, record_rewrite
+from .rewrite import fp32_bytes, rewrite_region
+from .unit_scale import remove_div_by_one
+
+__all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash"]
+
+# Marks a graph this package has already transformed, so that the backend plus an
+# installed pre-grad pass (or two installs) rewrite each region once.
+_DONE = "_chunked_logits_done"
+
+
+def _where(node: torch.fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+    return f"{node.name} ({lines[-1]})" if lines else node.name
+
+
+def run_passes(graph: Graph, config: Config) -> None:
+    """Apply the passes to ``graph`` in place.  Raises on internal errors."""
+    for found in find_regions(graph, config.temperature_after_upcast):
+        if isinstance(found, tuple):
+            record_decline(_where(found[0]), found[1])
+            continue
+        region: Region = found
+        where, what, nbytes = _where(region.upcast), region.describe(), fp32_bytes(region)
+        if config.report_only or not config.rewrite:
+            record_rewrite(where, what, nbytes, report_only=True)
+            continue
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("chunked_logits: region before rewrite:\n%s",
+                      "\n".join(n.format_node() for n in region.roles))
+        try:
+            rewrite_region(graph, region)
+        except Decline as d:  # raised before the graph is touched
+            record_decline(where, d)
+            continue
+        record_rewrite(where, what, nbytes, report_only=False)
+    if config.remove_div_by_one and not config.report_only:
+        n = remove_div_by_one(graph)
+        if n:
+            counters[COUNTER]["div_by_one_removed"] += n
+            log.info("chunked_logits: removed %d division(s)/multiplication(s) by 1", n)
+    graph.lint()
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    graph = Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return GraphModule(gm, graph)
+
+
+def transform(gm: GraphModule, config: Config) -> GraphModule:
+    """The transformed copy of ``gm``; the original on any internal error."""
+    if getattr(gm, _DONE, False):
+        return gm
+    try:
+        new = _copy(gm)
+        run_passes(new.graph, config)
+        new.recompile()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("chunked_logits: graph after the passes:\n%s", new.code)
+    except Exception:
+        if config.strict:
+            raise
+        counters[COUNTER]["pass_failed"] += 1
+        warnings.warn("chunked_logits: the pass failed on this graph; compiling it unchanged "
+                      "with stock Inductor (set TORCH_LOGS=fx_passes for the traceback)",
+                      stacklevel=2)
+        log.warning("chunked_logits: pass failed, graph left unchanged:\n%s", traceback.format_exc())
+        return gm
+    setattr(new, _DONE, True)
+    return new
+
+
+@functools.lru_cache(None)
+def source_hash() -> str:
+    """Hash of this package's source files: part of every cache key the pass gives."""
+    h = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class ChunkedLogitsPass(CustomGraphPass):
+    """The passes as an Inductor ``pre_grad_custom_pass`` (it gets a Dynamo graph)."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config or Config()
+
+    def __call__(self, graph: Graph) -> None:
+        gm = graph.owning_module
+        if gm is not None and getattr(gm, _DONE, False):
+            return
+        snapshot = _copy(gm) if gm is not None else None
+        try:
+            run_passes(graph, self.config)
+        except Exception:
+            if self.config.strict or snapshot is None:
+                raise
+            # Restore the untouched graph in place: the caller holds this graph object.
+            counters[COUNTER]["pass_failed"] += 1
+            warnings.warn("chunked_logits: the pass failed on this graph; compiling it unchanged "
+                          "with stock Inductor (set TORCH_LOGS=fx_passes for the traceback)",
+                          stacklevel=2)
+            log.warning("chunked_logits: pass failed, graph left unchanged:\n%s",
+                        traceback.format_exc())
+            for node in reversed(list(graph.nodes)):
+                graph.erase_node(node)
+            out = graph.graph_copy(snapshot.graph, {})
+            graph.output(out)
+        if gm is not None:
+            setattr(gm, _DONE, True)
+
+    def uuid(self) -> str:
+        return f"chunked_logits-{source_hash()[:16]}-{self.config.key()}"

@@ -1,0 +1,169 @@
+"""Rewrite a matched region into one call of :func:`fx_passes.ops.row_stats`.
+
+Before (what users write; Dynamo graph)::
+
+    float_1 = logits.float()
+    truediv = float_1 / 0.7
+    lp      = torch.log_softmax(truediv, dim=-1)
+    gather  = lp.gather(-1, index)
+
+After::
+
+    squeeze = index.squeeze(-1)
+    stats   = fx_passes.ops.row_stats(logits, squeeze, 0.7, True, False)
+    logprob = stats[1]
+    gather  = logprob.unsqueeze(-1)
+
+The FP32 views between the upcast and the reductions are replayed on the
+model-precision logits (``reshape`` instead of ``view``, since the logits may be a
+strided slice), so the only tensors of size ``[.., V]`` left are model precision.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+from torch.fx import Graph, Node
+
+from .graph_ops import canon, get_arg, is_pure, meta, tensor_input
+from .match import Region
+from .ops import row_stats
+from .report import Decline, Reason
+
+__all__ = ["rewrite_region", "fp32_bytes"]
+
+
+def fp32_bytes(region: Region) -> int:
+    """Bytes of the FP32 [.., V] tensor the region no longer materialises (0 if symbolic)."""
+    numel = meta(region.z).numel()
+    return 4 * numel if isinstance(numel, int) else 0
+
+
+class _Emitter:
+    """Adds nodes before ``anchor`` and fills in their example values."""
+
+    def __init__(self, graph: Graph, anchor: Node) -> None:
+        self.graph, self.anchor = graph, anchor
+        self.added: list[Node] = []
+
+    def _example(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        def val(a):
+            return meta(a) if isinstance(a, Node) else a
+        args = torch.fx.node.map_aggregate(args, val)
+        kwargs = torch.fx.node.map_aggregate(kwargs, val)
+        modes = {a.fake_mode for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch._subclasses.FakeTensor)}
+        if len(modes) != 1:
+            raise RuntimeError(f"chunked_logits: expected one fake mode in example values, got {len(modes)}")
+        with modes.pop():
+            return fn(*args, **kwargs)
+
+    def function(self, fn: Callable, *args: Any, **kwargs: Any) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(fn, args, kwargs)
+        node.meta["example_value"] = self._example(fn, args, kwargs)
+        self.added.append(node)
+        return node
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_method(name, args, kwargs)
+        node.meta["example_value"] = self._example(
+            lambda self_, *a, **k: getattr(self_, name)(*a, **k), args, kwargs)
+        self.added.append(node)
+        return node
+
+
+def _replay_view(e: _Emitter, view: Node, src: Node) -> Node:
+    op = canon(view)
+    if op == "getitem":
+        return e.function(operator.getitem, src, get_arg(view, "index"))
+    if op == "contiguous":
+        return src
+    if op == "flatten":
+        return e.function(torch.flatten, src, get_arg(view, "start_dim", 0), get_arg(view, "end_dim", -1))
+    # view / reshape: the shape is *args or one sequence argument
+    shape = view.args[1:] if view.op == "call_method" else get_arg(view, "shape")
+    if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
+        shape = shape[0]
+    if "shape" in view.kwargs:
+        shape = view.kwargs["shape"]
+    return e.function(torch.reshape, src, tuple(shape))
+
+
+def _hoist(graph: Graph, region: Region, needed: Node, anchor: Node) -> None:
+    """Move ``needed`` and its ancestors that come after ``anchor`` to before it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    limit = order[anchor]
+    late: set[Node] = set()
+    stack = [needed]
+    while stack:
+        n = stack.pop()
+        if order[n] < limit or n in late:
+            continue
+        if n in region.roles or not is_pure(n):
+            raise Decline(Reason.ORDER, f"{needed.name} needs {n.name}")
+        late.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=order.__getitem__):
+        anchor.prepend(n)
+
+
+def rewrite_region(graph: Graph, region: Region) -> None:
+    """Replace the region's nodes; raises Decline before touching the graph if it can't."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = min((s.node for s in region.sinks), key=order.__getitem__)
+    if region.index is not None:
+        _hoist(graph, region, region.index, anchor)
+
+    e = _Emitter(graph, anchor)
+    twins: dict[Node, Node] = {region.upcast: region.x}
+    xv = region.x
+    for view in region.views:
+        xv = _replay_view(e, view, xv)
+        twins[view] = xv
+    tokens = None
+    loss_sinks = [s for s in region.sinks if s.role == "loss"]
+    if region.index is not None and not loss_sinks:
+        tokens = e.method("squeeze", region.index, -1)
+    elif loss_sinks:
+        ignore = loss_sinks[0].ignore_index
+        valid = e.function(operator.ne, region.index, ignore)
+        if any(s.ignore_index != ignore for s in loss_sinks):
+            raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
+        tokens = e.function(torch.where, valid, region.index, 0)
+    stats = e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
+    lse, logprob, entropy = (e.function(operator.getitem, stats, i) for i in range(3))
+
+    for sink in region.sinks:
+        if sink.role == "logprob":
+            value = e.method("unsqueeze", logprob, -1)
+        elif sink.role == "lse":
+            value = lse
+        elif sink.role == "entropy":
+            value = entropy
+        elif sink.role == "neg_entropy":
+            value = e.function(operator.neg, entropy)
+        elif sink.role == "expected_z":
+            value = e.function(operator.sub, lse, entropy)
+        else:  # loss: -logprob on rows whose label is not ignored
+            value = e.function(torch.where, valid, e.function(operator.neg, logprob), 0.0)
+            if sink.reduction != "none":
+                value = e.method("sum", value)
+            if sink.reduction == "mean":
+                value = e.function(operator.truediv, value, e.method("sum", valid))
+        if sink.keepdim:
+            value = e.method("unsqueeze", value, -1)
+        sink.node.replace_all_uses_with(value)
+
+    for user, fp32_node in region.meta_users:
+        if user in region.roles:
+            continue
+        twin = twins.get(fp32_node, xv)
+        user.replace_input_with(fp32_node, twin)
+    for node in sorted(region.roles, key=order.__getitem__, reverse=True):
+        graph.erase_node(node)
+    if region.moved_scale is not None:
+        graph.erase_node(region.moved_scale)

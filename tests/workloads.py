@@ -1,0 +1,112 @@
+"""The W1-W5 workloads of the issue, shared by the tests and the benchmarks.
+
+Each workload is a plain function of tensors plus a factory for its inputs, so a
+test can run it at toy size and a benchmark at full size with the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+TEMPERATURE = 0.7
+
+
+def w1_logprob(logits, tokens):
+    """Scoring: per-token log-probs of sampled tokens (PPO/GRPO)."""
+    logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def w2_logprob_entropy(logits, tokens):
+    """Scoring: log-probs and entropy sharing one upcast."""
+    z = logits.float() / TEMPERATURE
+    logp = torch.log_softmax(z, dim=-1)
+    entropy = -(torch.softmax(z, dim=-1) * logp).sum(-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def w3_policy_loss(logits, tokens, advantages):
+    """Training: policy-gradient loss on token log-probs."""
+    logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+    logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return -(logprob * advantages).mean()
+
+
+def w4_lm_head_loss(hidden, weight, tokens, advantages):
+    """Training: logits from the lm_head matmul in the same graph, temperature 1."""
+    logits = hidden @ weight.T
+    logp = torch.log_softmax(logits.float() / 1.0, dim=-1)
+    logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return -(logprob * advantages).mean()
+
+
+def w5_cross_entropy(logits, labels):
+    """Training: SFT cross-entropy with ignored labels."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    fn: Callable
+    train: bool
+    make: Callable  # (T, V, dtype, seed) -> tuple of inputs
+    full_size: tuple[int, int]  # (T, V) of the issue's benchmark
+    grad_inputs: tuple[int, ...] = ()  # positions of inputs that get gradients
+
+
+def _logits(T, V, dtype, g, requires_grad=False):
+    # randn * 3 gives a realistic spread of log-probs (about -25 .. 0).
+    x = (torch.randn(T, V, generator=g) * 3).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def _make_scoring(T, V, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return _logits(T, V, dtype, g), torch.randint(0, V, (T,), generator=g)
+
+
+def _make_policy(T, V, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (_logits(T, V, dtype, g, True), torch.randint(0, V, (T,), generator=g),
+            torch.randn(T, generator=g))
+
+
+def _make_lm_head(T, V, dtype=torch.bfloat16, seed=0, H=1024):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype).requires_grad_(True)
+    return hidden, weight, torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)
+
+
+def _make_ce(T, V, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[torch.rand(T, generator=g) < 0.1] = -100
+    return _logits(T, V, dtype, g, True), labels
+
+
+WORKLOADS = {
+    "W1": Workload("W1", w1_logprob, False, _make_scoring, (4096, 32768)),
+    "W2": Workload("W2", w2_logprob_entropy, False, _make_scoring, (4096, 32768)),
+    "W3": Workload("W3", w3_policy_loss, True, _make_policy, (2048, 32768), (0,)),
+    "W4": Workload("W4", w4_lm_head_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
+    "W5": Workload("W5", w5_cross_entropy, True, _make_ce, (4096, 32768), (0,)),
+}
+
+
+def run_step(workload: Workload, fn: Callable, inputs: tuple):
+    """One step: outputs (as a tuple) and, for training, the input gradients."""
+    for i in workload.grad_inputs:
+        inputs[i].grad = None
+    if workload.train:
+        out = fn(*inputs)
+        out.backward()
+        return (out.detach(),), tuple(inputs[i].grad for i in workload.grad_inputs)
+    with torch.no_grad():
+        out = fn(*inputs)
+    return (out if isinstance(out, tuple) else (out,)), ()
