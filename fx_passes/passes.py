@@ -54,7 +54,7 @@ def run_passes(graph: Graph, config: Config) -> None:
             log.debug("chunked_logits: region before rewrite:\n%s",
                       "\n".join(n.format_node() for n in region.roles))
         try:
-            rewrite_region(graph, region)
+            rewrite_region(graph, region, config)
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import Graph, Node
 
+from .config import Config
 from .graph_ops import canon, get_arg, is_pure, meta, tensor_input
 from .match import Region
 from .ops import row_stats
@@ -111,7 +112,16 @@ def _hoist(graph: Graph, region: Region, needed: Node, anchor: Node) -> None:
         anchor.prepend(n)
 
 
-def rewrite_region(graph: Graph, region: Region) -> None:
+def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, config: Config) -> Node:
+    """The node computing ``(lse, logprob, entropy)`` for the region's rows.
+
+    The default reads the model-precision logits ``xv``; the lm_head extension
+    (when the logits come from a matmul in the same graph) hooks in here.
+    """
+    return e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
+
+
+def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
     """Replace the region's nodes; raises Decline before touching the graph if it can't."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
@@ -134,7 +144,7 @@ def rewrite_region(graph: Graph, region: Region) -> None:
         if any(s.ignore_index != ignore for s in loss_sinks):
             raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
         tokens = e.function(torch.where, valid, region.index, 0)
-    stats = e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
+    stats = emit_stats(e, region, xv, tokens, config)
     lse, logprob, entropy = (e.function(operator.getitem, stats, i) for i in range(3))
 
     for sink in region.sinks:
