@@ -2,14 +2,62 @@
 
     torch.compile(model, backend="chunked_logits")                 # the backend
     torch.compile(model, backend="chunked_logits", options={...})  # with a Config
+    fx_passes.install(**options)                                   # into backend="inductor"
+    chunked-logits run [options] -- script.py args...              # the launcher
+    CHUNKED_LOGITS=1 python script.py                              # the environment switch
 
 See README.md for what gets rewritten and docs/ for the details.
+
+The names below are imported on first use, so that ``import fx_passes`` (which the
+environment switch does at interpreter start) does not import torch.
 """
 
-from .backend import chunked_logits
-from .config import Config
-from .passes import ChunkedLogitsPass, transform
-from .report import Reason
+from __future__ import annotations
 
-__all__ = ["chunked_logits", "Config", "ChunkedLogitsPass", "transform", "Reason"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "chunked_logits": ".backend",
+    "Config": ".config",
+    "ChunkedLogitsPass": ".passes",
+    "transform": ".passes",
+    "Reason": ".report",
+    "install": ".hook",
+    "uninstall": ".hook",
+    "installed_config": ".hook",
+}
+
+__all__ = ["chunked_logits", "Config", "ChunkedLogitsPass", "transform", "Reason",
+           "install", "uninstall", "installed_config"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+    elif not name.startswith("__"):
+        try:  # a submodule: fx_passes.passes, fx_passes.report, ...
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .backend import chunked_logits
+    from .config import Config
+    from .hook import install, installed_config, uninstall
+    from .passes import ChunkedLogitsPass, transform
+    from .report import Reason

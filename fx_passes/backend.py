@@ -8,6 +8,7 @@ import torch
 from torch.fx import GraphModule
 
 from .config import Config, disabled_by_env
+from .hook import backend_compiling, count_graph
 from .passes import transform
 
 __all__ = ["chunked_logits"]
@@ -23,6 +24,11 @@ def chunked_logits(
 
     ``options`` are :class:`~fx_passes.config.Config` fields; Inductor's own settings
     go under the key ``"inductor"``.  ``mode`` is Inductor's (e.g. "max-autotune").
+
+    A user's own Inductor custom passes (``pre_grad_custom_pass``, the joint and
+    post-grad ones, set globally or under ``options["inductor"]``) run as with stock
+    Inductor, after this backend's rewrite; a pass put in by :func:`fx_passes.install`
+    leaves the graphs this backend compiles alone (each region is rewritten once).
     """
     from torch._inductor.compile_fx import compile_fx
 
@@ -32,5 +38,7 @@ def chunked_logits(
     if mode is not None:
         inductor_options = {**torch._inductor.list_mode_options(mode), **inductor_options}
     if not disabled_by_env():
+        count_graph()
         gm = transform(gm, config)
-    return compile_fx(gm, example_inputs, config_patches=inductor_options or None)
+    with backend_compiling():
+        return compile_fx(gm, example_inputs, config_patches=inductor_options or None)

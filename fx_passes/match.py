@@ -57,6 +57,7 @@ class Region:
     sinks: list[Sink]
     index: Optional[Node]  # gather index [.., 1] or CE labels [N]
     meta_users: list[tuple[Node, Node]]  # (shape query, FP32 node it reads)
+    unit_scale_dropped: bool = False  # the region's temperature was a constant 1
 
     @property
     def want_entropy(self) -> bool:
@@ -176,6 +177,9 @@ class _Matcher:
             if s is not None and isinstance(src, Node) and is_low_precision(src):
                 moved, (scale, is_div), x = x, s, src
 
+        self.unit_scale_dropped = isinstance(scale, (int, float)) and scale == 1
+        if self.unit_scale_dropped:
+            scale = None  # x / 1.0: nothing to divide
         self._classify_users(z)
         sinks = [self._sink(n, r) for n, r in self.roles.items() if r in SINK_ROLES]
         sinks = [s for s in sinks if s is not None]
@@ -190,7 +194,7 @@ class _Matcher:
                     raise Decline(Reason.ESCAPES, f"{n.name} is read by {where}")
         index = self._index(sinks)
         return Region(self.upcast, x, moved, views, scale, is_div, z, self.roles, sinks, index,
-                      self.meta_users)
+                      self.meta_users, self.unit_scale_dropped)
 
     def _users(self, node: Node) -> list[Node]:
         out = []

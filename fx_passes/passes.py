@@ -59,6 +59,8 @@ def run_passes(graph: Graph, config: Config) -> None:
             record_decline(where, d)
             continue
         record_rewrite(where, what, nbytes, report_only=False)
+        if region.unit_scale_dropped:
+            counters[COUNTER]["div_by_one_removed"] += 1
     if config.remove_div_by_one and not config.report_only:
         n = remove_div_by_one(graph)
         if n:

@@ -137,7 +137,7 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
     tokens = None
     loss_sinks = [s for s in region.sinks if s.role == "loss"]
     if region.index is not None and not loss_sinks:
-        tokens = e.method("squeeze", region.index, -1)
+        tokens = _unsqueezed(region.index) or e.method("squeeze", region.index, -1)
     elif loss_sinks:
         ignore = loss_sinks[0].ignore_index
         valid = e.function(operator.ne, region.index, ignore)
@@ -145,21 +145,26 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
             raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
         tokens = e.function(torch.where, valid, region.index, 0)
     stats = emit_stats(e, region, xv, tokens, config)
-    lse, logprob, entropy = (e.function(operator.getitem, stats, i) for i in range(3))
+    outputs: dict[int, Node] = {}
+
+    def out(i: int) -> Node:  # stats[i], emitted once and only if used
+        if i not in outputs:
+            outputs[i] = e.function(operator.getitem, stats, i)
+        return outputs[i]
 
     for sink in region.sinks:
         if sink.role == "logprob":
-            value = e.method("unsqueeze", logprob, -1)
+            value = e.method("unsqueeze", out(1), -1)
         elif sink.role == "lse":
-            value = lse
+            value = out(0)
         elif sink.role == "entropy":
-            value = entropy
+            value = out(2)
         elif sink.role == "neg_entropy":
-            value = e.function(operator.neg, entropy)
+            value = e.function(operator.neg, out(2))
         elif sink.role == "expected_z":
-            value = e.function(operator.sub, lse, entropy)
+            value = e.function(operator.sub, out(0), out(2))
         else:  # loss: -logprob on rows whose label is not ignored
-            value = e.function(torch.where, valid, e.function(operator.neg, logprob), 0.0)
+            value = e.function(torch.where, valid, e.function(operator.neg, out(1)), 0.0)
             if sink.reduction != "none":
                 value = e.method("sum", value)
             if sink.reduction == "mean":
@@ -177,3 +182,18 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
         graph.erase_node(node)
     if region.moved_scale is not None:
         graph.erase_node(region.moved_scale)
+    index = region.index
+    if index is not None and not index.users and canon(index) is None and _unsqueezed(index) is not None:
+        graph.erase_node(index)  # the token unsqueeze only the gather read
+
+
+def _unsqueezed(index: Node) -> Node | None:
+    """``t`` when ``index`` is ``t.unsqueeze(-1)``: the tokens without the extra dim."""
+    is_unsqueeze = (index.op == "call_method" and index.target == "unsqueeze") or (
+        index.op == "call_function" and index.target is torch.unsqueeze)
+    if not is_unsqueeze or len(index.args) != 2 or index.kwargs:
+        return None
+    src, dim = index.args
+    if not isinstance(src, Node) or dim not in (-1, meta(index).dim() - 1):
+        return None
+    return src

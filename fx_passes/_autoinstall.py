@@ -1,0 +1,127 @@
+"""The environment switch: ``CHUNKED_LOGITS=1`` turns the pass on in any Python process.
+
+``chunked_logits.pth`` (put into site-packages by ``pip install``) runs, at every
+interpreter start::
+
+    import os; os.environ.get('CHUNKED_LOGITS') and __import__('fx_passes._autoinstall')
+
+so with the switch unset nothing of this package is imported.  With it set, this
+module must stay cheap too (it runs before the user's program, in every Python
+process, including ``pip`` itself): it imports no torch.  It only registers a
+post-import hook; when ``torch._inductor.config`` is first imported (that is, when
+the process first compiles with Inductor), the hook calls
+:func:`fx_passes.hook.install_from_env`, which puts the passes into Inductor's
+``pre_grad_custom_pass`` and arranges the exit summary.
+
+Variables (all read when the hook fires):
+
+* ``CHUNKED_LOGITS``: ``1`` / ``true`` / ``yes`` / ``on`` turns it on.
+* ``CHUNKED_LOGITS_DISABLE``: the kill switch; wins over everything.
+* ``CHUNKED_LOGITS_OPTIONS``: Config fields, as JSON (``{"report_only": true}``) or
+  as a comma list (``report_only,no_temperature_after_upcast,strict=0``).
+* ``CHUNKED_LOGITS_SUMMARY``: when to print the exit summary: ``auto`` (default:
+  when something was rewritten or declined), ``always``, ``never``.
+* ``CHUNKED_LOGITS_SUMMARY_RANKS``: ``0`` (default: only rank 0 prints) or ``all``.
+* ``CHUNKED_LOGITS_SUMMARY_DIR``: also write each rank's summary to its own file there.
+* ``CHUNKED_LOGITS_SUMMARY_JSON``: write counters and events as JSON to this path
+  (``{rank}`` and ``{pid}`` are replaced).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+ENV_SWITCH = "CHUNKED_LOGITS"
+ENV_KILL_SWITCH = "CHUNKED_LOGITS_DISABLE"  # same name as fx_passes.config.ENV_KILL_SWITCH
+TRUE = {"1", "true", "yes", "on"}
+
+# The module whose import means "this process is about to compile with Inductor".
+TRIGGER = "torch._inductor.config"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in TRUE
+
+
+class _PostImportHooks:
+    """A ``sys.meta_path`` entry that runs callbacks right after a module is imported.
+
+    It finds the module's spec with the other finders and wraps that loader's
+    ``exec_module`` once; it never changes what gets imported.
+    """
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.hooks:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        callbacks = self.hooks.pop(fullname)
+        if not self.hooks and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        original = loader.exec_module
+
+        def exec_module(module):
+            try:
+                original(module)
+            finally:
+                try:
+                    del loader.exec_module  # back to the class's method
+                except AttributeError:
+                    pass
+            for callback in callbacks:
+                _safe_call(callback, module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_hooks = _PostImportHooks()
+
+
+def _safe_call(callback, module) -> None:
+    try:
+        callback(module)
+    except Exception as e:  # never break the user's import
+        warnings.warn(f"chunked_logits: the environment switch could not install the pass: {e!r}",
+                      stacklevel=2)
+
+
+def when_imported(name: str, callback) -> None:
+    """Call ``callback(module)`` once ``name`` is imported (now, if it already is)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        _safe_call(callback, module)
+        return
+    _hooks.hooks.setdefault(name, []).append(callback)
+    if _hooks not in sys.meta_path:
+        sys.meta_path.insert(0, _hooks)
+
+
+def _install(_module) -> None:
+    from fx_passes.hook import install_from_env
+
+    install_from_env()
+
+
+def activate() -> bool:
+    """Arrange the install if the switch is on (and the kill switch off)."""
+    if not env_flag(ENV_SWITCH) or env_flag(ENV_KILL_SWITCH):
+        return False
+    when_imported(TRIGGER, _install)
+    return True
+
+
+activate()

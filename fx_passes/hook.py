@@ -1,0 +1,264 @@
+"""Put the passes into the stock ``inductor`` backend: ``install`` / ``uninstall``.
+
+    import fx_passes
+    fx_passes.install()                      # every later torch.compile(...) in the process
+    fx_passes.install(report_only=True)      # options are Config fields
+    fx_passes.uninstall()
+
+    with fx_passes.install(temperature_after_upcast=False):
+        ...                                  # installed inside the block only
+
+The pass goes into ``torch._inductor.config.pre_grad_custom_pass`` in front of any
+pass already there (a user's own pass is kept, never dropped, and is put back as it
+was by ``uninstall``).  Installing twice replaces the options, it never adds a
+second copy; a graph that the ``chunked_logits`` backend already rewrote is not
+rewritten again.  ``CHUNKED_LOGITS_DISABLE=1`` turns the installed pass off at
+compile time, like the backend.
+
+While installed, Inductor's ``pre_grad_pass_timing`` is ``"early"`` (when it was
+``"default"``): pre-grad passes then run before the compile-cache lookup, so the
+cache key is the rewritten graph and every compile reports what it rewrote, even
+when the compiled code comes from the cache.
+
+This module imports no more of torch than Inductor's config, so that the
+environment switch costs nothing until something is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import os
+import threading
+from typing import Any, Iterator, Optional
+
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+
+from .config import Config, disabled_by_env
+
+__all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
+           "install_from_env", "options_from_env", "backend_compiling"]
+
+ENV_OPTIONS = "CHUNKED_LOGITS_OPTIONS"
+
+_lock = threading.RLock()
+# Set by the chunked_logits backend while it compiles a graph it already transformed.
+_backend_active: contextvars.ContextVar[bool] = contextvars.ContextVar("chunked_logits_backend",
+                                                                      default=False)
+# How many graphs the passes looked at in this process (installed pass and backend).
+graphs_seen = 0
+
+
+@contextlib.contextmanager
+def backend_compiling() -> Iterator[None]:
+    """Around the backend's call to Inductor: the installed pass leaves that graph alone."""
+    token = _backend_active.set(True)
+    try:
+        yield
+    finally:
+        _backend_active.reset(token)
+
+
+def count_graph() -> None:
+    global graphs_seen
+    graphs_seen += 1
+
+
+class InstalledPass(CustomGraphPass):
+    """The passes as they sit in ``pre_grad_custom_pass`` after :func:`install`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._impl = None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if disabled_by_env() or _backend_active.get():
+            return
+        if self._impl is None:
+            from .passes import ChunkedLogitsPass
+
+            self._impl = ChunkedLogitsPass(self.config)
+        count_graph()
+        self._impl(graph)
+
+    def uuid(self) -> str:
+        from .passes import source_hash
+
+        state = "off" if disabled_by_env() else "on"
+        return f"chunked_logits-installed-{source_hash()[:16]}-{self.config.key()}-{state}"
+
+    def __repr__(self) -> str:
+        return f"fx_passes.InstalledPass({self.config})"
+
+
+@dataclasses.dataclass
+class _State:
+    current: Optional[InstalledPass] = None
+    container: str = "none"  # what pre_grad_custom_pass was when we first chained: none|single|list|tuple
+    timing_changed: bool = False
+
+
+_state = _State()
+
+
+def _ours(p: Any) -> bool:
+    return isinstance(p, InstalledPass)
+
+
+def _present() -> Optional[InstalledPass]:
+    for p in get_custom_graph_passes(inductor_config.pre_grad_custom_pass):
+        if _ours(p):
+            return p
+    return None
+
+
+def installed_config() -> Optional[Config]:
+    """The Config of the installed pass, or None when it is not installed."""
+    with _lock:
+        p = _present()
+        return p.config if p is not None else None
+
+
+def _put(new: InstalledPass) -> None:
+    value = inductor_config.pre_grad_custom_pass
+    others = [p for p in get_custom_graph_passes(value) if not _ours(p)]
+    if _present() is None:
+        _state.container = ("none" if value is None else "list" if isinstance(value, list)
+                            else "tuple" if isinstance(value, tuple) else "single")
+    if not others and not isinstance(value, (list, tuple)):
+        inductor_config.pre_grad_custom_pass = new
+    else:
+        kind = list if isinstance(value, list) else tuple
+        inductor_config.pre_grad_custom_pass = kind([new, *others])
+    if inductor_config.pre_grad_pass_timing == "default":
+        inductor_config.pre_grad_pass_timing = "early"
+        _state.timing_changed = True
+    _state.current = new
+
+
+def _remove() -> bool:
+    value = inductor_config.pre_grad_custom_pass
+    passes = get_custom_graph_passes(value)
+    rest = [p for p in passes if not _ours(p)]
+    removed = len(rest) != len(passes)
+    if removed:
+        if not rest and _state.container in ("none", "single"):
+            inductor_config.pre_grad_custom_pass = None
+        elif len(rest) == 1 and _state.container in ("none", "single"):
+            inductor_config.pre_grad_custom_pass = rest[0]
+        else:
+            inductor_config.pre_grad_custom_pass = (list if isinstance(value, list) else tuple)(rest)
+    if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":
+        inductor_config.pre_grad_pass_timing = "default"
+    _state.timing_changed = False
+    _state.current = None
+    _state.container = "none"
+    return removed
+
+
+class Installation:
+    """What :func:`install` returns; also a context manager that undoes the install."""
+
+    def __init__(self, config: Config, previous: Optional[Config]) -> None:
+        self.config = config
+        self.previous = previous
+
+    def __enter__(self) -> "Installation":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            install(self.previous)
+        else:
+            uninstall()
+
+    def __repr__(self) -> str:
+        return f"fx_passes.Installation({self.config})"
+
+
+def install(config: Optional[Config] = None, /, **options: Any) -> Installation:
+    """Put the passes into the stock ``inductor`` backend for every later compile.
+
+    ``options`` are :class:`~fx_passes.config.Config` fields (unknown ones are a
+    ValueError); or pass a Config.  Installing again replaces the options.  Use the
+    result as a context manager to undo the install at the end of a block.
+    """
+    if config is None:
+        config = Config.from_options(options)
+    elif options:
+        config = Config.from_options(dataclasses.asdict(config), **options)
+    with _lock:
+        previous = installed_config()
+        _put(InstalledPass(config))
+    from . import summary
+
+    summary.note_installed(config)
+    return Installation(config, previous)
+
+
+def uninstall() -> bool:
+    """Take the passes out of Inductor again; a user's own passes stay.  True if removed."""
+    with _lock:
+        return _remove()
+
+
+# --- the environment switch -------------------------------------------------------
+
+_FALSE = {"0", "false", "no", "off"}
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _parse_value(key: str, text: str) -> Any:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def options_from_env(text: Optional[str] = None) -> dict[str, Any]:
+    """``CHUNKED_LOGITS_OPTIONS`` as a dict of Config fields.
+
+    JSON (``{"report_only": true}``) or a comma list: ``report_only``,
+    ``no_temperature_after_upcast``, ``strict=0``; dashes and underscores are alike.
+    """
+    text = os.environ.get(ENV_OPTIONS, "") if text is None else text
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError(f"{ENV_OPTIONS} must be a JSON object, got {text!r}")
+        return value
+    names = {f.name for f in dataclasses.fields(Config)}
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if sep:
+            out[key] = _parse_value(key, value)
+        elif key.startswith("no_") and key not in names and key[3:] in names:
+            out[key[3:]] = False
+        else:
+            out[key] = True
+    return out
+
+
+def install_from_env() -> Optional[Installation]:
+    """What ``CHUNKED_LOGITS=1`` does once Inductor's config is imported."""
+    if disabled_by_env():
+        return None
+    config = Config.from_options(options_from_env())
+    result = install(config)
+    from . import summary
+
+    summary.arm_from_env()
+    return result

@@ -1,0 +1,226 @@
+"""The exit summary of the launcher and the environment switch.
+
+What the passes rewrote and declined in this process (``fx_passes.report.events``
+and the ``chunked_logits`` counters), printed once at interpreter exit to stderr as
+one write, so that ranks under torchrun do not interleave line by line.  By default
+only rank 0 (``RANK`` unset or 0) prints; ``ranks="all"`` makes every rank print
+(for torchrun's ``--redirects``/``--log-dir``, one log per rank), and a summary
+directory gets one file per rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Optional
+
+__all__ = ["configure", "arm", "arm_from_env", "collect", "format_text", "rank", "write_summary"]
+
+ENV_SUMMARY = "CHUNKED_LOGITS_SUMMARY"  # auto | always | never
+ENV_RANKS = "CHUNKED_LOGITS_SUMMARY_RANKS"  # 0 | all
+ENV_DIR = "CHUNKED_LOGITS_SUMMARY_DIR"
+ENV_JSON = "CHUNKED_LOGITS_SUMMARY_JSON"
+
+MODES = ("auto", "always", "never")
+
+
+@dataclasses.dataclass
+class _Settings:
+    mode: str = "auto"
+    ranks: str = "0"
+    directory: Optional[str] = None
+    json_path: Optional[str] = None
+    locked: bool = False  # set by the launcher: the environment does not override it
+
+
+_settings = _Settings()
+_armed = False
+_installed_config = None
+
+
+def note_installed(config: Any) -> None:
+    global _installed_config
+    _installed_config = config
+
+
+def configure(mode: Optional[str] = None, ranks: Optional[str] = None, directory: Optional[str] = None,
+              json_path: Optional[str] = None, lock: bool = False) -> None:
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"summary mode must be one of {MODES}, got {mode!r}")
+        _settings.mode = mode
+    if ranks is not None:
+        if ranks not in ("0", "all"):
+            raise ValueError(f"summary ranks must be '0' or 'all', got {ranks!r}")
+        _settings.ranks = ranks
+    if directory is not None:
+        _settings.directory = directory or None
+    if json_path is not None:
+        _settings.json_path = json_path or None
+    _settings.locked = _settings.locked or lock
+
+
+def arm() -> None:
+    """Print the summary at exit (once, however often this is called)."""
+    global _armed
+    if not _armed:
+        _armed = True
+        atexit.register(_at_exit)
+
+
+def arm_from_env() -> None:
+    if not _settings.locked:
+        mode = os.environ.get(ENV_SUMMARY, "").strip().lower() or None
+        if mode in ("1", "true", "yes", "on"):
+            mode = "always"
+        elif mode in ("0", "false", "no", "off"):
+            mode = "never"
+        configure(mode=mode if mode in MODES else None,
+                  ranks=os.environ.get(ENV_RANKS, "").strip() or None,
+                  directory=os.environ.get(ENV_DIR), json_path=os.environ.get(ENV_JSON))
+    arm()
+
+
+def rank() -> Optional[int]:
+    """This process's rank in a multi-process job, or None outside one."""
+    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def collect() -> dict[str, Any]:
+    """Everything the summary says, as plain data (also what the JSON file holds)."""
+    report = sys.modules.get("fx_passes.report")
+    utils = sys.modules.get("torch._dynamo.utils")
+    hook = sys.modules.get("fx_passes.hook")
+    config_mod = sys.modules.get("fx_passes.config")
+    events = list(getattr(report, "events", []))
+    counters = dict(utils.counters.get("chunked_logits", {})) if utils is not None else {}
+    installed = _installed_config is not None
+    dropped = False
+    if hook is not None and installed and hook._state.current is not None:
+        dropped = hook._present() is None
+    disabled = bool(config_mod.disabled_by_env()) if config_mod is not None else (
+        os.environ.get("CHUNKED_LOGITS_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"))
+    return {
+        "rank": rank(),
+        "pid": os.getpid(),
+        "disabled": disabled,
+        "installed": installed,
+        "pass_dropped": dropped,
+        "config": dataclasses.asdict(_installed_config) if installed else None,
+        "graphs_seen": getattr(hook, "graphs_seen", 0),
+        "counters": {k: int(v) for k, v in sorted(counters.items())},
+        "events": [{"kind": e.kind, "where": e.where, "what": e.what,
+                    "fp32_bytes_avoided": e.fp32_bytes_avoided,
+                    "reason": e.reason.name if e.reason is not None else None} for e in events],
+    }
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _short(where: str) -> str:
+    cwd = os.getcwd() + os.sep
+    where = where.replace(cwd, "")
+    marker = "site-packages" + os.sep
+    while marker in where:
+        head, _, tail = where.partition(marker)
+        quote = head.rfind('"')
+        where = head[:quote + 1] + tail if quote >= 0 else tail
+    return where
+
+
+def format_text(data: dict[str, Any]) -> str:
+    who = f"rank {data['rank']}, pid {data['pid']}" if data["rank"] is not None else f"pid {data['pid']}"
+    head = f"chunked_logits summary [{who}]"
+    if data["disabled"]:
+        return f"{head}: disabled by CHUNKED_LOGITS_DISABLE=1; no graph was changed\n"
+    # One line per distinct region (a recompile reports the same region again).
+    groups: dict[tuple, list[dict]] = {}
+    for e in data["events"]:
+        groups.setdefault((e["kind"], e["where"], e["what"], e["reason"]), []).append(e)
+    kinds = [k[0] for k in groups]
+    n_rw, n_would = kinds.count("rewritten"), kinds.count("would_rewrite")
+    n_dec = kinds.count("declined")
+    avoided = sum(es[0]["fp32_bytes_avoided"] for k, es in groups.items() if k[0] == "rewritten")
+    parts = [f"{n_rw} region{'s' if n_rw != 1 else ''} rewritten"]
+    if n_would:
+        parts.append(f"{n_would} would be rewritten (report_only)")
+    parts.append(f"{n_dec} declined")
+    lines = []
+    if groups:
+        lines.append(f"{head}: {', '.join(parts)}; estimated FP32 bytes avoided: {_size(avoided)}"
+                     " (one FP32 [.., V] tensor per region per call)")
+    elif data["graphs_seen"] or data["counters"]:
+        lines.append(f"{head}: {data['graphs_seen']} graph(s) compiled, no FP32 upcast of bf16/fp16 "
+                     "logits into log_softmax/softmax/logsumexp/cross_entropy found")
+    else:
+        lines.append(f"{head}: no graph was compiled with Inductor in this process; nothing rewritten")
+    label = {"rewritten": "rewritten", "would_rewrite": "would rewrite", "declined": "declined"}
+    for (kind, where, what, _reason), es in groups.items():
+        times = f" (x{len(es)} compiles)" if len(es) > 1 else ""
+        if kind == "declined":
+            lines.append(f"  {label[kind]:<13} at {_short(where)}{times}")
+            lines.append(f"  {'':<13} {what}")
+        else:
+            size = es[0]["fp32_bytes_avoided"]
+            lines.append(f"  {label[kind]:<13} {what}, {_size(size) if size else 'symbolic size'}{times}")
+            lines.append(f"  {'':<13} at {_short(where)}")
+    if data["counters"]:
+        lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in data["counters"].items()))
+    if data["pass_dropped"]:
+        lines.append("  warning: torch._inductor.config.pre_grad_custom_pass was replaced after the install, "
+                     "so later compiles ran without the pass; chain your pass instead of assigning it")
+    return "\n".join(lines) + "\n"
+
+
+def _has_content(data: dict[str, Any]) -> bool:
+    return bool(data["events"] or data["graphs_seen"] or data["counters"] or data["pass_dropped"])
+
+
+def write_summary(data: Optional[dict[str, Any]] = None) -> None:
+    data = collect() if data is None else data
+    text = format_text(data)
+    r = data["rank"]
+    tag = f"rank{r}" if r is not None else f"pid{data['pid']}"
+    if _settings.directory:
+        os.makedirs(_settings.directory, exist_ok=True)
+        with open(os.path.join(_settings.directory, f"chunked_logits.{tag}.txt"), "w") as f:
+            f.write(text)
+    if _settings.json_path:
+        path = _settings.json_path.replace("{rank}", str(r if r is not None else 0)).replace(
+            "{pid}", str(data["pid"]))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    show = _settings.mode == "always" or (_settings.mode == "auto" and _has_content(data))
+    if show and (_settings.ranks == "all" or r in (None, 0)):
+        if r is not None and _settings.ranks == "all":
+            text = "".join(f"[rank {r}] {line}\n" for line in text.splitlines())
+        try:
+            sys.stderr.flush()
+        except Exception:
+            pass
+        os.write(2, text.encode())
+
+
+def _at_exit() -> None:
+    try:
+        write_summary()
+    except Exception as e:  # never turn a clean exit into a crash
+        try:
+            os.write(2, f"chunked_logits: could not write the exit summary: {e!r}\n".encode())
+        except Exception:
+            pass

@@ -1,0 +1,35 @@
+"""Small helpers shared by the tests: capture a Dynamo graph, run the passes on it."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from fx_passes import Config
+from fx_passes.passes import transform
+
+
+def dynamo_graph(fn, *args, dynamic=False) -> torch.fx.GraphModule:
+    """The (single) Dynamo graph of ``fn`` on ``args``, as the backend receives it."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, dynamic=dynamic, fullgraph=True)(*args)
+    assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
+    return graphs[0]
+
+
+def rewrite(fn, *args, dynamic=False, **options) -> tuple[str, str]:
+    """(code before, code after) of the passes on ``fn``'s Dynamo graph."""
+    gm = dynamo_graph(fn, *args, dynamic=dynamic)
+    before = gm.code.strip()
+    after = transform(gm, Config.from_options(options)).code.strip()
+    return before, after
+
+
+def chunked_counters() -> dict:
+    return dict(counters["chunked_logits"])

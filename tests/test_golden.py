@@ -1,0 +1,271 @@
+"""Golden FX dumps of the Dynamo graph before and after the passes.
+
+They read like documentation of what gets rewritten.  Regenerate on purpose with
+``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_golden.py`` and review the diff.
+"""
+
+import torch
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from tests.helpers import chunked_counters, rewrite
+
+V = 16
+
+
+def logits(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, V, dtype=dtype)
+
+
+def tokens(*shape):
+    return torch.randint(0, V, shape)
+
+
+def logprob_t07(x, tok):
+    logp = torch.log_softmax(x.float() / 0.7, dim=-1)
+    return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+class TestGolden(TestCase):
+    def test_logprob_temperature_07(self):
+        before, after = rewrite(logprob_t07, logits(8), tokens(8))
+        self.assertExpectedInline(before, """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    float_1 = l_x_.float();  l_x_ = None
+    truediv = float_1 / 0.7;  float_1 = None
+    logp = torch.log_softmax(truediv, dim = -1);  truediv = None
+    unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
+    gather = logp.gather(-1, unsqueeze);  logp = unsqueeze = None
+    squeeze = gather.squeeze(-1);  gather = None
+    return (squeeze,)""")
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    row_stats = fx_passes_ops_row_stats(l_x_, l_tok_, 0.7, True, False);  l_x_ = l_tok_ = None
+    getitem = row_stats[1];  row_stats = None
+    unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze,)""")
+        self.assertEqual(chunked_counters(), {"rewritten": 1})
+
+    def test_logprob_temperature_1_is_removed(self):
+        def fn(x, tok):
+            logp = torch.log_softmax(x.float() / 1.0, dim=-1)
+            return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+        before, after = rewrite(fn, logits(8), tokens(8))
+        self.assertExpectedInline(before, """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    float_1 = l_x_.float();  l_x_ = None
+    truediv = float_1 / 1.0;  float_1 = None
+    logp = torch.log_softmax(truediv, dim = -1);  truediv = None
+    unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
+    gather = logp.gather(-1, unsqueeze);  logp = unsqueeze = None
+    squeeze = gather.squeeze(-1);  gather = None
+    return (squeeze,)""")
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    row_stats = fx_passes_ops_row_stats(l_x_, l_tok_, None, True, False);  l_x_ = l_tok_ = None
+    getitem = row_stats[1];  row_stats = None
+    unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze,)""")
+
+    def test_logprob_tensor_temperature_in_bf16_moves_after_upcast(self):
+        def fn(x, tok, t):
+            logp = F.log_softmax((x / t).to(torch.float32), -1)
+            return torch.take_along_dim(logp, tok.unsqueeze(-1), dim=-1).squeeze(-1)
+
+        before, after = rewrite(fn, logits(8), tokens(8), torch.tensor(0.7))
+        self.assertExpectedInline(before, """\
+def forward(self, L_x_ : torch.Tensor, L_t_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_t_ = L_t_
+    l_tok_ = L_tok_
+    truediv = l_x_ / l_t_;  l_x_ = l_t_ = None
+    to = truediv.to(torch.float32);  truediv = None
+    logp = torch.nn.functional.log_softmax(to, -1);  to = None
+    unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
+    take_along_dim = torch.take_along_dim(logp, unsqueeze, dim = -1);  logp = unsqueeze = None
+    squeeze = take_along_dim.squeeze(-1);  take_along_dim = None
+    return (squeeze,)""")
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_t_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_t_ = L_t_
+    l_tok_ = L_tok_
+    row_stats = fx_passes_ops_row_stats(l_x_, l_tok_, l_t_, True, False);  l_x_ = l_tok_ = l_t_ = None
+    getitem = row_stats[1];  row_stats = None
+    unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze,)""")
+
+    def test_temperature_stays_in_bf16_when_asked(self):
+        def fn(x, tok, t):
+            logp = F.log_softmax((x / t).to(torch.float32), -1)
+            return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+        _, after = rewrite(fn, logits(8), tokens(8), torch.tensor(0.7), temperature_after_upcast=False)
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_t_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_t_ = L_t_
+    l_tok_ = L_tok_
+    truediv = l_x_ / l_t_;  l_x_ = l_t_ = None
+    row_stats = fx_passes_ops_row_stats(truediv, l_tok_, None, True, False);  truediv = l_tok_ = None
+    getitem = row_stats[1];  row_stats = None
+    unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze,)""")
+
+    def test_entropy_forms(self):
+        def fn(x):
+            z = x.float()
+            a = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+            return a
+
+        def fn2(x):
+            z = x.float()
+            return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+
+        _, after = rewrite(fn, logits(8))
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor):
+    l_x_ = L_x_
+    row_stats = fx_passes_ops_row_stats(l_x_, None, None, True, True);  l_x_ = None
+    getitem = row_stats[2];  row_stats = None
+    neg = -getitem;  getitem = None
+    a = -neg;  neg = None
+    return (a,)""")
+        _, after = rewrite(fn2, logits(8))
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor):
+    l_x_ = L_x_
+    row_stats = fx_passes_ops_row_stats(l_x_, None, None, True, True);  l_x_ = None
+    getitem = row_stats[2];  row_stats = None
+    return (getitem,)""")
+
+    def test_shift_slice_bsv_logprob_and_entropy_share_upcast(self):
+        def fn(x, tok):
+            z = x[:, :-1].float() / 0.7
+            logp = torch.log_softmax(z, -1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            return logp.gather(-1, tok[:, 1:].unsqueeze(-1)).squeeze(-1), entropy
+
+        before, after = rewrite(fn, logits(2, 5), tokens(2, 5))
+        self.assertExpectedInline(before, """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    getitem = l_x_[(slice(None, None, None), slice(None, -1, None))];  l_x_ = None
+    float_1 = getitem.float();  getitem = None
+    z = float_1 / 0.7;  float_1 = None
+    logp = torch.log_softmax(z, -1);  z = None
+    exp = logp.exp()
+    mul = exp * logp;  exp = None
+    sum_1 = mul.sum(-1);  mul = None
+    entropy = -sum_1;  sum_1 = None
+    getitem_1 = l_tok_[(slice(None, None, None), slice(1, None, None))];  l_tok_ = None
+    unsqueeze = getitem_1.unsqueeze(-1);  getitem_1 = None
+    gather = logp.gather(-1, unsqueeze);  logp = unsqueeze = None
+    squeeze = gather.squeeze(-1);  gather = None
+    return (squeeze, entropy)""")
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    getitem = l_x_[(slice(None, None, None), slice(None, -1, None))];  l_x_ = None
+    getitem_1 = l_tok_[(slice(None, None, None), slice(1, None, None))];  l_tok_ = None
+    row_stats = fx_passes_ops_row_stats(getitem, getitem_1, 0.7, True, True);  getitem = getitem_1 = None
+    getitem_2 = row_stats[1]
+    unsqueeze_1 = getitem_2.unsqueeze(-1);  getitem_2 = None
+    getitem_3 = row_stats[2];  row_stats = None
+    neg = -getitem_3;  getitem_3 = None
+    entropy = -neg;  neg = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze, entropy)""")
+
+    def test_cross_entropy_hf_style(self):
+        def fn(x, labels):
+            x = x.float()
+            labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+            return F.cross_entropy(x.view(-1, V), labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+        before, after = rewrite(fn, logits(2, 5), tokens(2, 5))
+        self.assertExpectedInline(before, """\
+def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_x_ = L_x_
+    l_labels_ = L_labels_
+    x = l_x_.float();  l_x_ = None
+    pad = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+    labels = pad[(Ellipsis, slice(1, None, None))];  pad = None
+    view = x.view(-1, 16);  x = None
+    reshape = labels.reshape(-1);  labels = None
+    cross_entropy = torch.nn.functional.cross_entropy(view, reshape, ignore_index = -100, reduction = 'sum');  view = reshape = None
+    return (cross_entropy,)""")
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_x_ = L_x_
+    l_labels_ = L_labels_
+    pad = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+    labels = pad[(Ellipsis, slice(1, None, None))];  pad = None
+    reshape = labels.reshape(-1);  labels = None
+    reshape_1 = torch.reshape(l_x_, (-1, 16));  l_x_ = None
+    ne = reshape != -100
+    where = torch.where(ne, reshape, 0);  reshape = None
+    row_stats = fx_passes_ops_row_stats(reshape_1, where, None, True, False);  reshape_1 = where = None
+    getitem = row_stats[1];  row_stats = None
+    neg = -getitem;  getitem = None
+    where_1 = torch.where(ne, neg, 0.0);  ne = neg = None
+    sum_1 = where_1.sum();  where_1 = None
+    return (sum_1,)""")
+
+    def test_nll_loss_mean(self):
+        def fn(x, labels):
+            return F.nll_loss(F.log_softmax(x.float(), -1), labels, ignore_index=3)
+
+        _, after = rewrite(fn, logits(8), tokens(8))
+        self.assertExpectedInline(after, """\
+def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_x_ = L_x_
+    l_labels_ = L_labels_
+    ne = l_labels_ != 3
+    where = torch.where(ne, l_labels_, 0);  l_labels_ = None
+    row_stats = fx_passes_ops_row_stats(l_x_, where, None, True, False);  l_x_ = where = None
+    getitem = row_stats[1];  row_stats = None
+    neg = -getitem;  getitem = None
+    where_1 = torch.where(ne, neg, 0.0);  neg = None
+    sum_1 = where_1.sum();  where_1 = None
+    sum_2 = ne.sum();  ne = None
+    truediv = sum_1 / sum_2;  sum_1 = sum_2 = None
+    return (truediv,)""")
+
+    def test_dynamic_shapes(self):
+        before, after = rewrite(logprob_t07, logits(8), tokens(8), dynamic=True)
+        self.assertExpectedInline(before, """\
+def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    float_1 = l_x_.float();  l_x_ = None
+    truediv = float_1 / 0.7;  float_1 = None
+    logp = torch.log_softmax(truediv, dim = -1);  truediv = None
+    unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
+    gather = logp.gather(-1, unsqueeze);  logp = unsqueeze = None
+    squeeze = gather.squeeze(-1);  gather = None
+    return (squeeze,)""")
+        self.assertExpectedInline(after, """\
+def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    row_stats = fx_passes_ops_row_stats(l_x_, l_tok_, 0.7, True, False);  l_x_ = l_tok_ = None
+    getitem = row_stats[1];  row_stats = None
+    unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze,)""")

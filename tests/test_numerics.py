@@ -1,0 +1,201 @@
+"""Numerics against an FP64 reference: the rewritten path may not be less accurate
+than stock torch.compile (Inductor) on the same graph.
+
+Each case is written with the upcast dtype as a parameter ``up``: the compiled runs
+use ``up=torch.float32`` (what users write), the reference runs the same maths with
+``up=torch.float64`` on the same inputs.  Every case also asserts that the pass
+rewrote the graph, so a decline can never pass a numerics test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+F32 = torch.float32
+
+
+def logprob(x, tok, up=F32):
+    logp = torch.log_softmax(x.to(up) / 0.7, dim=-1)
+    return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+def logprob_entropy(x, tok, up=F32):
+    z = x.to(up) / 0.7
+    logp = torch.log_softmax(z, dim=-1)
+    entropy = -(torch.softmax(z, -1) * logp).sum(-1)
+    return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def entropy_lse_form(x, up=F32):
+    z = x.to(up)
+    return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+
+
+def policy_loss(x, tok, adv, up=F32):
+    lp, ent = logprob_entropy(x, tok, up)
+    return -(lp * adv.to(up)).mean() - 0.01 * ent.mean()
+
+
+def shifted_bsv(x, tok, t, up=F32):
+    # [B, S, V] logits, next-token shift, temperature as a 0-d tensor divided in model precision
+    logp = F.log_softmax((x[:, :-1] / t).to(up), -1)
+    lp = logp.gather(-1, tok[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return -lp.sum()
+
+
+def cross_entropy(x, labels, reduction, up=F32):
+    return F.cross_entropy(x.to(up), labels, ignore_index=-100, reduction=reduction)
+
+
+def logits(T, V, dtype, mask_frac=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, V, generator=g) * 3
+    if mask_frac:
+        x[torch.rand(T, V, generator=g) < mask_frac] = float("-inf")
+    return x.to(dtype)
+
+
+def tokens_for(x, seed=1):
+    """Tokens that are never masked (-inf), as a sampler would give."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.isfinite(x.float()).float().reshape(-1, x.shape[-1])
+    return torch.multinomial(w, 1, generator=g).reshape(x.shape[:-1])
+
+
+def labels_for(x, ignore_frac, seed=2):
+    labels = tokens_for(x, seed)
+    g = torch.Generator().manual_seed(seed)
+    labels[torch.rand(labels.shape, generator=g) < ignore_frac] = -100
+    return labels
+
+
+def make_case(name, dtype):
+    """(fn, inputs, grad positions) of a named case."""
+    if name == "logprob_V50257_T37":
+        x = logits(37, 50257, dtype)
+        return logprob, (x, tokens_for(x)), ()
+    if name == "logprob_T1":
+        x = logits(1, 4096, dtype)
+        return logprob, (x, tokens_for(x)), ()
+    if name == "logprob_masked_-inf":
+        x = logits(64, 1000, dtype, mask_frac=0.3)
+        return policy_loss_logprob_only, (x, tokens_for(x), torch.randn(64)), (0,)
+    if name == "logprob_entropy_scoring":
+        x = logits(53, 3001, dtype)
+        return logprob_entropy, (x, tokens_for(x)), ()
+    if name == "entropy_logsumexp_form":
+        return entropy_lse_form, (logits(53, 3001, dtype),), ()
+    if name == "policy_loss_training":
+        x = logits(53, 3001, dtype)
+        return policy_loss, (x, tokens_for(x), torch.randn(53)), (0,)
+    if name == "shifted_bsv_tensor_temperature":
+        x = logits(3 * 17, 2048, dtype).reshape(3, 17, 2048)
+        return shifted_bsv, (x, tokens_for(x), torch.tensor(0.7)), (0,)
+    if name == "cross_entropy_all_ignored_mean":
+        x = logits(16, 512, dtype)
+        return functools.partial(cross_entropy, reduction="mean"), (x, labels_for(x, 1.0)), (0,)
+    if name == "cross_entropy_masked_-inf":
+        x = logits(61, 1000, dtype, mask_frac=0.3)
+        return functools.partial(cross_entropy, reduction="sum"), (x, labels_for(x, 0.1)), (0,)
+    if name.startswith("cross_entropy_"):
+        reduction = name.split("_")[-1]
+        x = logits(61, 5003, dtype, mask_frac=0.0)
+        return functools.partial(cross_entropy, reduction=reduction), (x, labels_for(x, 0.1)), (0,)
+    raise KeyError(name)
+
+
+def policy_loss_logprob_only(x, tok, adv, up=F32):
+    return -(logprob(x, tok, up) * adv.to(up)).mean()
+
+
+CASES = [
+    "logprob_V50257_T37", "logprob_T1", "logprob_masked_-inf", "logprob_entropy_scoring",
+    "entropy_logsumexp_form", "policy_loss_training", "shifted_bsv_tensor_temperature",
+    "cross_entropy_mean", "cross_entropy_sum", "cross_entropy_none",
+    "cross_entropy_all_ignored_mean", "cross_entropy_masked_-inf",
+]
+# Per dtype: relative tolerance on FP32 outputs, and on gradients, which are stored in
+# the model dtype (one rounding of the two paths may land on neighbouring values).
+TOLERANCES = [
+    pytest.param(torch.bfloat16, 2e-6, 2**-8, id="bf16"),
+    pytest.param(torch.float16, 2e-6, 2**-11, id="fp16"),
+]
+
+
+def run(fn, inputs, grad_pos):
+    inputs = [t.detach().clone().requires_grad_(i in grad_pos) for i, t in enumerate(inputs)]
+    with torch.set_grad_enabled(bool(grad_pos)):
+        out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = ()
+    if grad_pos:
+        # A non-scalar output gets a fixed, non-uniform upstream gradient.
+        w = torch.linspace(-1, 1, outs[0].numel()).reshape(outs[0].shape).to(outs[0].dtype)
+        grads = torch.autograd.grad((outs[0] * w).sum(), [inputs[i] for i in grad_pos])
+    return [o.detach() for o in outs], list(grads)
+
+
+def max_err(got, ref):
+    """Max abs error; NaN where the reference has NaN must also be NaN (same maths)."""
+    got, ref = got.double(), ref.double()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN pattern differs from FP64"
+    finite = torch.isfinite(ref)
+    assert torch.equal(got[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)])
+    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def mean_err(got, ref):
+    finite = torch.isfinite(ref)
+    return (got.double()[finite] - ref[finite].double()).abs().mean().item() if finite.any() else 0.0
+
+
+def reference(fn, inputs, grad_pos):
+    f64 = functools.partial(fn, up=torch.float64)
+    outs, _ = run(f64, inputs, ())
+    # Gradients of the FP64 maths w.r.t. the (exact) model-precision inputs.
+    inputs64 = [t.double() if t.is_floating_point() else t for t in inputs]
+    _, grads = run(f64, inputs64, grad_pos)
+    return outs, grads
+
+
+@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+@pytest.mark.parametrize("case", CASES)
+def test_no_less_accurate_than_stock(case, dtype, out_rtol, grad_rtol):
+    fn, inputs, grad_pos = make_case(case, dtype)
+    ref_outs, ref_grads = reference(fn, inputs, grad_pos)
+
+    stock_outs, stock_grads = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    torch._dynamo.reset()
+    counters.clear()
+    outs, grads = run(torch.compile(fn, backend="chunked_logits"), inputs, grad_pos)
+    assert counters["chunked_logits"]["rewritten"] >= 1, dict(counters["chunked_logits"])
+
+    for got, stock, ref in zip(outs, stock_outs, ref_outs):
+        assert got.dtype == stock.dtype and got.shape == stock.shape
+        scale = ref.double().abs().nan_to_num(0, 0, 0).max().item() or 1.0
+        assert max_err(got, ref) <= max_err(stock, ref) + out_rtol * scale
+    for got, stock, ref in zip(grads, stock_grads, ref_grads):
+        assert got.dtype == dtype
+        scale = ref.abs().max().item() or 1.0
+        assert max_err(got, ref) <= max_err(stock, ref) + grad_rtol * scale
+        # The max is dominated by the final rounding to the model dtype, which both
+        # paths share; a small systematic error shows in the mean instead.
+        assert mean_err(got, ref) <= 1.1 * mean_err(stock, ref) + 1e-9
+
+
+def test_dynamic_shapes_match_reference_across_lengths():
+    fn = torch.compile(logprob_entropy, backend="chunked_logits", dynamic=True)
+    for T in (5, 17, 64):
+        x = logits(T, 1000, torch.bfloat16, seed=T)
+        tok = tokens_for(x)
+        outs, _ = run(fn, (x, tok), ())
+        ref, _ = reference(logprob_entropy, (x, tok), ())
+        stock, _ = run(functools.partial(logprob_entropy), (x, tok), ())  # eager FP32 path
+        for got, r, s in zip(outs, ref, stock):
+            assert max_err(got, r) <= max_err(s, r) + 2e-6 * r.abs().max().item()
+    assert counters["chunked_logits"]["rewritten"] == 1  # one graph for every length
