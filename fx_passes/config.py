@@ -26,6 +26,12 @@ class Config:
         report_only: log and count what would be rewritten, change nothing.
         strict: re-raise an error inside the pass instead of falling back to stock
             Inductor (for debugging the pass itself).
+        upgrade_low_precision: also rewrite a model-precision ``log_softmax`` /
+            ``softmax`` / ``logsumexp`` / ``cross_entropy`` over the vocabulary (and a
+            model-precision temperature division feeding it) as if the graph had
+            upcast first: computed in FP32, per row, and returned in FP32.  This
+            changes results (to the accurate ones) and dtypes on purpose, so it is off
+            by default.
     """
 
     rewrite: bool = True
@@ -33,6 +39,7 @@ class Config:
     remove_div_by_one: bool = True
     report_only: bool = False
     strict: bool = False
+    upgrade_low_precision: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

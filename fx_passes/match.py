@@ -58,6 +58,8 @@ class Region:
     index: Optional[Node]  # gather index [.., 1] or CE labels [N]
     meta_users: list[tuple[Node, Node]]  # (shape query, FP32 node it reads)
     unit_scale_dropped: bool = False  # the region's temperature was a constant 1
+    implicit: bool = False  # no upcast node: autocast (or the upgrade option) computes in FP32
+    upgraded: bool = False  # model-precision heads computed in FP32 (upgrade_low_precision)
 
     @property
     def want_entropy(self) -> bool:
@@ -68,7 +70,8 @@ class Region:
         scale = "none" if self.scale is None else ("/" if self.scale_is_div else "*") + (
             self.scale.name if isinstance(self.scale, Node) else repr(self.scale))
         moved = ", temperature moved after the upcast" if self.moved_scale is not None else ""
-        return f"{'+'.join(kinds)} over {tuple(meta(self.z).shape)} (temperature {scale}{moved})"
+        how = ", upgraded to FP32" if self.upgraded else ", implicit (autocast) upcast" if self.implicit else ""
+        return f"{'+'.join(kinds)} over {tuple(meta(self.z).shape)} (temperature {scale}{moved}{how})"
 
 
 def _scalar_operand(node: Node, chain: Node) -> Optional[tuple[Any, bool]]:
@@ -139,15 +142,28 @@ def _upcast_input(node: Node) -> Optional[Node]:
 
 
 class _Matcher:
-    def __init__(self, upcast: Node, temperature_after_upcast: bool) -> None:
-        self.upcast = upcast
+    """Grows one region from its root.
+
+    ``root`` is an explicit upcast node (``x.float()``), or, in implicit mode, the
+    model-precision logits themselves, read by heads that compute in FP32 without
+    an upcast node in the graph: autocast's FP32 ops (``cross_entropy`` everywhere,
+    ``log_softmax`` / ``softmax`` on CUDA), or, with ``upgrade_low_precision``,
+    model-precision heads the user asked to compute in FP32.
+    """
+
+    def __init__(self, root: Node, temperature_after_upcast: bool, implicit: bool = False,
+                 upgrade: bool = False) -> None:
+        self.upcast = root
         self.move_scale = temperature_after_upcast
-        self.roles: dict[Node, str] = {upcast: "upcast"}
+        self.implicit = implicit
+        self.upgrade = upgrade
+        self.roles: dict[Node, str] = {} if implicit else {root: "upcast"}
         self.meta_users: list[tuple[Node, Node]] = []
 
-    def match(self) -> Region:
+    def _walk_chain(self) -> tuple[list[Node], Any, bool, Node]:
+        """FP32 row views and at most one scaling after the upcast: (views, scale, is_div, z)."""
         views, scale, is_div, cur = [], None, True, self.upcast
-        while True:
+        while not self.implicit:
             users = self._users(cur)
             if len(users) != 1:
                 break
@@ -162,25 +178,37 @@ class _Matcher:
             else:
                 break
             cur = u
-        z = self.z = cur
+        return views, scale, is_div, cur
+
+    def _moved_scale(self, node: Node) -> Optional[tuple[Node, Any, bool]]:
+        """A model-precision ``x / t`` feeding only the region: (x, t, is_div) to divide after."""
+        src = tensor_input(node)
+        try:
+            s = _scalar_operand(node, src)
+        except Decline:
+            return None  # e.g. a per-row temperature: it stays where it is
+        if s is None or not isinstance(src, Node) or not is_low_precision(src):
+            return None
+        return src, s[0], s[1]
+
+    def match(self) -> Region:
+        views, scale, is_div, z = self._walk_chain()
+        self.z = z
         vz = meta(z)
         if vz.dim() < 1 or (isinstance(vz.shape[-1], int) and vz.shape[-1] < 2):
             raise Decline(Reason.VOCAB_TOO_SMALL, f"shape {tuple(vz.shape)}")
+        self._classify_users(z)
 
-        x, moved = tensor_input(self.upcast), None
-        if self.move_scale and scale is None and len(x.users) == 1:
-            src = tensor_input(x)
-            try:
-                s = _scalar_operand(x, src)
-            except Decline:
-                s = None  # e.g. a per-row temperature: it stays where it is, in x
-            if s is not None and isinstance(src, Node) and is_low_precision(src):
-                moved, (scale, is_div), x = x, s, src
+        x, moved = z if self.implicit else tensor_input(self.upcast), None
+        scaled = x if self.implicit else tensor_input(self.upcast)
+        only_region = all(u in self.roles or is_metadata_query(u) for u in scaled.users)
+        if self.move_scale and scale is None and only_region and (m := self._moved_scale(scaled)):
+            x, scale, is_div = m
+            moved = scaled
 
         self.unit_scale_dropped = isinstance(scale, (int, float)) and scale == 1
         if self.unit_scale_dropped:
             scale = None  # x / 1.0: nothing to divide
-        self._classify_users(z)
         sinks = [self._sink(n, r) for n, r in self.roles.items() if r in SINK_ROLES]
         sinks = [s for s in sinks if s is not None]
         if not sinks:
@@ -194,7 +222,8 @@ class _Matcher:
                     raise Decline(Reason.ESCAPES, f"{n.name} is read by {where}")
         index = self._index(sinks)
         return Region(self.upcast, x, moved, views, scale, is_div, z, self.roles, sinks, index,
-                      self.meta_users, self.unit_scale_dropped)
+                      self.meta_users, self.unit_scale_dropped, self.implicit,
+                      any(is_low_precision(n) for n in self.roles))
 
     def _users(self, node: Node) -> list[Node]:
         out = []
@@ -228,13 +257,21 @@ class _Matcher:
                 if u in self.roles:
                     continue
                 role = self._role(u, node)
+                if role is not None and node is self.z and self.implicit and not self._fp32_head(u):
+                    role = None
                 if role is None:
+                    if node is self.z and self.implicit:
+                        continue  # the model-precision logits may be read by anything
                     if u.op == "output" or self.roles.get(node) in ("lse", "expected_z"):
                         continue  # a per-row result read outside, or an escape checked later
                     raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
                 self.roles[u] = role
                 if role not in TERMINAL_ROLES:
                     queue.append(u)
+
+    def _fp32_head(self, head: Node) -> bool:
+        """In implicit mode: does this head of the low-precision logits compute in FP32?"""
+        return is_fp32(head) or (self.upgrade and is_low_precision(head))
 
     def _check_softmax_like(self, node: Node) -> None:
         if not last_dim(get_arg(node, "dim"), meta(node).dim()):
@@ -347,23 +384,42 @@ def _walk_back(head: Node) -> Node:
     return cur
 
 
-def find_regions(graph: Graph, temperature_after_upcast: bool = True) -> list[Region | tuple[Node, Decline]]:
+def _implicit_root(head: Node, upgrade: bool) -> Optional[Node]:
+    """The low-precision input of a head that computes in FP32 with no upcast node."""
+    src = tensor_input(head)
+    if not isinstance(src, Node) or not is_low_precision(src):
+        return None
+    if is_fp32(head) or (upgrade and is_low_precision(head)):
+        return src
+    return None
+
+
+def find_regions(graph: Graph, temperature_after_upcast: bool = True,
+                 upgrade_low_precision: bool = False) -> list[Region | tuple[Node, Decline]]:
     """Every candidate region, in graph order: a Region, or (root node, Decline)."""
     out: list[Region | tuple[Node, Decline]] = []
     seen: set[Node] = set()
     for node in list(graph.nodes):
-        if canon(node) not in HEADS or not is_fp32(node if canon(node) != "cross_entropy" else tensor_input(node)):
+        if canon(node) not in HEADS:
             continue
-        root = _walk_back(node)
+        implicit = _implicit_root(node, upgrade_low_precision)
+        if implicit is not None:
+            root, matcher = implicit, _Matcher(implicit, temperature_after_upcast, implicit=True,
+                                               upgrade=upgrade_low_precision)
+        else:
+            if not is_fp32(tensor_input(node)):
+                continue
+            root = _walk_back(node)
+            matcher = _Matcher(root, temperature_after_upcast)
         if not isinstance(root, Node) or root in seen:
             continue
         seen.add(root)
-        if _upcast_input(root) is None:
+        if implicit is None and _upcast_input(root) is None:
             if is_fp32(root):
                 out.append((root, Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already")))
             continue
         try:
-            out.append(_Matcher(root, temperature_after_upcast).match())
+            out.append(matcher.match())
         except Decline as d:
             out.append((root, d))
     return out

@@ -41,7 +41,7 @@ def _where(node: torch.fx.Node) -> str:
 
 def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
-    for found in find_regions(graph, config.temperature_after_upcast):
+    for found in find_regions(graph, config.temperature_after_upcast, config.upgrade_low_precision):
         if isinstance(found, tuple):
             record_decline(_where(found[0]), found[1])
             continue

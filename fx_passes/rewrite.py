@@ -94,22 +94,32 @@ def _replay_view(e: _Emitter, view: Node, src: Node) -> Node:
     return e.function(torch.reshape, src, tuple(shape))
 
 
-def _hoist(graph: Graph, region: Region, needed: Node, anchor: Node) -> None:
-    """Move ``needed`` and its ancestors that come after ``anchor`` to before it."""
+def _check_no_side_effect_between(graph: Graph, start: Node, end: Node) -> None:
+    """The rewrite reads ``x`` at ``end`` where the graph read it at ``start``: nothing in
+    between may mutate it (or change grad mode / autocast state)."""
+    inside = False
+    for n in graph.nodes:
+        if n is end:
+            return
+        if inside and n.op in ("call_function", "call_method", "call_module") and not is_pure(n):
+            raise Decline(Reason.ORDER, f"{n.name} ({n.target}) runs inside the region")
+        inside = inside or n is start
+
+
+def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
+    """The index node and its ancestors defined after ``anchor``, in graph order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    limit = order[anchor]
     late: set[Node] = set()
-    stack = [needed]
+    stack = [region.index] if region.index is not None else []
     while stack:
         n = stack.pop()
-        if order[n] < limit or n in late:
+        if order[n] < order[anchor] or n in late:
             continue
         if n in region.roles or not is_pure(n):
-            raise Decline(Reason.ORDER, f"{needed.name} needs {n.name}")
+            raise Decline(Reason.ORDER, f"{region.index.name} needs {n.name}")
         late.add(n)
         stack.extend(n.all_input_nodes)
-    for n in sorted(late, key=order.__getitem__):
-        anchor.prepend(n)
+    return sorted(late, key=order.__getitem__)
 
 
 def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, config: Config) -> Node:
@@ -125,8 +135,14 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
     """Replace the region's nodes; raises Decline before touching the graph if it can't."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
-    if region.index is not None:
-        _hoist(graph, region, region.index, anchor)
+    first = min([*region.roles, *([region.moved_scale] if region.moved_scale else [])],
+                key=order.__getitem__)
+    _check_no_side_effect_between(graph, first, anchor)
+    late = _late_index_nodes(graph, region, anchor)
+    if late:
+        _check_no_side_effect_between(graph, anchor, late[-1])
+    for n in late:  # hoist what the token indices need to before the anchor
+        anchor.prepend(n)
 
     e = _Emitter(graph, anchor)
     twins: dict[Node, Node] = {region.upcast: region.x}

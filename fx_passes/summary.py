@@ -209,10 +209,11 @@ def write_summary(data: Optional[dict[str, Any]] = None) -> None:
     if show and (_settings.ranks == "all" or r in (None, 0)):
         if r is not None and _settings.ranks == "all":
             text = "".join(f"[rank {r}] {line}\n" for line in text.splitlines())
-        try:
-            sys.stderr.flush()
-        except Exception:
-            pass
+        for stream in (sys.stdout, sys.stderr):  # keep the order of what the script printed
+            try:
+                stream.flush()
+            except Exception:
+                pass
         os.write(2, text.encode())
 
 

@@ -1,0 +1,133 @@
+"""Implicit upcasts (autocast) and the opt-in FP32 upgrade of model-precision heads."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from tests.codegen import allocations, full_fp32_buffers, step_codes
+from tests.helpers import chunked_counters, rewrite
+from tests.workloads import Workload
+
+
+def ce_autocast(x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return F.cross_entropy(x / 0.7, y, ignore_index=-100)  # FP32 under autocast, no .float()
+
+
+def test_autocast_cross_entropy_is_rewritten_and_accurate():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(96, 3001, generator=g) * 3).bfloat16().requires_grad_()
+    y = torch.randint(0, 3001, (96,), generator=g)
+    y[::7] = -100
+    ref = F.cross_entropy(x.double() / 0.7, y, ignore_index=-100)
+    stock = torch.compile(ce_autocast, backend="inductor")(x, y)
+    torch._dynamo.reset()
+    ours = torch.compile(ce_autocast, backend="chunked_logits")(x, y)
+    assert chunked_counters() == {"rewritten": 1}
+    assert ours.dtype == stock.dtype == torch.float32
+    assert (ours.double() - ref).abs() <= (stock.double() - ref).abs() + 1e-6
+    ours.backward()  # the backward runs and lands in bf16
+    assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad).all()
+
+
+def test_autocast_region_logged_as_implicit(caplog):
+    with caplog.at_level("INFO", logger="fx_passes"):
+        rewrite(ce_autocast, torch.randn(8, 64).bfloat16(), torch.randint(0, 64, (8,)))
+    assert "implicit (autocast) upcast" in caplog.text
+
+
+def test_mutation_inside_region_is_declined():
+    def fn(x, tok):
+        z = x.float()
+        x.mul_(2)  # the rewrite would read x after this
+        return torch.log_softmax(z, -1).gather(-1, tok[:, None]), x.sum()
+
+    x, tok = torch.randn(8, 32).bfloat16(), torch.randint(0, 32, (8,))
+    got = torch.compile(fn, backend="chunked_logits")(x.clone(), tok)
+    assert chunked_counters() == {"declined": 1, "declined:ORDER": 1}
+    torch.testing.assert_close(got[0], fn(x.clone(), tok)[0], rtol=0, atol=0)
+
+
+# --- upgrade_low_precision (off by default) -----------------------------------------
+
+def bf16_logprob(logits, tokens, temperature=0.7):
+    """What several RL trainers do: temperature and log_softmax in bf16, no upcast."""
+    logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def bf16_logprob_entropy(logits, tokens):
+    logits = logits / 0.7
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def bf16_logprob_per_sequence(logits, tokens):
+    """The memory-bounding form: one sequence of the batch at a time."""
+    return torch.stack([bf16_logprob(logits[i], tokens[i]) for i in range(logits.shape[0])])
+
+
+def fp64_logprob_entropy(logits, tokens):
+    logp = torch.log_softmax(logits.double() / 0.7, -1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.fixture(scope="module")
+def big():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 1024, 32000, generator=g) * 3).bfloat16()
+    return logits, torch.randint(0, 32000, (4, 1024), generator=g)
+
+
+@pytest.mark.parametrize("fn", [bf16_logprob, bf16_logprob_entropy, bf16_logprob_per_sequence])
+def test_upgrade_gives_fp32_accuracy(big, fn):
+    logits, tokens = big
+    ref = fp64_logprob_entropy(logits, tokens)
+    with torch.no_grad():
+        base = torch.compile(fn, backend="chunked_logits")(logits, tokens)
+        assert chunked_counters() == {}, "off by default: untouched"
+        torch._dynamo.reset()
+        up = torch.compile(fn, backend="chunked_logits", options={"upgrade_low_precision": True})(logits, tokens)
+    n_regions = logits.shape[0] if fn is bf16_logprob_per_sequence else 1
+    assert counters["chunked_logits"]["rewritten"] == n_regions
+    base, up = (b if isinstance(b, tuple) else (b,) for b in (base, up))
+    for got, before, r in zip(up, base, ref):
+        assert got.dtype == torch.float32  # bf16 results would throw the gain away
+        assert (got.double() - r).abs().max() <= 1e-4
+        assert (before.double() - r).abs().max() > 1e-2  # what the bf16 path gave
+
+
+def test_upgrade_allocates_no_more_than_the_bf16_graph():
+    w = Workload("bf16", bf16_logprob_entropy, False, None, (0, 0))
+    g = torch.Generator().manual_seed(0)
+    inputs = ((torch.randn(512, 4096, generator=g) * 3).bfloat16(), torch.randint(0, 4096, (512,), generator=g))
+
+    def total_bytes(codes):
+        size = {"torch.float32": 4, "torch.bfloat16": 2, "torch.int64": 8, "torch.bool": 1}
+        out = 0
+        for dims, dtype in (a for c in codes for a in allocations(c)):
+            n = 1
+            for d in dims:
+                n *= int(d)
+            out += n * size.get(dtype, 8)
+        return out
+
+    stock = step_codes(w, torch.compile(w.fn, backend="inductor"), inputs)
+    torch._dynamo.reset()
+    ours = step_codes(w, torch.compile(w.fn, backend="chunked_logits",
+                                       options={"upgrade_low_precision": True}), inputs)
+    assert counters["chunked_logits"]["rewritten"] == 1
+    assert full_fp32_buffers(ours, 512, 4096) == []
+    assert total_bytes(ours) <= total_bytes(stock)
+
+
+def test_upgrade_off_leaves_graph_untouched_and_on_says_so(caplog):
+    before, after = rewrite(bf16_logprob, torch.randn(8, 64).bfloat16(), torch.randint(0, 64, (8,)))
+    assert before == after and chunked_counters() == {}
+    with caplog.at_level("INFO", logger="fx_passes"):
+        _, after = rewrite(bf16_logprob, torch.randn(8, 64).bfloat16(), torch.randint(0, 64, (8,)),
+                           upgrade_low_precision=True)
+    assert "row_stats" in after
+    assert "upgraded to FP32" in caplog.text
