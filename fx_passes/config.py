@@ -32,6 +32,12 @@ class Config:
             upcast first: computed in FP32, per row, and returned in FP32.  This
             changes results (to the accurate ones) and dtypes on purpose, so it is off
             by default.
+        fuse_lm_head: when the logits are ``hidden @ weight.T`` in the same graph and
+            nothing else reads them, compute them chunk by chunk inside the region
+            (``lm_head.py``) so even the model-precision ``[T, V]`` logits never exist.
+        chunk_budget_mib: working-set budget of one chunk of that loop: rows per
+            forward chunk are ``budget / (4 V)``, vocabulary columns per backward
+            block ``budget / (8 T)``.
     """
 
     rewrite: bool = True
@@ -40,6 +46,8 @@ class Config:
     report_only: bool = False
     strict: bool = False
     upgrade_low_precision: bool = False
+    fuse_lm_head: bool = True
+    chunk_budget_mib: float = 32.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -48,6 +56,16 @@ class Config:
                 raise ValueError(
                     f"chunked_logits option {f.name!r} must be True or False, got {value!r}"
                 )
+        budget = self.chunk_budget_mib
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise ValueError(
+                f"chunked_logits option 'chunk_budget_mib' must be a positive number of MiB, "
+                f"got {budget!r}; e.g. chunk_budget_mib=32"
+            )
+
+    @property
+    def chunk_budget_bytes(self) -> int:
+        return max(1, int(self.chunk_budget_mib * 2**20))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **overrides: Any) -> "Config":

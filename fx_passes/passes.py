@@ -54,10 +54,16 @@ def run_passes(graph: Graph, config: Config) -> None:
             log.debug("chunked_logits: region before rewrite:\n%s",
                       "\n".join(n.format_node() for n in region.roles))
         try:
-            rewrite_region(graph, region, config)
+            how = rewrite_region(graph, region, config)
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue
+        if how == "lm_head_fused":
+            counters[COUNTER]["lm_head_fused"] += 1
+            what += ", lm_head matmul fused into the chunk loop"
+        elif how:
+            counters[COUNTER]["lm_head_not_fused"] += 1
+            what += f", lm_head not fused: {how}"
         record_rewrite(where, what, nbytes, report_only=False)
         if region.unit_scale_dropped:
             counters[COUNTER]["div_by_one_removed"] += 1

@@ -28,6 +28,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .config import Config
+from .lm_head import LMHead, lm_head_row_stats, match_lm_head
 from .graph_ops import canon, get_arg, is_pure, meta, tensor_input
 from .match import Region
 from .ops import row_stats
@@ -77,8 +78,12 @@ class _Emitter:
         return node
 
 
-def _replay_view(e: _Emitter, view: Node, src: Node) -> Node:
+def _replay_view(e: _Emitter, view: Node, src: Node, on_hidden: bool = False) -> Node:
+    """``view`` applied to ``src`` (the logits, or the lm_head's hidden states, where a
+    flatten to ``[N, V]`` becomes a flatten to ``[N, H]``)."""
     op = canon(view)
+    if on_hidden and op in ("reshape", "flatten"):
+        return e.function(torch.flatten, src, 0, -2)
     if op == "getitem":
         return e.function(operator.getitem, src, get_arg(view, "index"))
     if op == "contiguous":
@@ -122,17 +127,21 @@ def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
     return sorted(late, key=order.__getitem__)
 
 
-def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, config: Config) -> Node:
-    """The node computing ``(lse, logprob, entropy)`` for the region's rows.
-
-    The default reads the model-precision logits ``xv``; the lm_head extension
-    (when the logits come from a matmul in the same graph) hooks in here.
-    """
+def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, config: Config,
+               lm_head: LMHead | None) -> Node:
+    """The node computing ``(lse, logprob, entropy)`` for the region's rows: from the
+    model-precision logits ``xv``, or from the lm_head's hidden states ``xv``."""
+    if lm_head is not None:
+        return e.function(lm_head_row_stats, xv, lm_head.weight, lm_head.bias, tokens, region.scale,
+                          region.scale_is_div, region.want_entropy, config.chunk_budget_bytes)
     return e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
 
 
-def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
-    """Replace the region's nodes; raises Decline before touching the graph if it can't."""
+def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
+    """Replace the region's nodes; raises Decline before touching the graph if it can't.
+
+    Returns how the logits are read: "lm_head_fused" or the reason they stay.
+    """
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
     first = min([*region.roles, *([region.moved_scale] if region.moved_scale else [])],
@@ -141,14 +150,16 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
     late = _late_index_nodes(graph, region, anchor)
     if late:
         _check_no_side_effect_between(graph, anchor, late[-1])
+    lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, "fuse_lm_head is off")
     for n in late:  # hoist what the token indices need to before the anchor
         anchor.prepend(n)
 
     e = _Emitter(graph, anchor)
-    twins: dict[Node, Node] = {region.upcast: region.x}
-    xv = region.x
+    src = lm_head.hidden if lm_head else region.x
+    twins: dict[Node, Node] = {region.upcast: src}
+    xv = src
     for view in region.views:
-        xv = _replay_view(e, view, xv)
+        xv = _replay_view(e, view, xv, on_hidden=lm_head is not None)
         twins[view] = xv
     tokens = None
     loss_sinks = [s for s in region.sinks if s.role == "loss"]
@@ -160,7 +171,7 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
         if any(s.ignore_index != ignore for s in loss_sinks):
             raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
         tokens = e.function(torch.where, valid, region.index, 0)
-    stats = emit_stats(e, region, xv, tokens, config)
+    stats = emit_stats(e, region, xv, tokens, config, lm_head)
     outputs: dict[int, Node] = {}
 
     def out(i: int) -> Node:  # stats[i], emitted once and only if used
@@ -198,9 +209,14 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> None:
         graph.erase_node(node)
     if region.moved_scale is not None:
         graph.erase_node(region.moved_scale)
+    if lm_head is not None:
+        for n in (lm_head.logits, lm_head.transpose):
+            if n is not None and not n.users:
+                graph.erase_node(n)
     index = region.index
     if index is not None and not index.users and canon(index) is None and _unsqueezed(index) is not None:
         graph.erase_node(index)  # the token unsqueeze only the gather read
+    return "lm_head_fused" if lm_head is not None else why
 
 
 def _unsqueezed(index: Node) -> Node | None:

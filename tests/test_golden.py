@@ -269,3 +269,36 @@ def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
     return (squeeze,)""")
+
+    def test_lm_head_matmul_inside_the_region(self):
+        def fn(h, w, tok):
+            logp = torch.log_softmax((h @ w.T).float() / 0.7, -1)
+            return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+        before, after = rewrite(fn, torch.randn(8, 4).bfloat16(), torch.randn(V, 4).bfloat16(), tokens(8),
+                                chunk_budget_mib=1)
+        self.assertExpectedInline(before, """\
+def forward(self, L_w_ : torch.Tensor, L_h_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_w_ = L_w_
+    l_h_ = L_h_
+    l_tok_ = L_tok_
+    getattr_1 = l_w_.T;  l_w_ = None
+    matmul = l_h_ @ getattr_1;  l_h_ = getattr_1 = None
+    float_1 = matmul.float();  matmul = None
+    truediv = float_1 / 0.7;  float_1 = None
+    logp = torch.log_softmax(truediv, -1);  truediv = None
+    unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
+    gather = logp.gather(-1, unsqueeze);  logp = unsqueeze = None
+    squeeze = gather.squeeze(-1);  gather = None
+    return (squeeze,)""")
+        self.assertExpectedInline(after, """\
+def forward(self, L_w_ : torch.Tensor, L_h_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_w_ = L_w_
+    l_h_ = L_h_
+    l_tok_ = L_tok_
+    lm_head_row_stats = fx_passes_lm_head_lm_head_row_stats(l_h_, l_w_, None, l_tok_, 0.7, True, False, 1048576);  l_h_ = l_w_ = l_tok_ = None
+    getitem = lm_head_row_stats[1];  lm_head_row_stats = None
+    unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
+    squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
+    return (squeeze,)""")
+        self.assertEqual(chunked_counters(), {"rewritten": 1, "lm_head_fused": 1})
