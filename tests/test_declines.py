@@ -167,3 +167,17 @@ def test_backend_name_works_in_a_fresh_process_without_import():
                          env={**os.environ, "CHUNKED_LOGITS_DISABLE": ""})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("{'rewritten': 1} True"), out.stdout
+
+
+def test_float_temperature_is_constant_when_static_and_input_when_dynamic():
+    def fn(x, t):
+        return (x / t).sin()
+
+    _, static = rewrite(fn, torch.randn(4), 1.0)
+    assert "/" not in static and chunked_counters() == {"div_by_one_removed": 1}
+    counters.clear()
+    _, dynamic = rewrite(fn, torch.randn(4), 1.0, dynamic=True)
+    assert "item()" in dynamic and "/ item" in dynamic and chunked_counters() == {}
+    with torch._dynamo.config.patch(specialize_float=True):
+        _, specialized = rewrite(fn, torch.randn(4), 1.0, dynamic=True)
+    assert "/" not in specialized
