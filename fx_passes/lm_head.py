@@ -163,7 +163,7 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            budget_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     grad_weight = torch.empty_like(weight)
-    grad_bias = torch.empty(vocab, dtype=weight.dtype, device=weight.device)
+    grad_bias = torch.zeros(vocab if bias is not None else 0, dtype=weight.dtype, device=weight.device)
     acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     # per element of a block: bf16 logits + bf16 gradient + its FP32 copy for the matmul
     cols = max(1, budget_bytes // (8 * max(1, n)))
@@ -175,8 +175,10 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
         g = body(hidden, w_blk, b_blk, tokens - v0, lse, entropy, g_lse, g_logprob, g_entropy,
                  scale, scale_is_div)
         torch.mm(g.t(), hidden, out=grad_weight[v0:v1])  # one matmul per block, FP32 inside
-        acc.addmm_(g.float(), w_blk.float())
-        grad_bias[v0:v1] = g.float().sum(0)
+        g32 = g.float()
+        acc.addmm_(g32, w_blk.float())
+        if bias is not None:
+            grad_bias[v0:v1] = g32.sum(0)
     return acc.to(hidden.dtype), grad_weight, grad_bias
 
 
@@ -184,7 +186,7 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
       budget_bytes):
     return (torch.empty_like(hidden), torch.empty_like(weight),
-            weight.new_empty(weight.shape[0]))
+            weight.new_empty(weight.shape[0] if bias is not None else 0))
 
 
 def _setup(ctx, inputs, output):
