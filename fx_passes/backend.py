@@ -9,7 +9,7 @@ from torch.fx import GraphModule
 
 from .config import Config, disabled_by_env
 from .hook import backend_compiling, count_graph
-from .passes import transform
+from .passes import _Journal, report_failure, transform
 
 __all__ = ["chunked_logits"]
 
@@ -37,8 +37,22 @@ def chunked_logits(
     config = Config.from_options(options)  # validates before any work
     if mode is not None:
         inductor_options = {**torch._inductor.list_mode_options(mode), **inductor_options}
+    rewritten, journal = gm, _Journal()
     if not disabled_by_env():
         count_graph()
-        gm = transform(gm, config)
+        rewritten = transform(gm, config)
+    patches = inductor_options or None
     with backend_compiling():
-        return compile_fx(gm, example_inputs, config_patches=inductor_options or None)
+        if rewritten is gm:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        try:
+            return compile_fx(rewritten, example_inputs, config_patches=patches)
+        except Exception:
+            # Never break a user's compile: Inductor failed on the rewritten graph, so
+            # compile the untouched one (an error there is the user's, and propagates).
+            if config.strict:
+                raise
+            journal.rollback()
+            report_failure("Inductor failed on the rewritten graph",
+                           "Inductor failed on the rewritten graph")
+            return compile_fx(gm, example_inputs, config_patches=patches)

@@ -20,9 +20,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 
-from .config import Config
+from .config import Config, disabled_by_env
 from .match import Region, find_regions
-from .report import COUNTER, Decline, log, record_decline, record_rewrite
+from .report import COUNTER, Decline, events, log, record_decline, record_rewrite
 from .rewrite import fp32_bytes, rewrite_region
 from .unit_scale import remove_div_by_one
 
@@ -75,6 +75,28 @@ def run_passes(graph: Graph, config: Config) -> None:
     graph.lint()
 
 
+class _Journal:
+    """What the counters and events were before a pass run, to undo a failed run's
+    claims: after a failure the original graph is compiled, so nothing was rewritten."""
+
+    def __init__(self) -> None:
+        self.counts = dict(counters[COUNTER])
+        self.n_events = len(events)
+
+    def rollback(self) -> None:
+        counters[COUNTER].clear()
+        counters[COUNTER].update(self.counts)
+        del events[self.n_events:]
+
+
+def report_failure(what: str = "the pass failed on this graph", short: str = "pass failed") -> None:
+    """Count, warn (naming the pass) and log the traceback of a contained failure."""
+    counters[COUNTER]["pass_failed"] += 1
+    warnings.warn(f"chunked_logits: {what}; compiling it unchanged with stock Inductor "
+                  "(set TORCH_LOGS=fx_passes for the traceback)", stacklevel=3)
+    log.warning("chunked_logits: %s, graph left unchanged:\n%s", short, traceback.format_exc())
+
+
 def _copy(gm: GraphModule) -> GraphModule:
     graph = Graph()
     out = graph.graph_copy(gm.graph, {})
@@ -86,6 +108,7 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
     """The transformed copy of ``gm``; the original on any internal error."""
     if getattr(gm, _DONE, False):
         return gm
+    journal = _Journal()
     try:
         new = _copy(gm)
         run_passes(new.graph, config)
@@ -95,11 +118,8 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
     except Exception:
         if config.strict:
             raise
-        counters[COUNTER]["pass_failed"] += 1
-        warnings.warn("chunked_logits: the pass failed on this graph; compiling it unchanged "
-                      "with stock Inductor (set TORCH_LOGS=fx_passes for the traceback)",
-                      stacklevel=2)
-        log.warning("chunked_logits: pass failed, graph left unchanged:\n%s", traceback.format_exc())
+        journal.rollback()
+        report_failure()
         return gm
     setattr(new, _DONE, True)
     return new
@@ -123,27 +143,34 @@ class ChunkedLogitsPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> None:
         gm = graph.owning_module
-        if gm is not None and getattr(gm, _DONE, False):
+        if disabled_by_env() or (gm is not None and getattr(gm, _DONE, False)):
             return
         snapshot = _copy(gm) if gm is not None else None
+        journal = _Journal()
         try:
             run_passes(graph, self.config)
         except Exception:
             if self.config.strict or snapshot is None:
                 raise
-            # Restore the untouched graph in place: the caller holds this graph object.
-            counters[COUNTER]["pass_failed"] += 1
-            warnings.warn("chunked_logits: the pass failed on this graph; compiling it unchanged "
-                          "with stock Inductor (set TORCH_LOGS=fx_passes for the traceback)",
-                          stacklevel=2)
-            log.warning("chunked_logits: pass failed, graph left unchanged:\n%s",
-                        traceback.format_exc())
-            for node in reversed(list(graph.nodes)):
-                graph.erase_node(node)
-            out = graph.graph_copy(snapshot.graph, {})
-            graph.output(out)
+            journal.rollback()
+            report_failure()
+            _restore(graph, snapshot.graph)
         if gm is not None:
             setattr(gm, _DONE, True)
 
     def uuid(self) -> str:
-        return f"chunked_logits-{source_hash()[:16]}-{self.config.key()}"
+        state = "off" if disabled_by_env() else "on"
+        return f"chunked_logits-{source_hash()[:16]}-{self.config.key()}-{state}"
+
+
+def _restore(graph: Graph, snapshot: Graph) -> None:
+    """Put ``snapshot``'s nodes back into ``graph`` in place (the caller holds this graph
+    object), keeping ``graph``'s own placeholders: Dynamo hangs attributes on them
+    (``_dynamo_source``) that AOTAutograd asserts, and the passes never touch them."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    ours = [n for n in graph.nodes if n.op == "placeholder"]
+    theirs = [n for n in snapshot.nodes if n.op == "placeholder"]
+    out = graph.graph_copy(snapshot, dict(zip(theirs, ours)))
+    graph.output(out)
