@@ -12,11 +12,6 @@ The names below are imported on first use, so that ``import fx_passes`` (which t
 environment switch does at interpreter start) does not import torch.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -34,7 +29,12 @@ __all__ = ["chunked_logits", "Config", "ChunkedLogitsPass", "transform", "Reason
            "install", "uninstall", "installed_config"]
 
 
-def __getattr__(name: str) -> Any:
+TYPE_CHECKING = False  # not `from typing import ...`: keep this import cheap
+
+
+def __getattr__(name: str):
+    import importlib
+
     module = _LAZY.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module, __name__), name)
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def __dir__() -> list[str]:
+def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 

@@ -59,7 +59,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kind = type(default) if default is not None else str
             group.add_argument(flag, dest="cfg_" + f.name, type=kind, default=None,
-                               help=f"{text} [{default!r}]")
+                               metavar=kind.__name__.upper(), help=f"{text} [{default!r}]")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ import threading
 from typing import Any, Iterator, Optional
 
 import torch._inductor.config as inductor_config
+from torch.fx import Graph
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
 from .config import Config, disabled_by_env
@@ -67,7 +68,7 @@ def count_graph() -> None:
     graphs_seen += 1
 
 
-def _keep_placeholder_attrs(graph: torch.fx.Graph, before: list) -> None:
+def _keep_placeholder_attrs(graph: Graph, before: list) -> None:
     """If the pass's fall-back rebuilt the graph, give the new placeholders what Dynamo
     set on the old ones (``_dynamo_source``: AOT autograd asserts it on a Dynamo graph)."""
     after = [n for n in graph.nodes if n.op == "placeholder"]
@@ -86,7 +87,7 @@ class InstalledPass(CustomGraphPass):
         self.config = config
         self._impl = None
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def __call__(self, graph: Graph) -> None:
         if disabled_by_env() or _backend_active.get():
             return
         if self._impl is None:
@@ -225,16 +226,22 @@ _FALSE = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def _parse_value(key: str, text: str) -> Any:
+def _parse_value(key: str, text: str, fields: dict[str, Any]) -> Any:
     low = text.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
+    default = fields.get(key)
+    if isinstance(default, bool):
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"{ENV_OPTIONS}: {key} must be 1/0, true/false, yes/no or on/off, got {text!r}")
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
-        return text
+        return text.strip()
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return value
 
 
 def options_from_env(text: Optional[str] = None) -> dict[str, Any]:
@@ -252,13 +259,14 @@ def options_from_env(text: Optional[str] = None) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise ValueError(f"{ENV_OPTIONS} must be a JSON object, got {text!r}")
         return value
-    names = {f.name for f in dataclasses.fields(Config)}
+    fields = {f.name: f.default for f in dataclasses.fields(Config)}
+    names = set(fields)
     out: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if sep:
-            out[key] = _parse_value(key, value)
+            out[key] = _parse_value(key, value, fields)
         elif key.startswith("no_") and key not in names and key[3:] in names:
             out[key[3:]] = False
         else:

@@ -178,6 +178,10 @@ def format_text(data: dict[str, Any]) -> str:
             size = es[0]["fp32_bytes_avoided"]
             lines.append(f"  {label[kind]:<13} {what}, {_size(size) if size else 'symbolic size'}{times}")
             lines.append(f"  {'':<13} at {_short(where)}")
+    failed = data["counters"].get("pass_failed", 0)
+    if failed:
+        lines.append(f"  the pass failed on {failed} graph(s), which were compiled unchanged "
+                     "(TORCH_LOGS=fx_passes shows the traceback)")
     if data["counters"]:
         lines.append("  counters: " + ", ".join(f"{k}={v}" for k, v in data["counters"].items()))
     if data["pass_dropped"]:

@@ -1,0 +1,116 @@
+"""The examples, unmodified, in fresh processes: the launcher, the environment switch
+and the backend each make the pass fire on them, and results match runs without it.
+
+Two runs that a test compares go in parallel (the machine has 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+BIN = pathlib.Path(sys.executable).parent
+LAUNCHER = [str(BIN / "chunked-logits"), "run"]
+
+pytestmark = pytest.mark.slow
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
+    return env
+
+
+def run(cmd: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=clean_env(**env), timeout=600)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def parallel(*jobs):
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return [f.result() for f in [pool.submit(*job) for job in jobs]]
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sft_hf_trainer_under_the_launcher(tmp_path):
+    """Trainer(torch_compile=True) -> backend "inductor": the launcher rewrites
+    ForCausalLMLoss's logits.float() + cross_entropy; losses match a run without it."""
+    script = str(EXAMPLES / "sft_hf_trainer.py")
+    summary = tmp_path / "summary.json"
+    with_pass, stock = parallel(
+        (run, [*LAUNCHER, "--summary-json", str(summary), "--", script], tmp_path),
+        (run, [sys.executable, script], tmp_path),
+    )
+    data = json.loads(summary.read_text())
+    assert data["counters"]["rewritten"] == 1 and "pass_failed" not in data["counters"]
+    (event,) = [e for e in data["events"] if e["kind"] == "rewritten"]
+    assert event["what"].startswith("loss over (128, 2048)")
+    assert "ForCausalLMLoss" in event["where"] and "loss_utils.py" in event["where"]
+    assert event["fp32_bytes_avoided"] == 4 * 128 * 2048
+    assert "chunked_logits summary" in with_pass.stderr and "ForCausalLMLoss" in with_pass.stderr
+    ours, theirs = last_json(with_pass), last_json(stock)
+    assert ours["backend"] == theirs["backend"] == "inductor"
+    assert len(ours["losses"]) == 4
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-3)
+    assert "chunked_logits" not in stock.stderr
+
+
+def test_grpo_step_backend_and_launcher(tmp_path):
+    """The same unmodified step: backend="chunked_logits" by name, and stock "inductor"
+    under the launcher; both rewrite the region and agree with each other and with eager."""
+    script = str(EXAMPLES / "grpo_step.py")
+    backend, launched = parallel(
+        (run, [sys.executable, script, "--backend", "chunked_logits"], tmp_path),
+        (run, [*LAUNCHER, "--", script], tmp_path),
+    )
+    a, b = last_json(backend), last_json(launched)
+    assert a["backend"] == "chunked_logits" and b["backend"] == "inductor"
+    for r in (a, b):
+        assert r["counters"]["rewritten"] == 1 and "pass_failed" not in r["counters"]
+        assert r["max_loss_diff"] < 1e-3
+        assert r["max_grad_diff"] <= 0.05 * r["grad_scale"]
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5, abs=1e-7)
+    assert "logprob+neg_entropy over (8, 31, 2048)" in launched.stderr
+    assert "temperature moved after the upcast" in launched.stderr
+    assert "chunked_logits summary" not in backend.stderr  # no launcher, no summary
+
+
+def test_ref_scoring_under_the_environment_switch(tmp_path):
+    """CHUNKED_LOGITS=1, no launcher, no code change: the no_grad scoring is rewritten."""
+    proc = run([sys.executable, str(EXAMPLES / "ref_scoring.py")], tmp_path, CHUNKED_LOGITS="1")
+    out = last_json(proc)
+    assert out["counters"]["rewritten"] == 1 and "pass_failed" not in out["counters"]
+    assert out["shape"] == [8, 63] and out["dtype"] == "torch.float32"
+    assert out["max_diff_vs_eager"] < 1e-2  # Inductor's bf16 model math, the same as stock
+    assert out["max_err_vs_fp64"] <= out["max_diff_vs_eager"] + 1e-3
+    assert "chunked_logits summary" in proc.stderr and "logprob over (8, 63, 4096)" in proc.stderr
+
+
+def test_demo_small(tmp_path):
+    """The README's demo at a smaller size: less memory, the same error, a report."""
+    proc = run([sys.executable, str(EXAMPLES / "demo.py"), "--tokens", "2048", "--vocab", "16384",
+                "--repeat", "1", "--json"], tmp_path)
+    results = last_json(proc)
+    stock, ours = results["inductor"], results["chunked_logits"]
+    assert ours["counters"]["rewritten"] == 1
+    fp32 = 4 * 2048 * 16384
+    assert stock["extra_bytes"] >= fp32  # stock materialises at least one FP32 [T, V]
+    assert ours["extra_bytes"] < stock["extra_bytes"] - fp32 // 2
+    assert ours["max_err"] <= 2 * stock["max_err"] + 1e-6
+    assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-3, abs=1e-4)
+    assert "peak extra memory of one step" in proc.stdout and "1 region rewritten" in proc.stdout
