@@ -135,6 +135,12 @@ def _bwd_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale
     return grad_z.to(dtype)
 
 
+def _budget(budget_bytes: int, n: int, vocab: int) -> int:
+    """The configured working set, but never more than a quarter of the FP32 logits:
+    a small problem gets several chunks too, instead of one chunk bigger than stock."""
+    return max(1, min(budget_bytes, n * vocab))
+
+
 def _fp32_gemm(device: torch.device) -> bool:
     """Run the backward's matmuls on FP32 copies of the bf16/fp16 operands?
 
@@ -152,7 +158,7 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                   want_entropy: bool, budget_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
-    rows = max(1, budget_bytes // (4 * vocab))
+    rows = max(1, _budget(budget_bytes, n, vocab) // (4 * vocab))
     body = _compiled(_fwd_chunk)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -183,7 +189,7 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
     grad_bias = torch.zeros(vocab if bias is not None else 0, dtype=weight.dtype, device=weight.device)
     acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     # per element of a block: bf16 logits + bf16 gradient + its FP32 copy for the matmul
-    cols = max(1, budget_bytes // (8 * max(1, n)))
+    cols = max(1, _budget(budget_bytes, n, vocab) // (8 * max(1, n)))
     body = _compiled(_bwd_block)
     fp32 = _fp32_gemm(hidden.device)
     h_mm = hidden.float() if fp32 else hidden

@@ -1,0 +1,214 @@
+"""One setup factory per (workload, mode), shared by the memory, time and soak runs.
+
+A *mode* is how the workload function runs: eagerly, under stock Inductor, under
+Inductor with its AutoChunker, or under the ``chunked_logits`` backend (static or
+``dynamic=True``).  Each mode compiles its own copy of the function (a fresh code
+object), so Dynamo keeps one cache per mode and modes interleaved in one process
+never reuse each other's compiled graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import sys
+import types
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.workloads import WORKLOADS, Workload, run_step  # noqa: E402
+
+__all__ = ["MODES", "STOCK", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
+           "limit_bytes", "errors", "pass_report", "snapshot"]
+
+MODES = {
+    "eager": "eager PyTorch, no compile",
+    "inductor": 'torch.compile(backend="inductor")',
+    "autochunk": "stock Inductor with auto_chunker.enable=True",
+    "chunked_logits": 'torch.compile(backend="chunked_logits")',
+    "chunked_logits_dyn": 'torch.compile(backend="chunked_logits", dynamic=True)',
+}
+STOCK = "inductor"
+LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
+LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
+
+
+def _fresh(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object, hence its own Dynamo cache."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+
+
+class _CantChunkReasons(logging.Handler):
+    """Keeps the message of each ``CantChunk`` the AutoChunker logs (why it did not apply)."""
+
+    reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.reasons.append(str(record.exc_info[1]).splitlines()[0][:200])
+
+
+def _listen_to_auto_chunker() -> None:
+    logger = torch._logging.getArtifactLogger("torch._inductor.fx_passes.joint_graph", "auto_chunker")
+    if not any(isinstance(h, _CantChunkReasons) for h in logger.handlers):
+        logger.setLevel(logging.DEBUG)  # the pass logs its reason at DEBUG, off by default
+        logger.addHandler(_CantChunkReasons())
+
+
+def _autochunk_backend(gm, example_inputs):
+    """Stock Inductor with the AutoChunker on (it runs on the joint fwd+bwd graph).
+
+    The caches are off for this compile so that a cache hit cannot skip the pass and
+    hide whether it applied (``torch._inductor.metrics.num_auto_chunking``).
+    """
+    from torch._inductor.compile_fx import compile_fx
+    _listen_to_auto_chunker()
+    patches = {"auto_chunker.enable": True, "fx_graph_cache": False}
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def compile_mode(fn: Callable, mode: str) -> Callable:
+    """``fn`` as it runs in ``mode`` (compiled lazily, on the first call)."""
+    f = _fresh(fn)
+    if mode == "eager":
+        return f
+    if mode == "inductor":
+        return torch.compile(f, backend="inductor")
+    if mode == "autochunk":
+        return torch.compile(f, backend=_autochunk_backend)
+    if mode == "chunked_logits":
+        return torch.compile(f, backend="chunked_logits")
+    if mode == "chunked_logits_dyn":
+        return torch.compile(f, backend="chunked_logits", dynamic=True)
+    raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+
+
+def sizes(name: str, scale: int = 1) -> tuple[int, int]:
+    """(T, V) of workload ``name``: the issue's full size divided by ``scale``."""
+    T, V = WORKLOADS[name].full_size
+    return max(T // scale, 1), max(V // scale, 2)
+
+
+def make_inputs(name: str, T: int, V: int, seed: int = 0) -> tuple:
+    return WORKLOADS[name].make(T, V, torch.bfloat16, seed)
+
+
+@dataclasses.dataclass
+class Case:
+    """A workload, a mode, its compiled function and its inputs."""
+
+    name: str
+    mode: str
+    T: int
+    V: int
+    workload: Workload
+    fn: Callable
+    inputs: tuple
+
+    def step(self):
+        """One step: (outputs, input gradients); see tests.workloads.run_step."""
+        return run_step(self.workload, self.fn, self.inputs)
+
+    def clear_grads(self) -> None:
+        for i in self.workload.grad_inputs:
+            self.inputs[i].grad = None
+
+
+def make_case(name: str, mode: str, T: int, V: int, inputs: tuple | None = None) -> Case:
+    """The setup factory: pass ``inputs`` to share one set of inputs between modes."""
+    w = WORKLOADS[name]
+    inputs = make_inputs(name, T, V) if inputs is None else inputs
+    return Case(name, mode, T, V, w, compile_mode(w.fn, mode), inputs)
+
+
+def limit_bytes(name: str, T: int, V: int) -> int:
+    """The memory one step must allocate at least (the physical limit).
+
+    Scoring (W1, W2): the FP32 [T] outputs.  W3, W5: the bf16 logits gradient.
+    W4: bf16 grad of hidden and of weight, plus one FP32 chunk of 256 rows of logits.
+    """
+    if name == "W1":
+        return 4 * T
+    if name == "W2":
+        return 2 * 4 * T
+    if name == "W4":
+        H = LM_HEAD_HIDDEN
+        return 2 * T * H + 2 * V * H + 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
+    return 2 * T * V
+
+
+class _UpcastToFp64(TorchFunctionMode):
+    """Turns the workloads' ``.float()`` upcasts into ``.double()`` (FP64 reference)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float:
+            return args[0].double()
+        if func is torch.Tensor.to and torch.float32 in (*args[1:], kwargs.get("dtype")):
+            return args[0].double()
+        return func(*args, **kwargs)
+
+
+def reference(case: Case):
+    """(outputs, grads) of the workload computed eagerly in FP64 from the same inputs."""
+    def fp64(x):
+        if not x.is_floating_point():
+            return x
+        return x.detach().double().requires_grad_(x.requires_grad)
+    inputs = tuple(fp64(x) for x in case.inputs)
+    with _UpcastToFp64():
+        return run_step(case.workload, case.workload.fn, inputs)
+
+
+def _max_abs(got, want) -> float:
+    if not got:
+        return float("nan")
+    return max((g.double() - w).abs().max().item() for g, w in zip(got, want))
+
+
+def errors(case: Case, outputs, grads) -> dict:
+    """Max abs error of the outputs and of the input gradients vs the FP64 reference."""
+    ref_out, ref_grads = reference(case)
+    scale = max((g.abs().max().item() for g in ref_grads), default=float("nan"))
+    return {"out_err": _max_abs(outputs, ref_out), "grad_err": _max_abs(grads, ref_grads),
+            "grad_ref_max": scale}
+
+
+def _compile_counts() -> dict:
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+    return {"unique_graphs": counters["stats"].get("unique_graphs", 0),
+            "chunked_logits": dict(counters["chunked_logits"]),
+            "auto_chunked_graphs": metrics.num_auto_chunking,
+            "auto_chunker_declined": list(_CantChunkReasons.reasons)}
+
+
+def pass_report(mode: str, since: dict | None = None) -> dict:
+    """What the compiles did since the ``since`` snapshot (default: process start).
+
+    Our rewrite counters for chunked_logits modes, AutoChunker applications for the
+    autochunk mode, and the number of graphs Dynamo compiled.
+    """
+    now, before = _compile_counts(), since or {}
+    old = before.get("chunked_logits", {})
+    report = {"unique_graphs": now["unique_graphs"] - before.get("unique_graphs", 0)}
+    if mode.startswith("chunked_logits"):
+        report["chunked_logits"] = {k: v - old.get(k, 0) for k, v in now["chunked_logits"].items()
+                                    if v - old.get(k, 0)}
+    if mode == "autochunk":
+        report["auto_chunked_graphs"] = now["auto_chunked_graphs"] - before.get("auto_chunked_graphs", 0)
+        seen = len(before.get("auto_chunker_declined", []))
+        report["auto_chunker_declined"] = "; ".join(now["auto_chunker_declined"][seen:])
+    return report
+
+
+snapshot = _compile_counts

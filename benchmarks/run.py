@@ -1,0 +1,245 @@
+"""Benchmark W1-W5 under eager, stock Inductor, Inductor+AutoChunker and chunked_logits.
+
+    .venv/bin/python benchmarks/run.py                        # full size, all of it
+    .venv/bin/python benchmarks/run.py --scale 8 --workloads W1,W3
+
+The parent process only orchestrates: every memory case (workload, mode) runs in a
+fresh child process (``--case W3 --mode chunked_logits``), and the timing of each
+workload runs in one child process (``--time W3``) that interleaves the modes step
+by step.  See benchmarks/README.md for the method and the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.cases import MODES, STOCK, limit_bytes, sizes  # noqa: E402
+from benchmarks.memory import MALLOC_ENV, MIB  # noqa: E402
+
+RESULT_TAG = "@@RESULT "
+# The package's environment switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
+# CHUNKED_LOGITS_DISABLE=1 takes it out of the backend): kept away from the children.
+SWITCHES = "CHUNKED_LOGITS"
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS), help="comma list, e.g. W1,W3")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--time-modes", default=None, help="modes to time (default: --modes)")
+    p.add_argument("--scale", type=int, default=1, help="divide T and V by this (quick runs)")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per mode (after warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first compiles)")
+    p.add_argument("--skip-time", action="store_true")
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--csv", default="bench_out/results.csv", help="where to write the CSV")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: default)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per child process")
+    # internal: what a child process runs
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--time", help=argparse.SUPPRESS)
+    p.add_argument("--report", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.workloads = _names(args.workloads, ALL_WORKLOADS)
+    args.modes = _names(args.modes, MODES)
+    args.time_modes = _names(args.time_modes, MODES) if args.time_modes else args.modes
+    return args
+
+
+def _names(text: str, known) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"unknown name(s) {bad}; choose from {', '.join(known)}")
+    return names
+
+
+# --- child processes --------------------------------------------------------------
+
+def memory_child(args) -> dict:
+    """Peak extra memory of one step of (--case, --mode), after warm-up; and its errors."""
+    from benchmarks.cases import errors, make_case, pass_report
+    from benchmarks.memory import hwm, release, reset_peak, rss
+
+    T, V = sizes(args.case, args.scale)
+    case = make_case(args.case, args.mode, T, V)
+    for _ in range(args.warmup):
+        out = case.step()
+        del out
+        case.clear_grads()
+    release()
+    before = rss()
+    reset_peak()
+    outputs, grads = case.step()  # the measured step: outputs and grads stay alive
+    peak = hwm()
+    result = {"peak_mib": (peak - before) / MIB, "rss_before_mib": before / MIB}
+    result.update(pass_report(args.mode))
+    result.update(errors(case, outputs, grads))
+    return result
+
+
+def _warm_up(args, case) -> dict:
+    """Compile and warm up ``case``; what the compile did (see cases.pass_report)."""
+    from benchmarks.cases import pass_report, snapshot
+    before = snapshot()
+    for _ in range(args.warmup):
+        case.step()
+        case.clear_grads()
+    return pass_report(case.mode, before)
+
+
+def _interleave(args, cases) -> dict:
+    """Step times per mode, the modes taking turns: A, B, C, A, B, C ..."""
+    times = {c.mode: [] for c in cases}
+    for _ in range(args.steps):
+        for case in cases:
+            t0 = time.perf_counter()
+            case.step()
+            times[case.mode].append(time.perf_counter() - t0)
+            case.clear_grads()
+    return {m: {"t_min_ms": 1e3 * min(ts), "t_median_ms": 1e3 * statistics.median(ts),
+                "n_time_steps": len(ts)} for m, ts in times.items()}
+
+
+def time_child(args) -> dict:
+    """Interleaved step times of every mode on shared inputs.  With --report (the memory
+    runs, which compute them, were skipped) also the errors and what each compile did."""
+    from benchmarks.cases import errors, make_case, make_inputs
+    T, V = sizes(args.time, args.scale)
+    inputs = make_inputs(args.time, T, V)
+    cases, compiled, failed = [], {}, {}
+    for mode in args.time_modes:
+        case = make_case(args.time, mode, T, V, inputs)
+        try:
+            compiled[mode] = _warm_up(args, case)
+        except Exception as e:  # a mode that cannot compile is reported, not fatal
+            failed[mode] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        cases.append(case)
+    result = _interleave(args, cases)
+    if args.report:
+        for case in cases:
+            result[case.mode].update(compiled[case.mode], **errors(case, *case.step()))
+    return {**result, **failed}
+
+
+def child_main(args) -> None:
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    result = memory_child(args) if args.case else time_child(args)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# --- parent -----------------------------------------------------------------------
+
+def spawn(args, extra: list[str], env_extra: dict | None = None) -> dict:
+    """Run this script as a child with ``extra`` arguments; its result dict or an error."""
+    cmd = [sys.executable, __file__, "--scale", str(args.scale), "--warmup", str(args.warmup),
+           "--steps", str(args.steps), "--threads", str(args.threads),
+           "--time-modes", ",".join(args.time_modes), *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCHES)}
+    env.update(env_extra or {})
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    return {"error": f"exit {proc.returncode}: {_error_line(proc.stderr)}"}
+
+
+def _error_line(stderr: str) -> str:
+    """The exception line of a child's traceback (else its last line)."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()] or ["(no output)"]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Failed|Interrupt)\b.*:", line):
+            return line[:300]
+    return lines[-1][:300]
+
+
+def run_memory(args, name: str, rows: dict) -> None:
+    for mode in args.modes:
+        t0 = time.time()
+        res = spawn(args, ["--case", name, "--mode", mode], MALLOC_ENV)
+        rows[(name, mode)].update(res)
+        what = res.get("error") or f"peak {res['peak_mib']:.1f} MiB"
+        print(f"  memory {name} {mode:<19} {what}  ({time.time() - t0:.0f} s)", flush=True)
+
+
+def run_time(args, name: str, rows: dict) -> None:
+    t0 = time.time()
+    extra = ["--time", name] + (["--report"] if args.skip_memory else [])
+    res = spawn(args, extra)
+    if "error" in res and len(res) == 1:
+        res = {m: dict(res) for m in args.time_modes}
+    stock = res.get(STOCK, {}).get("t_median_ms")
+    for mode, r in res.items():
+        if stock and "t_median_ms" in r:
+            r["t_ratio_vs_stock"] = r["t_median_ms"] / stock
+        rows[(name, mode)].update(r)
+    print(f"  time   {name} all modes interleaved  ({time.time() - t0:.0f} s)", flush=True)
+
+
+def source_version() -> str:
+    """The commit, and a hash of fx_passes/*.py as they are now (the tree may be edited)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted((root / "fx_passes").glob("*.py")):
+        h.update(path.name.encode() + path.read_bytes())
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    return f"commit {commit or '?'}, fx_passes sources {h.hexdigest()[:12]}"
+
+
+def parent_main(args) -> None:
+    import torch
+    version = source_version()
+    print(version, flush=True)
+    threads = args.threads or torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, scale 1/{args.scale}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
+    rows: dict = {}
+    for name in args.workloads:
+        T, V = sizes(name, args.scale)
+        for mode in dict.fromkeys(args.modes + args.time_modes):
+            rows[(name, mode)] = {"workload": name, "mode": mode, "T": T, "V": V,
+                                  "limit_mib": limit_bytes(name, T, V) / MIB}
+        print(f"{name}: T={T} V={V}", flush=True)
+        if not args.skip_memory:
+            run_memory(args, name, rows)
+        if not args.skip_time:
+            run_time(args, name, rows)
+    report.finish(list(rows.values()), args.csv)
+    if source_version() != version:
+        print(f"WARNING: fx_passes changed during the run (now {source_version()}): rerun", flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.case or args.time:
+        child_main(args)
+    else:
+        parent_main(args)
+
+
+if __name__ == "__main__":
+    main()
