@@ -47,10 +47,11 @@ def chunked_logits(
             return compile_fx(gm, example_inputs, config_patches=patches)
         try:
             return compile_fx(rewritten, example_inputs, config_patches=patches)
-        except Exception:
+        except Exception as e:
             # Never break a user's compile: Inductor failed on the rewritten graph, so
             # compile the untouched one (an error there is the user's, and propagates).
-            if config.strict:
+            # Dynamo's restart requests are control flow, not failures: let them through.
+            if config.strict or isinstance(e, torch._dynamo.exc.RestartAnalysis):
                 raise
             journal.rollback()
             report_failure("Inductor failed on the rewritten graph",

@@ -101,11 +101,15 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
 
 @functools.lru_cache(None)
 def _compiled(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    # emulate_precision_casts: round the logits to the model dtype where the bodies say
+    # so (``.to(dtype)``), as the unfused graph does; without it Inductor keeps FP32 in
+    # registers, and the backward's recomputed logits would not match the forward's lse.
+    return torch.compile(fn, dynamic=True, fullgraph=True,
+                         options={"emulate_precision_casts": True})
 
 
 def _fwd_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool):
-    z = _scaled(F.linear(h, w, b), scale, is_div)
+    z = _scaled(F.linear(h, w, b).to(h.dtype), scale, is_div)
     lse = _logsumexp(z)
     logprob = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse if tokens is not None else None
     entropy = None

@@ -182,7 +182,7 @@ class _Matcher:
 
     def _moved_scale(self, node: Node) -> Optional[tuple[Node, Any, bool]]:
         """A model-precision ``x / t`` feeding only the region: (x, t, is_div) to divide after."""
-        src = tensor_input(node)
+        src = _scaled_operand(node)
         try:
             s = _scalar_operand(node, src)
         except Decline:
@@ -370,15 +370,31 @@ class _Matcher:
         return next(iter(found))[1] if found else None
 
 
+def _scaled_operand(node: Node) -> Optional[Node]:
+    """The tensor that ``node`` scales by a scalar (``x / s``, ``x * s`` or ``s * x``)."""
+    if canon(node) not in ("div", "mul"):
+        return None
+    for cand in (tensor_input(node), get_arg(node, "other")):
+        if isinstance(cand, Node) and meta(cand) is not None and getattr(meta(cand), "shape", None) == meta(node).shape:
+            try:
+                if _scalar_operand(node, cand) is not None:
+                    return cand
+            except Decline:
+                return cand  # a scaling the matcher will decline with its reason
+    return None
+
+
 def _walk_back(head: Node) -> Node:
     """From a head's input, back through FP32 row views and scalings, to the root."""
     cur = tensor_input(head)
     while isinstance(cur, Node) and is_fp32(cur):
         src = tensor_input(cur)
-        if not isinstance(src, Node):
-            break
-        if _is_row_view(cur, src) or (canon(cur) in ("div", "mul") and is_fp32(src)):
+        if isinstance(src, Node) and _is_row_view(cur, src):
             cur = src
+            continue
+        scaled = _scaled_operand(cur)
+        if scaled is not None and is_fp32(scaled):
+            cur = scaled
             continue
         break
     return cur

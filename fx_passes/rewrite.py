@@ -146,10 +146,12 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
     first = min([*region.roles, *([region.moved_scale] if region.moved_scale else [])],
                 key=order.__getitem__)
-    _check_no_side_effect_between(graph, first, anchor)
+    last = max(region.roles, key=order.__getitem__)
     late = _late_index_nodes(graph, region, anchor)
-    if late:
-        _check_no_side_effect_between(graph, anchor, late[-1])
+    # The rewrite reads x and the token indices at the anchor, where the graph read them
+    # anywhere from the first to the last region node: nothing in between may mutate
+    # them or change grad mode / autocast state.
+    _check_no_side_effect_between(graph, first, max([last, *late], key=order.__getitem__))
     lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, "fuse_lm_head is off")
     for n in late:  # hoist what the token indices need to before the anchor
         anchor.prepend(n)
