@@ -1,0 +1,163 @@
+"""Bad inputs and settings: each one gets the exact message the user sees.
+
+``torch.compile`` does not call the backend until the compiled function is first
+called, so that is where a bad ``options={...}`` shows: as Dynamo's
+``BackendCompilerFailed``, whose text is ``backend='chunked_logits' raised:`` and then
+our error's type and message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fx_passes import ChunkedLogitsPass, Config
+from fx_passes.config import ENV_KILL_SWITCH, disabled_by_env
+
+NAMES = ", ".join(f.name for f in dataclasses.fields(Config))
+BOOLS = [f.name for f in dataclasses.fields(Config) if f.type == "bool"]
+INDUCTOR_HINT = "(Inductor settings go under options={'inductor': {...}})"
+
+
+def unknown(key: str, hint: str = "") -> str:
+    return f"unknown chunked_logits option {key!r}; {hint}valid options: {NAMES} {INDUCTOR_HINT}"
+
+
+def fn(x):
+    return torch.logsumexp(x.float(), dim=-1)  # rewritten when the pass runs
+
+
+def first_call_error(**compile_kwargs) -> torch._dynamo.exc.BackendCompilerFailed:
+    """What the user sees on the first call of torch.compile(fn, backend="chunked_logits", ...)."""
+    compiled = torch.compile(fn, backend="chunked_logits", **compile_kwargs)  # no error yet
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.randn(3, 5).bfloat16())
+    return info.value
+
+
+def shown(inner: Exception) -> str:
+    """The first lines of the BackendCompilerFailed text for an inner error."""
+    return f"backend='chunked_logits' raised:\n{type(inner).__name__}: {inner}"
+
+
+# ---- Config.from_options ----------------------------------------------------------------------------
+
+def test_unknown_option_without_a_close_name() -> None:
+    with pytest.raises(ValueError) as info:
+        Config.from_options({"bogus": 1})
+    assert str(info.value) == unknown("bogus")
+
+
+@pytest.mark.parametrize("typo,meant", [("strcit", "strict"), ("report-only", "report_only"),
+                                        ("remove_div_by_1", "remove_div_by_one"),
+                                        ("temperature_after_upcasts", "temperature_after_upcast")])
+def test_unknown_option_suggests_the_close_name(typo, meant) -> None:
+    with pytest.raises(ValueError) as info:
+        Config.from_options({typo: True})
+    assert str(info.value) == unknown(typo, f"did you mean {meant!r}? ")
+
+
+def test_unknown_keyword_override() -> None:
+    with pytest.raises(ValueError) as info:
+        Config.from_options(None, stirct=True)
+    assert str(info.value) == unknown("stirct", "did you mean 'strict'? ")
+
+
+@pytest.mark.parametrize("name", BOOLS)
+@pytest.mark.parametrize("value", [1, 0, "yes", "False", None, 1.0])
+def test_non_bool_values(name, value) -> None:
+    with pytest.raises(ValueError) as info:
+        Config.from_options({name: value})
+    assert str(info.value) == f"chunked_logits option {name!r} must be True or False, got {value!r}"
+
+
+@pytest.mark.skipif("chunk_budget_mib" not in NAMES, reason="no chunk budget option")
+@pytest.mark.parametrize("value", [0, -1, "32", True, None, float("nan")])
+def test_bad_chunk_budget(value) -> None:
+    with pytest.raises(ValueError) as info:
+        Config.from_options({"chunk_budget_mib": value})
+    assert str(info.value) == ("chunked_logits option 'chunk_budget_mib' must be a positive number of "
+                               f"MiB, got {value!r}; e.g. chunk_budget_mib=32")
+
+
+def test_good_options_round_trip() -> None:
+    cfg = Config.from_options({"strict": True}, report_only=True)
+    assert cfg.strict and cfg.report_only and cfg == Config(strict=True, report_only=True)
+    assert Config.from_options(None) == Config() == Config.from_options({})
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().strict = True
+
+
+# ---- through torch.compile ----------------------------------------------------------------------------
+
+def test_compile_with_unknown_option_fails_on_first_call() -> None:
+    err = first_call_error(options={"bogus": 1})
+    assert isinstance(err.inner_exception, ValueError)
+    assert str(err.inner_exception) == unknown("bogus")
+    assert str(err).startswith(shown(err.inner_exception) + "\n")
+    assert counters["chunked_logits"] == {}  # nothing ran
+
+
+def test_compile_with_a_typo_fails_with_the_suggestion() -> None:
+    err = first_call_error(options={"strict ": True})
+    assert str(err.inner_exception) == unknown("strict ", "did you mean 'strict'? ")
+
+
+def test_compile_with_non_bool_option() -> None:
+    err = first_call_error(options={"rewrite": "no"})
+    assert str(err.inner_exception) == "chunked_logits option 'rewrite' must be True or False, got 'no'"
+
+
+def test_compile_with_unknown_inductor_setting() -> None:
+    err = first_call_error(options={"inductor": {"bogus_setting": 1}})
+    assert isinstance(err.inner_exception, AttributeError)
+    assert str(err.inner_exception) == "torch._inductor.config.bogus_setting does not exist"
+
+
+def test_compile_with_unknown_mode() -> None:
+    err = first_call_error(mode="bogus-mode")
+    assert str(err.inner_exception).startswith("Unrecognized mode=bogus-mode, should be one of: ")
+
+
+@pytest.mark.xfail(strict=True, reason="bug: options={'inductor': 'max-autotune'} (not a dict) fails with "
+                   "\"dictionary update sequence element #0 has length 1; 2 is required\"")
+def test_compile_with_inductor_settings_not_a_dict() -> None:
+    err = first_call_error(options={"inductor": "max-autotune"})
+    assert "inductor" in str(err.inner_exception) and "dict" in str(err.inner_exception)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: options=['strict'] (not a mapping) fails with "
+                   "\"dictionary update sequence element #0 has length 6; 2 is required\"")
+def test_compile_with_options_not_a_mapping() -> None:
+    err = first_call_error(options=["strict"])
+    assert "chunked_logits" in str(err.inner_exception) and "dict" in str(err.inner_exception)
+
+
+@pytest.mark.xfail(strict=True, reason="bug: ChunkedLogitsPass({'strict': True}) (a dict, not a Config) is "
+                   "accepted and fails at compile time with \"'dict' object has no attribute 'key'\"")
+def test_pre_grad_pass_with_a_dict_instead_of_a_config() -> None:
+    with pytest.raises((TypeError, ValueError), match="Config"):
+        ChunkedLogitsPass({"strict": True})
+
+
+# ---- the kill switch --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,off", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                       ("0", False), ("", False), ("no", False), ("off", False)])
+def test_kill_switch_values(value, off, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_KILL_SWITCH, value)
+    assert disabled_by_env() is off
+
+
+def test_kill_switch_makes_the_backend_stock_inductor(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_KILL_SWITCH, "1")
+    x = torch.randn(4, 9).bfloat16()
+    got = torch.compile(fn, backend="chunked_logits")(x)
+    assert counters["chunked_logits"].get("rewritten", 0) == 0
+    torch.testing.assert_close(got, fn(x))

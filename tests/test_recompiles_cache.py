@@ -1,0 +1,217 @@
+"""Recompiles and caching.
+
+* ``dynamic=True``: a loop over 20 different lengths compiles once (and the rewrite
+  holds on every length).
+* FX graph cache, across processes (tests/cache_child.py, a temporary
+  TORCHINDUCTOR_CACHE_DIR): hit with the same code and config; missed when the config
+  changes and when the pass's code changes.
+* ``ChunkedLogitsPass.uuid()`` (the pre-grad pass's part of Inductor's cache key)
+  changes with the config and with the content of any source file of the package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fx_passes
+import fx_passes.passes
+from fx_passes import ChunkedLogitsPass, Config
+from fx_passes.backend import chunked_logits
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHILD = pathlib.Path(__file__).resolve().parent / "cache_child.py"
+
+
+# ---- recompiles ----------------------------------------------------------------------------------
+
+def shifted_step(logits, tokens, advantages):
+    """A policy-gradient step on [B, S, V] logits with the usual shift."""
+    z = logits[:, :-1].float() / 0.7
+    logp = torch.log_softmax(z, dim=-1)
+    logprob = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(torch.softmax(z, dim=-1) * logp).sum(-1)
+    return -(logprob * advantages[:, 1:]).mean() - 0.01 * entropy.mean()
+
+
+class CountingBackend:
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return chunked_logits(gm, example_inputs)
+
+
+def step_inputs(seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, seq, 37, generator=g) * 3).bfloat16().requires_grad_()
+    return x, torch.randint(0, 37, (2, seq), generator=g), torch.randn(2, seq, generator=g)
+
+
+def test_dynamic_true_compiles_once_for_20_lengths() -> None:
+    backend = CountingBackend()
+    compiled = torch.compile(shifted_step, backend=backend, dynamic=True)
+    # 20 sequence lengths, so 20 numbers of scored rows (S - 1 >= 2).  None equals the
+    # batch (2) or the vocabulary (37): Dynamo would give equal sizes one symbol.
+    lengths = [3, 5, 8, 11, 13, 17, 20, 23, 29, 31, 40, 41, 50, 64, 65, 77, 90, 100, 128, 150]
+    assert len(set(lengths)) == 20
+    for i, seq in enumerate(lengths):
+        x, tok, adv = step_inputs(seq, i)
+        loss = compiled(x, tok, adv)
+        loss.backward()
+        x_ref = x.detach().clone().requires_grad_()
+        want = shifted_step(x_ref, tok, adv)
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad.float(), x_ref.grad.float(), rtol=1e-2, atol=1e-3)
+    assert backend.graphs == 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["chunked_logits"]["rewritten"] == 1
+    assert counters["chunked_logits"]["declined"] == 0
+
+
+def test_default_dynamic_compiles_at_most_twice() -> None:
+    """dynamic=None (the default): one static graph, then one dynamic graph for all others."""
+    backend = CountingBackend()
+
+    def score(logits, tokens):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp.gather(-1, tokens[:, None]).squeeze(-1)
+    compiled = torch.compile(score, backend=backend)
+    with torch.no_grad():
+        for seq in range(3, 23):
+            g = torch.Generator().manual_seed(seq)
+            x = torch.randn(seq, 37, generator=g).bfloat16()
+            tok = torch.randint(0, 37, (seq,), generator=g)
+            torch.testing.assert_close(compiled(x, tok), score(x, tok), rtol=1e-5, atol=1e-5)
+    assert backend.graphs == 2
+    assert counters["chunked_logits"]["rewritten"] == 2
+
+
+# ---- uuid ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def package_copy(tmp_path, monkeypatch):
+    """A copy of fx_passes that source_hash() reads instead of the real one."""
+    copy = tmp_path / "fx_passes"
+    shutil.copytree(pathlib.Path(fx_passes.__file__).parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(fx_passes.passes, "__file__", str(copy / "passes.py"))
+    fx_passes.passes.source_hash.cache_clear()
+    yield copy
+    fx_passes.passes.source_hash.cache_clear()
+
+
+def test_uuid_is_stable_for_the_same_code_and_config() -> None:
+    assert ChunkedLogitsPass().uuid() == ChunkedLogitsPass(Config()).uuid()
+    assert ChunkedLogitsPass(Config(strict=True)).uuid() == ChunkedLogitsPass(Config(strict=True)).uuid()
+
+
+def test_uuid_changes_with_the_config() -> None:
+    names = [f for f in Config.__dataclass_fields__ if isinstance(getattr(Config(), f), bool)]
+    uuids = {ChunkedLogitsPass(Config(**{f: not getattr(Config(), f)})).uuid() for f in names}
+    assert len(uuids) == len(names) and ChunkedLogitsPass().uuid() not in uuids
+
+
+@pytest.mark.parametrize("file", ["passes.py", "ops.py", "match.py", "config.py"])
+def test_uuid_changes_when_a_source_file_changes(package_copy, file) -> None:
+    before = ChunkedLogitsPass().uuid()
+    fx_passes.passes.source_hash.cache_clear()
+    assert ChunkedLogitsPass().uuid() == before  # a copy with the same content: the same key
+    (package_copy / file).write_text((package_copy / file).read_text() + "\n# changed\n")
+    fx_passes.passes.source_hash.cache_clear()
+    assert ChunkedLogitsPass().uuid() != before
+
+
+def test_uuid_changes_when_a_source_file_is_added(package_copy) -> None:
+    before = ChunkedLogitsPass().uuid()
+    (package_copy / "extra.py").write_text("X = 1\n")
+    fx_passes.passes.source_hash.cache_clear()
+    assert ChunkedLogitsPass().uuid() != before
+
+
+# ---- FX graph cache across processes ---------------------------------------------------------------
+
+def run_child(cache_dir, options: dict, pythonpath: pathlib.Path = ROOT) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TORCH_LOGS"))}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(pythonpath),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+    proc = subprocess.run([sys.executable, str(CHILD), json.dumps(options)], env=env, cwd=str(cache_dir),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def hits(mode: dict) -> tuple[int, int]:
+    c = mode["inductor"]
+    return c.get("fxgraph_cache_hit", 0), c.get("fxgraph_cache_miss", 0)
+
+
+ALL_DEFAULT = {"train": {}, "score": {}, "pre_grad": {}}
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """One cache directory, filled by a first process with the default config."""
+    cache = tmp_path_factory.mktemp("inductor_cache")
+    first = run_child(cache, ALL_DEFAULT)
+    assert pathlib.Path(first["fx_passes"]).resolve() == ROOT / "fx_passes" / "__init__.py"
+    for mode in ALL_DEFAULT:
+        assert first[mode]["chunked_logits"] == {"rewritten": 1}, mode
+    assert hits(first["train"]) == (0, 2)  # forward and backward graphs
+    assert hits(first["score"]) == (0, 1)
+    assert hits(first["pre_grad"]) == (0, 1)
+    return cache, first
+
+
+def test_fx_graph_cache_hit_in_a_new_process(cold) -> None:
+    cache, first = cold
+    warm = run_child(cache, ALL_DEFAULT)
+    assert hits(warm["train"]) == (2, 0)
+    assert hits(warm["score"]) == (1, 0)
+    assert hits(warm["pre_grad"]) == (1, 0)
+    for mode in ALL_DEFAULT:
+        assert warm[mode]["checksum"] == first[mode]["checksum"], mode
+    assert warm["uuid"] == first["uuid"]
+
+
+def test_fx_graph_cache_missed_when_the_config_changes(cold) -> None:
+    """The backend: another config is another graph.  The pre-grad pass: another uuid, even
+    for a setting (strict) that leaves the graph as it was."""
+    cache, first = cold
+    other = run_child(cache, {"score": {"rewrite": False}, "pre_grad": {"strict": True}})
+    assert other["score"]["chunked_logits"] == {"would_rewrite": 1}
+    assert hits(other["score"]) == (0, 1)
+    assert other["uuid"] != first["uuid"]
+    assert hits(other["pre_grad"]) == (0, 1)
+
+
+def test_fx_graph_cache_missed_when_the_pass_code_changes(cold, tmp_path) -> None:
+    """A copy of the package whose backward doubles the gradient: a new process that imports
+    it must not get the old compiled graphs from the cache (it must compute the new gradient)."""
+    cache, first = cold
+    pkg = tmp_path / "pkg"
+    shutil.copytree(ROOT / "fx_passes", pkg / "fx_passes", ignore=shutil.ignore_patterns("__pycache__"))
+    ops = pkg / "fx_passes" / "ops.py"
+    text = ops.read_text()
+    assert text.count("return grad_z.to(x.dtype), ") == 1, "ops.py changed: update this test"
+    ops.write_text(text.replace("return grad_z.to(x.dtype), ", "return (2 * grad_z).to(x.dtype), "))
+
+    changed = run_child(cache, {"train": {}, "pre_grad": {}}, pythonpath=pkg)
+    assert pathlib.Path(changed["fx_passes"]).resolve() == (pkg / "fx_passes" / "__init__.py").resolve()
+    assert changed["train"]["chunked_logits"] == {"rewritten": 1}
+    assert hits(changed["train"])[1] >= 1  # the backward graph at least is compiled anew
+    loss, grad = changed["train"]["checksum"]
+    assert loss == first["train"]["checksum"][0]
+    assert grad == pytest.approx(2 * first["train"]["checksum"][1], rel=1e-2)  # the new code ran
+    assert changed["uuid"] != first["uuid"]  # the source hash is part of the pre-grad key
+    assert hits(changed["pre_grad"]) == (0, 1)
