@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-long bench lint
+.PHONY: setup demo test test-long bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the property suite's deep profile (minutes, not run by CI)
+test-long: setup
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_properties.py
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

@@ -25,6 +25,10 @@ def _codes(name, backend, dynamic):
 def test_no_full_size_fp32_buffer(name, dynamic):
     codes = _codes(name, "chunked_logits", dynamic)
     assert counters["chunked_logits"]["rewritten"] == 1
+    if name == "W4":
+        # the lm_head loop bodies (one row chunk / vocabulary block each, sized by the
+        # budget) are compiled on first use too; the outer graph is what calls the op
+        codes = [c for c in codes if "torch.ops.chunked_logits.lm_head_stats" in c]
     assert len(codes) == (2 if WORKLOADS[name].train else 1)  # forward (+ backward)
     assert full_fp32_buffers(codes, T, V) == []
 
