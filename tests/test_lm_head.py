@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from tests.codegen import allocations, full_fp32_buffers, step_codes
 from tests.helpers import rewrite
-from tests.test_numerics import F32, max_err, mean_err, reference, run
+from tests.test_numerics import F32, assert_no_less_accurate, reference, run
 from tests.workloads import WORKLOADS, run_step
 
 
@@ -69,12 +69,8 @@ def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
     fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1})
     outs, grads = run(fused, inputs, grad_pos)
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
-    for got, stock, ref in zip(outs, stock_outs, ref_outs):
-        assert max_err(got, ref) <= max_err(stock, ref) + out_rtol * ref.abs().max().item()
-    for got, stock, ref in zip(grads, stock_grads, ref_grads):
-        assert got.dtype == dtype and got.shape == stock.shape
-        assert max_err(got, ref) <= max_err(stock, ref) + grad_rtol * ref.abs().max().item()
-        assert mean_err(got, ref) <= 1.1 * mean_err(stock, ref) + 1e-9
+    assert_no_less_accurate((outs, grads), (stock_outs, stock_grads), (ref_outs, ref_grads),
+                            dtype, out_rtol, grad_rtol)
 
 
 def test_no_logits_buffer_at_all():

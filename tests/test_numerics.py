@@ -163,6 +163,24 @@ def reference(fn, inputs, grad_pos):
     return outs, grads
 
 
+def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol):
+    """Each (outputs, gradients) of ours is no further from FP64 than stock's, plus the
+    per-dtype tolerance; gradients land in the model dtype."""
+    for got, st, r in zip(ours[0], stock[0], ref[0]):
+        assert got.dtype == st.dtype and got.shape == st.shape
+        # Outputs are O(1) log-probs or reductions of them: a loss that averages to 0.1
+        # still carries the rounding of its O(10) terms, so the scale is at least 1.
+        scale = max(r.double().abs().nan_to_num(0, 0, 0).max().item(), 1.0)
+        assert max_err(got, r) <= max_err(st, r) + out_rtol * scale
+    for got, st, r in zip(ours[1], stock[1], ref[1]):
+        assert got.dtype == dtype and got.shape == st.shape
+        scale = r.abs().max().item() or 1.0
+        assert max_err(got, r) <= max_err(st, r) + grad_rtol * scale
+        # The max is dominated by the final rounding to the model dtype, which both
+        # paths share; a small systematic error shows in the mean instead.
+        assert mean_err(got, r) <= 1.1 * mean_err(st, r) + 1e-9
+
+
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("case", CASES)
 def test_no_less_accurate_than_stock(case, dtype, out_rtol, grad_rtol):
@@ -175,19 +193,8 @@ def test_no_less_accurate_than_stock(case, dtype, out_rtol, grad_rtol):
     outs, grads = run(torch.compile(fn, backend="chunked_logits"), inputs, grad_pos)
     assert counters["chunked_logits"]["rewritten"] >= 1, dict(counters["chunked_logits"])
 
-    for got, stock, ref in zip(outs, stock_outs, ref_outs):
-        assert got.dtype == stock.dtype and got.shape == stock.shape
-        # Outputs are O(1) log-probs or reductions of them: a loss that averages to 0.1
-        # still carries the rounding of its O(10) terms, so the scale is at least 1.
-        scale = max(ref.double().abs().nan_to_num(0, 0, 0).max().item(), 1.0)
-        assert max_err(got, ref) <= max_err(stock, ref) + out_rtol * scale
-    for got, stock, ref in zip(grads, stock_grads, ref_grads):
-        assert got.dtype == dtype
-        scale = ref.abs().max().item() or 1.0
-        assert max_err(got, ref) <= max_err(stock, ref) + grad_rtol * scale
-        # The max is dominated by the final rounding to the model dtype, which both
-        # paths share; a small systematic error shows in the mean instead.
-        assert mean_err(got, ref) <= 1.1 * mean_err(stock, ref) + 1e-9
+    assert_no_less_accurate((outs, grads), (stock_outs, stock_grads), (ref_outs, ref_grads),
+                            dtype, out_rtol, grad_rtol)
 
 
 def test_dynamic_shapes_match_reference_across_lengths():
