@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from tests.codegen import allocations, full_fp32_buffers, step_codes
 from tests.helpers import rewrite
-from tests.test_numerics import F32, assert_no_less_accurate, reference, run
+from tests.test_numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
 from tests.workloads import WORKLOADS, run_step
 
 
@@ -54,10 +54,7 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", [
-    pytest.param(torch.bfloat16, 2e-6, 2**-8, id="bf16"),
-    pytest.param(torch.float16, 2e-6, 2**-11, id="fp16"),
-])
+@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("name", ["logprob_entropy", "ce_bias_shift", "tied"])
 def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _inputs(name, dtype)
