@@ -23,9 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.workloads import WORKLOADS, Workload, run_step  # noqa: E402
+from tests.workloads import ALL_WORKLOADS, Workload, run_step  # noqa: E402
 
-__all__ = ["MODES", "STOCK", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
+__all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
            "limit_bytes", "errors", "pass_report", "snapshot"]
 
 MODES = {
@@ -34,7 +34,21 @@ MODES = {
     "autochunk": "stock Inductor with auto_chunker.enable=True",
     "chunked_logits": 'torch.compile(backend="chunked_logits")',
     "chunked_logits_dyn": 'torch.compile(backend="chunked_logits", dynamic=True)',
+    "chunked_logits_up": 'torch.compile(backend="chunked_logits", options={"upgrade_low_precision": True})',
+    "chunked_logits_up_dyn": "the same with dynamic=True",
 }
+UPGRADE_OPTIONS = {"upgrade_low_precision": True}
+
+
+def default_modes(name: str) -> list[str]:
+    """The modes worth running for workload ``name``.
+
+    The upgrade modes only differ from ``chunked_logits`` on graphs that never upcast
+    (U1-U3), where the AutoChunker has no matmul to chunk; W1-W5 always upcast.
+    """
+    if ALL_WORKLOADS[name].upgrade:
+        return ["eager", "inductor", "chunked_logits", "chunked_logits_up", "chunked_logits_up_dyn"]
+    return [m for m in MODES if not m.startswith("chunked_logits_up")]
 STOCK = "inductor"
 LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
@@ -89,17 +103,21 @@ def compile_mode(fn: Callable, mode: str) -> Callable:
         return torch.compile(f, backend="chunked_logits")
     if mode == "chunked_logits_dyn":
         return torch.compile(f, backend="chunked_logits", dynamic=True)
+    if mode == "chunked_logits_up":
+        return torch.compile(f, backend="chunked_logits", options=UPGRADE_OPTIONS)
+    if mode == "chunked_logits_up_dyn":
+        return torch.compile(f, backend="chunked_logits", dynamic=True, options=UPGRADE_OPTIONS)
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
 
 
 def sizes(name: str, scale: int = 1) -> tuple[int, int]:
     """(T, V) of workload ``name``: the issue's full size divided by ``scale``."""
-    T, V = WORKLOADS[name].full_size
+    T, V = ALL_WORKLOADS[name].full_size
     return max(T // scale, 1), max(V // scale, 2)
 
 
 def make_inputs(name: str, T: int, V: int, seed: int = 0) -> tuple:
-    return WORKLOADS[name].make(T, V, torch.bfloat16, seed)
+    return ALL_WORKLOADS[name].make(T, V, torch.bfloat16, seed)
 
 
 @dataclasses.dataclass
@@ -125,7 +143,7 @@ class Case:
 
 def make_case(name: str, mode: str, T: int, V: int, inputs: tuple | None = None) -> Case:
     """The setup factory: pass ``inputs`` to share one set of inputs between modes."""
-    w = WORKLOADS[name]
+    w = ALL_WORKLOADS[name]
     inputs = make_inputs(name, T, V) if inputs is None else inputs
     return Case(name, mode, T, V, w, compile_mode(w.fn, mode), inputs)
 
@@ -133,14 +151,15 @@ def make_case(name: str, mode: str, T: int, V: int, inputs: tuple | None = None)
 def limit_bytes(name: str, T: int, V: int) -> int:
     """The memory one step must allocate at least (the physical limit).
 
-    Scoring (W1, W2): the FP32 [T] outputs.  W3, W5: the bf16 logits gradient.
-    W4: bf16 grad of hidden and of weight, plus one FP32 chunk of 256 rows of logits.
+    Scoring (W1, W2, U1, U2): the FP32 [T] outputs.  W3, W5, U3: the bf16 logits
+    gradient.  W4, W4L: bf16 grad of hidden and of weight, plus one FP32 chunk of 256
+    rows of logits.
     """
-    if name == "W1":
+    if name in ("W1", "U1"):
         return 4 * T
-    if name == "W2":
+    if name in ("W2", "U2"):
         return 2 * 4 * T
-    if name == "W4":
+    if name in ("W4", "W4L"):
         H = LM_HEAD_HIDDEN
         return 2 * T * H + 2 * V * H + 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
     return 2 * T * V

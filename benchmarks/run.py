@@ -1,7 +1,9 @@
-"""Benchmark W1-W5 under eager, stock Inductor, Inductor+AutoChunker and chunked_logits.
+"""Benchmark the workloads under eager, stock Inductor, Inductor+AutoChunker and chunked_logits.
 
-    .venv/bin/python benchmarks/run.py                        # full size, all of it
+    .venv/bin/python benchmarks/run.py                        # full size, W1-W5
     .venv/bin/python benchmarks/run.py --scale 8 --workloads W1,W3
+    .venv/bin/python benchmarks/run.py --workloads U1,U2,U3   # the FP32 upgrade (issue 6)
+    .venv/bin/python benchmarks/run.py --workloads W4L --steps 3   # W4 at long T (issue 3)
 
 The parent process only orchestrates: every memory case (workload, mode) runs in a
 fresh child process (``--case W3 --mode chunked_logits``), and the timing of each
@@ -25,20 +27,23 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.cases import MODES, STOCK, limit_bytes, sizes  # noqa: E402
+from benchmarks.cases import MODES, STOCK, default_modes, limit_bytes, sizes  # noqa: E402
 from benchmarks.memory import MALLOC_ENV, MIB  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
 # The package's environment switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
 # CHUNKED_LOGITS_DISABLE=1 takes it out of the backend): kept away from the children.
 SWITCHES = "CHUNKED_LOGITS"
-ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
+DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
+ALL_WORKLOADS = DEFAULT_WORKLOADS + ("W4L", "U1", "U2", "U3")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=",".join(ALL_WORKLOADS), help="comma list, e.g. W1,W3")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma list of {', '.join(ALL_WORKLOADS)} (default: W1-W5)")
+    p.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} "
+                   "(default: those that apply to the workload, see benchmarks/README.md)")
     p.add_argument("--time-modes", default=None, help="modes to time (default: --modes)")
     p.add_argument("--scale", type=int, default=1, help="divide T and V by this (quick runs)")
     p.add_argument("--steps", type=int, default=7, help="timed steps per mode (after warm-up)")
@@ -55,9 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.workloads = _names(args.workloads, ALL_WORKLOADS)
-    args.modes = _names(args.modes, MODES)
-    args.time_modes = _names(args.time_modes, MODES) if args.time_modes else args.modes
+    args.modes = _names(args.modes, MODES) if args.modes else None
+    args.time_modes = _names(args.time_modes, MODES) if args.time_modes else None
     return args
+
+
+def modes_of(args, name: str) -> tuple[list[str], list[str]]:
+    """(memory modes, time modes) of workload ``name``."""
+    modes = args.modes or default_modes(name)
+    return modes, args.time_modes or modes
 
 
 def _names(text: str, known) -> list[str]:
@@ -150,8 +161,7 @@ def child_main(args) -> None:
 def spawn(args, extra: list[str], env_extra: dict | None = None) -> dict:
     """Run this script as a child with ``extra`` arguments; its result dict or an error."""
     cmd = [sys.executable, __file__, "--scale", str(args.scale), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--threads", str(args.threads),
-           "--time-modes", ",".join(args.time_modes), *extra]
+           "--steps", str(args.steps), "--threads", str(args.threads), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCHES)}
     env.update(env_extra or {})
     try:
@@ -174,7 +184,7 @@ def _error_line(stderr: str) -> str:
 
 
 def run_memory(args, name: str, rows: dict) -> None:
-    for mode in args.modes:
+    for mode in modes_of(args, name)[0]:
         t0 = time.time()
         res = spawn(args, ["--case", name, "--mode", mode], MALLOC_ENV)
         rows[(name, mode)].update(res)
@@ -184,10 +194,11 @@ def run_memory(args, name: str, rows: dict) -> None:
 
 def run_time(args, name: str, rows: dict) -> None:
     t0 = time.time()
-    extra = ["--time", name] + (["--report"] if args.skip_memory else [])
-    res = spawn(args, extra)
+    time_modes = modes_of(args, name)[1]
+    extra = ["--time", name, "--time-modes", ",".join(time_modes)]
+    res = spawn(args, extra + (["--report"] if args.skip_memory else []))
     if "error" in res and len(res) == 1:
-        res = {m: dict(res) for m in args.time_modes}
+        res = {m: dict(res) for m in time_modes}
     stock = res.get(STOCK, {}).get("t_median_ms")
     for mode, r in res.items():
         if stock and "t_median_ms" in r:
@@ -220,7 +231,7 @@ def parent_main(args) -> None:
     rows: dict = {}
     for name in args.workloads:
         T, V = sizes(name, args.scale)
-        for mode in dict.fromkeys(args.modes + args.time_modes):
+        for mode in dict.fromkeys(sum(modes_of(args, name), [])):
             rows[(name, mode)] = {"workload": name, "mode": mode, "T": T, "V": V,
                                   "limit_mib": limit_bytes(name, T, V) / MIB}
         print(f"{name}: T={T} V={V}", flush=True)

@@ -1,4 +1,4 @@
-"""The W1-W5 workloads of the issue, shared by the tests and the benchmarks.
+"""The workloads of the issues (W1-W5, W4L, U1-U3), shared by the tests and the benchmarks.
 
 Each workload is a plain function of tensors plus a factory for its inputs, so a
 test can run it at toy size and a benchmark at full size with the same code.
@@ -49,6 +49,31 @@ def w5_cross_entropy(logits, labels):
     return F.cross_entropy(logits.float(), labels, ignore_index=-100)
 
 
+# --- the opt-in FP32 upgrade (Config.upgrade_low_precision): graphs that never upcast ---
+
+def u1_bf16_logprob(logits, tokens):
+    """What several RL trainers do to save memory: temperature and log_softmax in model precision."""
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def u2_bf16_logprob_entropy_per_sequence(logits, tokens):
+    """The same with entropy, one sequence of the batch at a time (to bound memory)."""
+    logprobs, entropies = [], []
+    for i in range(logits.shape[0]):
+        logp = torch.log_softmax(logits[i] / TEMPERATURE, dim=-1)
+        logprobs.append(logp.gather(-1, tokens[i].unsqueeze(-1)).squeeze(-1))
+        entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(logprobs), torch.stack(entropies)
+
+
+def u3_bf16_policy_loss(logits, tokens, advantages):
+    """Training on the model-precision log-probs."""
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return -(logprob * advantages).mean()
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     name: str
@@ -57,6 +82,7 @@ class Workload:
     make: Callable  # (T, V, dtype, seed) -> tuple of inputs
     full_size: tuple[int, int]  # (T, V) of the issue's benchmark
     grad_inputs: tuple[int, ...] = ()  # positions of inputs that get gradients
+    upgrade: bool = False  # rewritten only with Config(upgrade_low_precision=True)
 
 
 def _logits(T, V, dtype, g, requires_grad=False):
@@ -90,6 +116,20 @@ def _make_ce(T, V, dtype=torch.bfloat16, seed=0):
     return _logits(T, V, dtype, g, True), labels
 
 
+def _make_batched_scoring(T, V, dtype=torch.bfloat16, seed=0, B=4):
+    """[B, T/B, V] logits (T = 4096 gives the issue's [4, 1024, 32000])."""
+    g = torch.Generator().manual_seed(seed)
+    S = max(T // B, 1)
+    x = (torch.randn(B, S, V, generator=g) * 3).to(dtype)
+    return x, torch.randint(0, V, (B, S), generator=g)
+
+
+def _make_batched_policy(T, V, dtype=torch.bfloat16, seed=0, B=4):
+    x, tokens = _make_batched_scoring(T, V, dtype, seed, B)
+    g = torch.Generator().manual_seed(seed + 1)
+    return x.requires_grad_(True), tokens, torch.randn(tokens.shape, generator=g)
+
+
 WORKLOADS = {
     "W1": Workload("W1", w1_logprob, False, _make_scoring, (4096, 32768)),
     "W2": Workload("W2", w2_logprob_entropy, False, _make_scoring, (4096, 32768)),
@@ -97,6 +137,17 @@ WORKLOADS = {
     "W4": Workload("W4", w4_lm_head_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
     "W5": Workload("W5", w5_cross_entropy, True, _make_ce, (4096, 32768), (0,)),
 }
+
+# Benchmarked besides W1-W5: W4 at long T (issue 3) and the upgrade workloads (issue 6).
+EXTRA_WORKLOADS = {
+    "W4L": Workload("W4L", w4_lm_head_loss, True, _make_lm_head, (16384, 32768), (0, 1)),
+    "U1": Workload("U1", u1_bf16_logprob, False, _make_batched_scoring, (4096, 32000), upgrade=True),
+    "U2": Workload("U2", u2_bf16_logprob_entropy_per_sequence, False, _make_batched_scoring,
+                   (4096, 32000), upgrade=True),
+    "U3": Workload("U3", u3_bf16_policy_loss, True, _make_batched_policy, (4096, 32000), (0,),
+                   upgrade=True),
+}
+ALL_WORKLOADS = {**WORKLOADS, **EXTRA_WORKLOADS}
 
 
 def run_step(workload: Workload, fn: Callable, inputs: tuple):
