@@ -131,3 +131,79 @@ def test_upgrade_off_leaves_graph_untouched_and_on_says_so(caplog):
                            upgrade_low_precision=True)
     assert "row_stats" in after
     assert "upgraded to FP32" in caplog.text
+
+
+# --- the upgrade through every way of enabling the pass -------------------------------
+
+UPGRADE_SCRIPT = '''
+import json
+import torch
+from torch._dynamo.utils import counters
+
+def logprob(logits, tokens):  # a trainer's bf16-only path, compiled with stock inductor
+    logits = logits / 0.7
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+g = torch.Generator().manual_seed(0)
+x = (torch.randn(64, 2048, generator=g) * 3).bfloat16()
+tok = torch.randint(0, 2048, (64,), generator=g)
+with torch.no_grad():
+    out = torch.compile(logprob)(x, tok)
+ref = torch.log_softmax(x.double() / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1)
+print(json.dumps({"counters": dict(counters["chunked_logits"]), "dtype": str(out.dtype),
+                  "err": (out.double() - ref).abs().max().item()}))
+'''
+
+
+def _run_script(tmp_path, argv, **env):
+    import json
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "job.py"
+    script.write_text(UPGRADE_SCRIPT)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")},
+           "TORCH_LOGS": "fx_passes", **env}
+    proc = subprocess.run([*argv, str(script)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["launcher flag", "env switch", "env switch, option unset"])
+def test_upgrade_through_launcher_and_env_switch(tmp_path, how):
+    import pathlib
+    import sys
+    launcher = [str(pathlib.Path(sys.executable).parent / "chunked-logits"), "run",
+                "--upgrade-low-precision", "--"]
+    argv, env = {
+        "launcher flag": (launcher, {}),
+        "env switch": ([sys.executable], {"CHUNKED_LOGITS": "1",
+                                          "CHUNKED_LOGITS_OPTIONS": "upgrade_low_precision"}),
+        "env switch, option unset": ([sys.executable], {"CHUNKED_LOGITS": "1"}),
+    }[how]
+    out, err = _run_script(tmp_path, argv, **env)
+    if how.endswith("unset"):  # off by default: the bf16 graph and its error stay
+        assert out["counters"] == {} and out["dtype"] == "torch.bfloat16" and out["err"] > 1e-2
+        assert "upgraded to FP32" not in err
+    else:
+        assert out["counters"] == {"rewritten": 1} and out["dtype"] == "torch.float32"
+        assert out["err"] <= 1e-4
+        assert "upgraded to FP32" in err
+
+
+def test_upgrade_through_install_and_backend_options():
+    import fx_passes
+    x = (torch.randn(32, 512) * 3).bfloat16()
+    tok = torch.randint(0, 512, (32,))
+    ref = torch.log_softmax(x.double() / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1)
+    with fx_passes.install(upgrade_low_precision=True):
+        out = torch.compile(bf16_logprob)(x, tok)
+    assert chunked_counters() == {"rewritten": 1}
+    assert out.dtype == torch.float32 and (out.double() - ref).abs().max() <= 1e-4
+    torch._dynamo.reset()
+    counters.clear()
+    with fx_passes.install():  # installed without the option: untouched
+        out = torch.compile(bf16_logprob)(x, tok)
+    assert chunked_counters() == {} and out.dtype == torch.bfloat16
