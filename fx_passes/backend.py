@@ -32,8 +32,21 @@ def chunked_logits(
     """
     from torch._inductor.compile_fx import compile_fx
 
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            f"chunked_logits: options must be a dict of option names to values, got "
+            f"{type(options).__name__} {options!r}; e.g. options={{'strict': True}}"
+        )
     options = dict(options or {})
-    inductor_options = dict(options.pop("inductor", None) or {})
+    inductor_options = options.pop("inductor", None) or {}
+    if not isinstance(inductor_options, Mapping):
+        raise TypeError(
+            f"chunked_logits: options['inductor'] must be a dict of Inductor settings, got "
+            f"{type(inductor_options).__name__} {inductor_options!r}; for an Inductor mode "
+            f"use torch.compile(..., mode={inductor_options!r}) or e.g. "
+            f"options={{'inductor': {{'max_autotune': True}}}}"
+        )
+    inductor_options = dict(inductor_options)
     config = Config.from_options(options)  # validates before any work
     if mode is not None:
         inductor_options = {**torch._inductor.list_mode_options(mode), **inductor_options}

@@ -139,6 +139,11 @@ class ChunkedLogitsPass(CustomGraphPass):
     """The passes as an Inductor ``pre_grad_custom_pass`` (it gets a Dynamo graph)."""
 
     def __init__(self, config: Config | None = None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(
+                f"ChunkedLogitsPass takes a fx_passes.Config, got {type(config).__name__} "
+                f"{config!r}; e.g. ChunkedLogitsPass(Config.from_options({{'strict': True}}))"
+            )
         self.config = config or Config()
 
     def __call__(self, graph: Graph) -> None:

@@ -125,25 +125,27 @@ def test_compile_with_unknown_mode() -> None:
     assert str(err.inner_exception).startswith("Unrecognized mode=bogus-mode, should be one of: ")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: options={'inductor': 'max-autotune'} (not a dict) fails with "
-                   "\"dictionary update sequence element #0 has length 1; 2 is required\"")
 def test_compile_with_inductor_settings_not_a_dict() -> None:
     err = first_call_error(options={"inductor": "max-autotune"})
-    assert "inductor" in str(err.inner_exception) and "dict" in str(err.inner_exception)
+    assert str(err.inner_exception) == (
+        "chunked_logits: options['inductor'] must be a dict of Inductor settings, got str "
+        "'max-autotune'; for an Inductor mode use torch.compile(..., mode='max-autotune') or e.g. "
+        "options={'inductor': {'max_autotune': True}}")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: options=['strict'] (not a mapping) fails with "
-                   "\"dictionary update sequence element #0 has length 6; 2 is required\"")
 def test_compile_with_options_not_a_mapping() -> None:
     err = first_call_error(options=["strict"])
-    assert "chunked_logits" in str(err.inner_exception) and "dict" in str(err.inner_exception)
+    assert str(err.inner_exception) == (
+        "chunked_logits: options must be a dict of option names to values, got list ['strict']; "
+        "e.g. options={'strict': True}")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ChunkedLogitsPass({'strict': True}) (a dict, not a Config) is "
-                   "accepted and fails at compile time with \"'dict' object has no attribute 'key'\"")
 def test_pre_grad_pass_with_a_dict_instead_of_a_config() -> None:
-    with pytest.raises((TypeError, ValueError), match="Config"):
+    with pytest.raises(TypeError) as err:
         ChunkedLogitsPass({"strict": True})
+    assert str(err.value) == (
+        "ChunkedLogitsPass takes a fx_passes.Config, got dict {'strict': True}; "
+        "e.g. ChunkedLogitsPass(Config.from_options({'strict': True}))")
 
 
 # ---- the kill switch --------------------------------------------------------------------------------
