@@ -140,8 +140,15 @@ def is_metadata_query(node: Node) -> bool:
     return False
 
 
+# Calls whose only effect is telemetry; Dynamo keeps them in the graph (e.g. a loss
+# module built inside the compiled code logs its construction), they touch no tensor.
+_TELEMETRY = (torch._C._log_api_usage_once,)
+
+
 def is_pure(node: Node) -> bool:
     """Safe to move: computes a value from its inputs, no side effect."""
+    if node.op == "call_function" and node.target in _TELEMETRY:
+        return True
     if node.op == "call_method":
         return not str(node.target).endswith("_")
     if node.op != "call_function":

@@ -40,7 +40,7 @@ class Sink:
     node: Node
     role: str
     keepdim: bool = False
-    ignore_index: int = -100
+    ignore_index: Any = -100  # an int, or a SymInt input's placeholder
     reduction: str = "none"
 
 
@@ -264,6 +264,9 @@ class _Matcher:
                         continue  # the model-precision logits may be read by anything
                     if u.op == "output" or self.roles.get(node) in ("lse", "expected_z"):
                         continue  # a per-row result read outside, or an escape checked later
+                    if any(o.op == "output" for o in node.users) and self.roles.get(node) not in SINK_ROLES:
+                        # the FP32 tensor itself is a graph output: that decides, whatever else reads it
+                        raise Decline(Reason.ESCAPES, f"{node.name} is read by the graph output")
                     raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
                 self.roles[u] = role
                 if role not in TERMINAL_ROLES:
@@ -343,7 +346,11 @@ class _Matcher:
             bad.append("label_smoothing")
         reduction = get_arg(node, "reduction", "mean")
         ignore = get_arg(node, "ignore_index", -100)
-        if bad or reduction not in ("none", "sum", "mean") or not isinstance(ignore, int):
+        if isinstance(ignore, Node) and not _is_int_input(ignore):
+            bad.append(f"ignore_index computed in the graph ({ignore.name})")
+        elif not isinstance(ignore, (int, Node)) or isinstance(ignore, bool):
+            bad.append(f"ignore_index={ignore!r}")
+        if bad or reduction not in ("none", "sum", "mean"):
             raise Decline(Reason.LOSS_OPTIONS, f"{node.name}: {', '.join(bad) or reduction}")
         return Sink(node, role, ignore_index=ignore, reduction=reduction)
 
@@ -368,6 +375,11 @@ class _Matcher:
         if len(found) > 1:
             raise Decline(Reason.SEVERAL_INDICES, ", ".join(n.name for _, n in found))
         return next(iter(found))[1] if found else None
+
+
+def _is_int_input(node: Node) -> bool:
+    """An int the compiled function receives (a SymInt input under dynamic=True)."""
+    return node.op == "placeholder" and isinstance(meta(node), torch.SymInt)
 
 
 def _scaled_operand(node: Node) -> Optional[Node]:
@@ -410,6 +422,24 @@ def _implicit_root(head: Node, upgrade: bool) -> Optional[Node]:
     return None
 
 
+def _upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
+    """An upcast of model-precision logits that ``node`` (FP32, not itself an upcast)
+    is computed from through FP32 tensors of the same shape, a few ops back: then an op
+    the pass does not know sits between the upcast and the head."""
+    frontier = [node]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for src in n.all_input_nodes:
+                if not is_fp32(src) or getattr(meta(src), "shape", None) != meta(node).shape:
+                    continue
+                if _upcast_input(src) is not None:
+                    return src
+                nxt.append(src)
+        frontier = nxt
+    return None
+
+
 def find_regions(graph: Graph, temperature_after_upcast: bool = True,
                  upgrade_low_precision: bool = False) -> list[Region | tuple[Node, Decline]]:
     """Every candidate region, in graph order: a Region, or (root node, Decline)."""
@@ -432,7 +462,10 @@ def find_regions(graph: Graph, temperature_after_upcast: bool = True,
         seen.add(root)
         if implicit is None and _upcast_input(root) is None:
             if is_fp32(root):
-                out.append((root, Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already")))
+                up = _upcast_behind(root)
+                out.append((root, Decline(Reason.UNKNOWN_OP, f"{root.name} ({root.target}) is between the "
+                                          f"upcast {up.name} and {node.name}") if up is not None else
+                            Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already")))
             continue
         try:
             out.append(matcher.match())

@@ -31,7 +31,7 @@ class Reason(str, enum.Enum):
     VOCAB_TOO_SMALL = "the vocabulary dim has size 1"
     TEMPERATURE = "the temperature is not one scalar (per-row tensor, tensor that requires grad, or several scalings)"
     INDEX_SHAPE = "the gather index is not exactly one token per row of the logits"
-    LOSS_OPTIONS = "cross_entropy / nll_loss with class weights, label smoothing, a class dim other than the last, or legacy size_average/reduce"
+    LOSS_OPTIONS = "cross_entropy / nll_loss with class weights, label smoothing, a class dim other than the last, an ignore_index computed in the graph, or legacy size_average/reduce"
     SEVERAL_INDICES = "several different token / label tensors read one upcast"
     ORDER = "the token indices depend on a value the region produces, or on a side effect"
 

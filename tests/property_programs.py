@@ -68,24 +68,15 @@ TWISTS: dict[str, Optional[Reason]] = {
     "inner_no_grad": None,  # the whole region inside `with torch.no_grad():`
     "mutate_index": Reason.ORDER,  # tokens.add_(1) after the first result, before the gather
     "nograd_sink": Reason.ORDER,  # the token log-prob taken under no_grad after the entropy
-    # Known bugs (see KNOWN_BUGS): the outcome users expect; never generated until fixed.
     "return_upcast": Reason.ESCAPES,  # returns x.float() while a temperature scales it
     "mask_fp32": Reason.UNKNOWN_OP,  # x.float().masked_fill(m, -inf)
+    # Known bugs (see KNOWN_BUGS): the outcome users expect; never generated until fixed.
 }
 
 # Cases the pass gets wrong today: twist -> the bug.  tests/test_properties.py has one strict
 # xfail per bug; the generator skips them (delete an entry when its bug is fixed).
-KNOWN_BUGS = {
-    "return_upcast": "bug: returning the FP32 upcast that a temperature then scales is declined "
-                     "as UNKNOWN_OP ('truediv reads float'), not ESCAPES",
-    "mask_fp32": "bug: x.float().masked_fill(m, -inf) feeding log_softmax is declined as "
-                 "NOT_LOW_PRECISION ('masked_fill is FP32 already'), not UNKNOWN_OP",
-    "nll_module": "bug: torch.nn.NLLLoss() built inside the compiled code puts "
-                  "torch._C._log_api_usage_once in the graph; the pass takes it for a side effect "
-                  "and declines the region (ORDER)",
-    "symint_ignore_index": "bug: an ignore_index that is a SymInt (an int argument under "
-                           "dynamic=True) is declined as LOSS_OPTIONS, with the reduction as detail",
-}
+KNOWN_BUGS: dict[str, str] = {}  # none open (fixed: return_upcast, mask_fp32 reasons; NLLLoss()
+# built inside the function; a SymInt ignore_index)
 
 
 # Bugs of the compiled code only (the cheap path, which runs the rewritten graph eagerly,
@@ -112,8 +103,6 @@ def known_full_compile_bug(case: "Case") -> Optional[str]:
 
 
 def known_bug(case: "Case") -> Optional[str]:
-    if case.loss_module and case.index_head == "nll":
-        return KNOWN_BUGS["nll_module"]
     return KNOWN_BUGS.get(case.twist)
 
 

@@ -299,36 +299,44 @@ def test_harness_fails_a_wrong_gradient(monkeypatch) -> None:
         check_transformed(dataclasses.replace(EXAMPLES["logprob_W1"], train=True))
 
 
-# ---- known bugs: strict xfails that document them until they are fixed ----------------------------
+# ---- fixed bugs: each keeps a test (a strict xfail with its case goes here for a new one) -------
 
-KNOWN_BUG_CASES = {
-    "return_upcast_reason": Case(twist="return_upcast"),
-    "masked_fill_fp32_reason": Case(twist="mask_fp32", mask="data"),
-    "nll_module_built_inside": Case(layout="BSV", index_head="nll", loss_module=True, train=True),
-}
+def test_nll_loss_module_built_inside_the_function() -> None:
+    """Was a bug: NLLLoss() puts torch._C._log_api_usage_once in the graph (ORDER)."""
+    check_transformed(normalize(Case(layout="BSV", index_head="nll", loss_module=True, train=True)))
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(normalize(c), id=name, marks=pytest.mark.xfail(strict=True, reason=known_bug(normalize(c))))
-    for name, c in KNOWN_BUG_CASES.items()])
-def test_known_bug(case: Case) -> None:
-    check_transformed(case)
-
-
-def test_known_bugs_have_cases() -> None:
-    bugs = {known_bug(normalize(c)) for c in KNOWN_BUG_CASES.values()}
-    assert bugs | {KNOWN_BUGS["symint_ignore_index"]} == set(KNOWN_BUGS.values())
-
-
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["symint_ignore_index"])
-def test_known_bug_symint_ignore_index() -> None:
+def test_symint_ignore_index_full_compile() -> None:
+    """Was a bug: an int argument under dynamic=True (a SymInt) was declined as LOSS_OPTIONS.
+    One graph for every ignore_index value, each value honoured."""
     def f(logits, labels, ignore_index):
         return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
 
-    backend = CaptureAndTransform()
-    x, y = torch.randn(6, 11).bfloat16(), torch.randint(0, 11, (6,))
-    torch.compile(f, backend=backend, dynamic=True)(x, y, -1)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(24, 11, generator=g) * 3).bfloat16().requires_grad_()
+    y = torch.randint(0, 11, (24,), generator=g)
+    compiled = torch.compile(f, backend="chunked_logits", dynamic=True)
+    for ignore in (-1, -100, 3):
+        labels = y.clone()
+        labels[::4] = ignore
+        got = compiled(x, labels, ignore)
+        (grad,) = torch.autograd.grad(got, x)
+        xd = x.detach().double().requires_grad_()
+        want = torch.nn.functional.cross_entropy(xd, labels, ignore_index=ignore)
+        (want_grad,) = torch.autograd.grad(want, xd)
+        assert (got.double() - want).abs() <= 1e-5
+        assert (grad.double() - want_grad).abs().max() <= 2 * 2**-8 * want_grad.abs().max()
     assert pass_counters() == {"rewritten": 1}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_ignore_index_computed_in_the_graph_is_declined() -> None:
+    def f(logits, labels, pad):
+        return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=pad - 1)
+
+    torch.compile(f, backend="chunked_logits", dynamic=True)(torch.randn(6, 11).bfloat16(),
+                                                             torch.randint(0, 11, (6,)), 0)
+    assert pass_counters() == {"declined": 1, "declined:LOSS_OPTIONS": 1}
 
 
 def test_tokens_changed_in_place_after_the_first_result_full_compile() -> None:
