@@ -76,20 +76,21 @@ class RowStats(torch.autograd.Function):
         #   lse:     p
         #   logprob: onehot(token) - p
         #   entropy: -p * (logp + entropy)
+        # p is read once (a second read makes Inductor keep an FP32 [rows, V] copy of it
+        # when the gradient is written through a slice's zero padding).
         coeff_p = torch.zeros_like(lse)  # per-row weight of p
-        grad_z = None
         if g_lse is not None:
             coeff_p = coeff_p + g_lse
         if ctx.has_tokens and g_logprob is not None:
             coeff_p = coeff_p - g_logprob
+        weight = coeff_p.unsqueeze(-1)
+        if ctx.want_entropy and g_entropy is not None:
+            weight = weight - g_entropy.unsqueeze(-1) * (logp + entropy.unsqueeze(-1))
+        grad_z = p * weight
+        if ctx.has_tokens and g_logprob is not None:
             vocab = torch.arange(x.shape[-1], device=x.device)
             onehot = vocab == tokens.unsqueeze(-1)
-            grad_z = torch.where(onehot, g_logprob.unsqueeze(-1), 0.0)
-        if ctx.want_entropy and g_entropy is not None:
-            term = -(g_entropy.unsqueeze(-1) * p) * (logp + entropy.unsqueeze(-1))
-            grad_z = term if grad_z is None else grad_z + term
-        term = coeff_p.unsqueeze(-1) * p
-        grad_z = term if grad_z is None else grad_z + term
+            grad_z = grad_z + torch.where(onehot, g_logprob.unsqueeze(-1), 0.0)
         if scale is not None:
             grad_z = grad_z / scale if is_div else grad_z * scale
         return grad_z.to(x.dtype), None, None, None, None

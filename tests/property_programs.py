@@ -84,20 +84,6 @@ KNOWN_BUGS: dict[str, str] = {}  # none open (fixed: return_upcast, mask_fp32 re
 KNOWN_FULL_COMPILE_BUGS: dict[str, str] = {}  # none open (fixed: lm_head rounding, restarts)
 
 
-FP32_BUFFER_BUG = ("bug: in training, a region with an entropy and a row slice of the logits (shift "
-                   "[:, :-1] before or after the upcast, or the last token [:, -1]) gets a full FP32 "
-                   "[rows, V] buffer in its backward (Inductor cannot fuse the entropy gradient into the "
-                   "slice's zero-padded gradient and realizes an FP32 intermediate)")
-
-
-def known_memory_bug(case: "Case") -> Optional[str]:
-    """Cases whose compiled code still allocates an FP32 [rows, V] buffer."""
-    if (case.train and case.shift != "none" and not case.lm_head_fused and case.reason is None
-            and any(h in ("ent_plogp", "ent_lse", "ent_exp") for h in case.heads)):
-        return FP32_BUFFER_BUG
-    return None
-
-
 def known_full_compile_bug(case: "Case") -> Optional[str]:
     return None
 
