@@ -104,8 +104,18 @@ def _compiled(fn):
     # emulate_precision_casts: round the logits to the model dtype where the bodies say
     # so (``.to(dtype)``), as the unfused graph does; without it Inductor keeps FP32 in
     # registers, and the backward's recomputed logits would not match the forward's lse.
-    return torch.compile(fn, dynamic=True, fullgraph=True,
-                         options={"emulate_precision_casts": True})
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True,
+                             options={"emulate_precision_casts": True})
+
+    @functools.wraps(fn)
+    def call(*args):
+        # The op's first call and later ones can see different requires_grad flags,
+        # thread-local dispatch-key sets and grad modes (Dynamo guards on all three):
+        # detached tensors, one key set and no_grad, so each body compiles once.
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.no_grad():
+            return compiled(*args)
+    return call
 
 
 def _fwd_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool):

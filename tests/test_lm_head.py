@@ -92,3 +92,19 @@ def test_dynamic_lengths_compile_the_outer_graph_once():
         run_step(w, fn, w.make(T, 512))
     assert counters["chunked_logits"]["lm_head_fused"] == 1  # the outer graph compiled once
     assert counters["stats"]["unique_graphs"] == compiled  # and nothing compiles per length
+
+
+def test_loop_bodies_compile_once_across_calls_and_grad_modes():
+    """Was a gap: the bodies compiled again on the second call (a dispatch-key and a
+    requires_grad guard) and at every grad-mode change."""
+    w = WORKLOADS["W4"]
+    fn = torch.compile(w.fn, backend="chunked_logits", dynamic=True)
+    inputs = w.make(64, 512)
+    run_step(w, fn, inputs)  # compiles the outer graphs and both bodies
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled == 3  # the outer graph, the forward body, the backward body
+    for _ in range(2):
+        run_step(w, fn, inputs)
+    with torch.no_grad():  # scoring: a new outer graph (grad mode), the same forward body
+        fn(*inputs)
+    assert counters["stats"]["unique_graphs"] == compiled + 1
