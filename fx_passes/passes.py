@@ -98,10 +98,21 @@ def report_failure(what: str = "the pass failed on this graph", short: str = "pa
 
 
 def _copy(gm: GraphModule) -> GraphModule:
-    graph = Graph()
-    out = graph.graph_copy(gm.graph, {})
+    """A copy of ``gm`` with its own graph; what Dynamo attached to it (``meta``: the
+    compile id, parameter names; ``_param_name_to_source`` ...) comes along."""
+    graph, twins = Graph(), {}
+    out = graph.graph_copy(gm.graph, twins)
     graph.output(out)
-    return GraphModule(gm, graph)
+    for old, twin in twins.items():  # Dynamo's per-node attributes (placeholders' sources)
+        for name, value in vars(old).items():
+            if name.startswith("_dynamo") and not hasattr(twin, name):
+                setattr(twin, name, value)
+    new = GraphModule(gm, graph)
+    new.meta = dict(gm.meta)
+    for name, value in vars(gm).items():
+        if name not in vars(new) and not name.startswith("__"):
+            setattr(new, name, value)
+    return new
 
 
 def transform(gm: GraphModule, config: Config) -> GraphModule:

@@ -24,6 +24,7 @@ import fx_passes.passes
 import fx_passes.rewrite
 from fx_passes import ChunkedLogitsPass, Config
 from fx_passes.report import events
+from tests.helpers import dynamo_graph
 
 WARNING_TEXT = ("chunked_logits: the pass failed on this graph; compiling it unchanged with stock "
                 "Inductor (set TORCH_LOGS=fx_passes for the traceback)")
@@ -330,3 +331,17 @@ def test_dynamo_restart_is_not_a_failure(program) -> None:
     assert [str(w.message) for w in record if "chunked_logits" in str(w.message)] == []
     assert counters["chunked_logits"]["pass_failed"] == 0
     assert counters["chunked_logits"]["rewritten"] >= 1
+
+
+def test_transformed_copy_keeps_what_dynamo_attached() -> None:
+    """Inductor reads gm.meta (compile id, parameter names) and Dynamo's attributes."""
+    lin = torch.nn.Linear(8, 16).bfloat16()
+
+    def f(x, t):
+        return torch.log_softmax(lin(x).float(), -1).gather(-1, t[:, None])
+
+    gm = dynamo_graph(f, torch.randn(4, 8).bfloat16(), torch.randint(0, 16, (4,)))
+    new = fx_passes.transform(gm, Config())
+    assert new is not gm and "row_stats" in new.code
+    assert new.meta == gm.meta and "dynamo_flat_name_to_original_fqn" in new.meta
+    assert new._param_name_to_source == gm._param_name_to_source
