@@ -9,9 +9,18 @@ from torch.fx import GraphModule
 
 from .config import Config, disabled_by_env
 from .hook import backend_compiling, count_graph
-from .passes import _Journal, report_failure, transform
+from .passes import _Journal, cacheable_marks, report_failure, transform
 
 __all__ = ["chunked_logits"]
+
+
+def _cacheable(patches: Optional[dict]) -> dict:
+    """``patches`` plus the marks that let AOTAutograd's cache store a rewritten graph."""
+    patches = dict(patches or {})
+    marked = patches.get("unsafe_marked_cacheable_functions",
+                         torch._inductor.config.unsafe_marked_cacheable_functions)
+    patches["unsafe_marked_cacheable_functions"] = {**marked, **cacheable_marks()}
+    return patches
 
 
 def chunked_logits(
@@ -59,7 +68,7 @@ def chunked_logits(
         if rewritten is gm:
             return compile_fx(gm, example_inputs, config_patches=patches)
         try:
-            return compile_fx(rewritten, example_inputs, config_patches=patches)
+            return compile_fx(rewritten, example_inputs, config_patches=_cacheable(patches))
         except Exception as e:
             # Never break a user's compile: Inductor failed on the rewritten graph, so
             # compile the untouched one (an error there is the user's, and propagates).

@@ -151,6 +151,9 @@ def _put(new: InstalledPass) -> None:
     if inductor_config.pre_grad_pass_timing == "default":
         inductor_config.pre_grad_pass_timing = "early"
         _state.timing_changed = True
+    from .passes import cacheable_marks  # AOTAutograd's cache may store rewritten graphs
+    inductor_config.unsafe_marked_cacheable_functions = {
+        **inductor_config.unsafe_marked_cacheable_functions, **cacheable_marks()}
     _state.current = new
 
 
@@ -168,6 +171,11 @@ def _remove() -> bool:
             inductor_config.pre_grad_custom_pass = (list if isinstance(value, list) else tuple)(rest)
     if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":
         inductor_config.pre_grad_pass_timing = "default"
+    if removed:
+        from .passes import CACHEABLE
+        inductor_config.unsafe_marked_cacheable_functions = {
+            k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items()
+            if k not in CACHEABLE}
     _state.timing_changed = False
     _state.current = None
     _state.container = "none"

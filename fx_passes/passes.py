@@ -136,6 +136,18 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
     return new
 
 
+# The functions a rewritten graph calls.  AOTAutograd's cache stores only graphs whose
+# calls it can vouch for; these are marked cacheable (Inductor's
+# ``unsafe_marked_cacheable_functions``) with a value that changes with this package's
+# sources (the value is part of the cache key), so a warm start reuses the compiled
+# forward and backward and a changed package never gets stale ones.
+CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats")
+
+
+def cacheable_marks() -> dict[str, str]:
+    return dict.fromkeys(CACHEABLE, f"chunked_logits-{source_hash()[:16]}")
+
+
 @functools.lru_cache(None)
 def source_hash() -> str:
     """Hash of this package's source files: part of every cache key the pass gives."""

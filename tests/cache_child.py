@@ -5,7 +5,8 @@
 Modes (each optional, each with its options): ``train``, a training step with
 ``backend="chunked_logits"`` (forward and backward graphs); ``score``, a scoring
 function with that backend (one graph); ``pre_grad``, the scoring function with stock
-Inductor plus ``ChunkedLogitsPass`` as ``pre_grad_custom_pass``.  They compile in the FX
+Inductor plus ``ChunkedLogitsPass`` as ``pre_grad_custom_pass``; ``installed``, the same
+under ``fx_passes.install(**options)`` (early pre-grad timing: the rewritten graph is the key).  They compile in the FX
 graph cache that TORCHINDUCTOR_CACHE_DIR names; the child prints one JSON line with, per
 mode, Inductor's cache counters, our counters and a checksum of the results, plus which
 ``fx_passes`` it imported and the pre-grad pass's uuid.
@@ -73,6 +74,12 @@ def main() -> None:
         with torch._inductor.config.patch(pre_grad_custom_pass=cl_pass), torch.no_grad():
             lp, ent = torch.compile(score, backend="inductor")(x, tok)
         result["pre_grad"] = {**report(), "checksum": [lp.sum().item(), ent.sum().item()]}
+    if "installed" in options:
+        torch._dynamo.reset()
+        counters.clear()
+        with fx_passes.install(**options["installed"]), torch.no_grad():
+            lp, ent = torch.compile(score, backend="inductor")(x, tok)
+        result["installed"] = {**report(), "checksum": [lp.sum().item(), ent.sum().item()]}
     print(json.dumps(result))
 
 

@@ -413,3 +413,13 @@ def test_options_from_env_numeric_fields():
     assert hook.options_from_env(f'{{"{name}": 2}}') == {name: 2}
     with pytest.raises(ValueError, match="report_only"):
         hook.options_from_env("report_only=maybe")
+
+
+def test_install_marks_row_stats_cacheable_and_uninstall_restores():
+    from torch._inductor import config as inductor_config
+    with inductor_config.patch(unsafe_marked_cacheable_functions={"mine.op": "1"}):
+        with fx_passes.install():
+            marks = dict(inductor_config.unsafe_marked_cacheable_functions)
+            assert marks["mine.op"] == "1" and "fx_passes.ops.row_stats" in marks
+            assert marks["fx_passes.ops.row_stats"].startswith("chunked_logits-")
+        assert inductor_config.unsafe_marked_cacheable_functions == {"mine.op": "1"}

@@ -156,7 +156,7 @@ def hits(mode: dict) -> tuple[int, int]:
     return c.get("fxgraph_cache_hit", 0), c.get("fxgraph_cache_miss", 0)
 
 
-ALL_DEFAULT = {"train": {}, "score": {}, "pre_grad": {}}
+ALL_DEFAULT = {"train": {}, "score": {}, "pre_grad": {}, "installed": {}}
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,9 @@ def cold(tmp_path_factory):
     assert hits(first["train"]) == (0, 2)  # forward and backward graphs
     assert hits(first["score"]) == (0, 1)
     assert hits(first["pre_grad"]) == (0, 1)
+    assert hits(first["installed"]) == (0, 1)
+    for mode in ALL_DEFAULT:  # AOTAutograd's cache stores them too (row_stats is marked cacheable)
+        assert first[mode]["aot_autograd"] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}, mode
     return cache, first
 
 
@@ -179,8 +182,10 @@ def test_fx_graph_cache_hit_in_a_new_process(cold) -> None:
     assert hits(warm["train"]) == (2, 0)
     assert hits(warm["score"]) == (1, 0)
     assert hits(warm["pre_grad"]) == (1, 0)
+    assert hits(warm["installed"]) == (1, 0)
     for mode in ALL_DEFAULT:
         assert warm[mode]["checksum"] == first[mode]["checksum"], mode
+        assert warm[mode]["aot_autograd"] == {"autograd_cache_hit": 1}, mode  # a warm start
     assert warm["uuid"] == first["uuid"]
 
 
@@ -210,6 +215,7 @@ def test_fx_graph_cache_missed_when_the_pass_code_changes(cold, tmp_path) -> Non
     assert pathlib.Path(changed["fx_passes"]).resolve() == (pkg / "fx_passes" / "__init__.py").resolve()
     assert changed["train"]["chunked_logits"] == {"rewritten": 1}
     assert hits(changed["train"])[1] >= 1  # the backward graph at least is compiled anew
+    assert "autograd_cache_hit" not in changed["train"]["aot_autograd"]  # the source hash is in its key
     loss, grad = changed["train"]["checksum"]
     assert loss == first["train"]["checksum"][0]
     assert grad == pytest.approx(2 * first["train"]["checksum"][1], rel=1e-2)  # the new code ran
