@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from .graph_ops import canon, is_low_precision, is_metadata_query, meta, tensor_input
-from .ops import _logsumexp, _scaled
+from .ops import _log_probs, _scaled, _shift_and_log_sum
 
 __all__ = ["LMHead", "match_lm_head", "lm_head_row_stats"]
 
@@ -120,11 +120,14 @@ def _compiled(fn):
 
 def _fwd_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool):
     z = _scaled(F.linear(h, w, b).to(h.dtype), scale, is_div)
-    lse = _logsumexp(z)
-    logprob = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse if tokens is not None else None
+    m, log_s = _shift_and_log_sum(z)
+    lse = log_s + m
+    logprob = None
+    if tokens is not None:
+        logprob = _log_probs(z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), m, log_s)
     entropy = None
     if want_entropy:
-        logp = z - lse.unsqueeze(-1)
+        logp = _log_probs(z, m.unsqueeze(-1), log_s.unsqueeze(-1))
         entropy = -(logp.exp() * logp).sum(-1)
     return lse, logprob, entropy
 

@@ -30,12 +30,25 @@ def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
     return z / scale if scale_is_div else z * scale
 
 
-def _logsumexp(z: torch.Tensor) -> torch.Tensor:
-    # Same maths as torch.logsumexp: rows that are entirely -inf give -inf, a +inf
-    # anywhere gives +inf, and the shift keeps exp() from overflowing.
+def _shift_and_log_sum(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, log s) per row, lse = m + log s: the row max m (0 where it is infinite) and
+    s = sum exp(z - m).  Same maths as torch.logsumexp: rows that are entirely -inf give
+    -inf, a +inf anywhere gives +inf, and the shift keeps exp() from overflowing."""
     m = z.amax(dim=-1, keepdim=True)
     m = torch.where(m.abs() == float("inf"), torch.zeros_like(m), m)
-    return (z - m).exp().sum(dim=-1).log() + m.squeeze(-1)
+    return m.squeeze(-1), (z - m).exp().sum(dim=-1).log()
+
+
+def _log_probs(z_picked: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    """log p = (z - m) - log s, as log_softmax computes it: z - m is exact for the
+    row's top tokens, so a confident token's log-prob near 0 keeps its relative accuracy
+    (z - lse would lose it to the rounding of lse)."""
+    return (z_picked - m) - log_s
+
+
+def _logsumexp(z: torch.Tensor) -> torch.Tensor:
+    m, log_s = _shift_and_log_sum(z)
+    return log_s + m
 
 
 class RowStats(torch.autograd.Function):
@@ -50,14 +63,15 @@ class RowStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tokens, scale, scale_is_div, want_entropy):
         z = _scaled(x, scale, scale_is_div)
-        lse = _logsumexp(z)
+        m, log_s = _shift_and_log_sum(z)
+        lse = log_s + m
         logprob = None
         if tokens is not None:
             picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            logprob = _scaled(picked, scale, scale_is_div) - lse
+            logprob = _log_probs(_scaled(picked, scale, scale_is_div), m, log_s)
         entropy = None
         if want_entropy:
-            logp = z - lse.unsqueeze(-1)
+            logp = _log_probs(z, m.unsqueeze(-1), log_s.unsqueeze(-1))
             entropy = -(logp.exp() * logp).sum(dim=-1)
         ctx.scale = scale
         ctx.scale_is_div = scale_is_div

@@ -208,3 +208,26 @@ def test_dynamic_shapes_match_reference_across_lengths():
         for got, r, s in zip(outs, ref, stock):
             assert max_err(got, r) <= max_err(s, r) + 2e-6 * r.abs().max().item()
     assert counters["chunked_logits"]["rewritten"] == 1  # one graph for every length
+
+
+@pytest.mark.parametrize("fn", [logprob, logprob_entropy], ids=["logprob", "logprob_entropy"])
+def test_confident_tokens_keep_their_relative_accuracy(fn):
+    """A token with p near 1 has a log-prob near 0; PPO ratios exp(new - old) need it
+    to the same relative accuracy as stock's log_softmax, (z - m) - log s, gives.
+    (z - lse, with lse rounded at the scale of the max logit, measured 2x stock's error.)"""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(512, 4096, generator=g) * 3).bfloat16()
+    x[:, 7] = 14  # z = 20 against a max of about 16 elsewhere: p of token 7 mostly above 0.9
+    tok = torch.full((512,), 7)
+    ref = logprob(x, tok, up=torch.float64)
+    assert ref.abs().median() < 0.1  # confident
+    with torch.no_grad():
+        stock = torch.compile(fn, backend="inductor")(x, tok)
+        torch._dynamo.reset()
+        ours = torch.compile(fn, backend="chunked_logits")(x, tok)
+    assert counters["chunked_logits"]["rewritten"] == 1
+    stock, ours = (o[0] if isinstance(o, tuple) else o for o in (stock, ours))
+
+    def rel(got):
+        return ((got.double() - ref).abs() / ref.abs()).max().item()
+    assert rel(ours) <= rel(stock) * 1.01 + 1e-7
