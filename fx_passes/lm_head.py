@@ -8,11 +8,14 @@ custom op ``chunked_logits::lm_head_stats`` instead of reading logits:
   precision, upcast, scaled in FP32 and reduced; only per-row results are kept.
 * backward: a loop over vocabulary blocks; per block the logits of all rows are
   recomputed, the pointwise gradient is formed from the saved lse (and entropy),
-  ``grad_weight[block]`` is written once by one matmul (FP32 accumulation inside
-  the matmul, stored in model precision: never accumulated across chunks in bf16),
-  and ``grad_hidden`` is accumulated in an FP32 ``[T, H]`` buffer.  Blocking the
-  vocabulary (not the rows) is what avoids both a full FP32 ``[V, H]`` accumulator
-  and bf16 accumulation of ``grad_weight``.
+  ``grad_weight[block]`` is accumulated in FP32 and stored in model precision once
+  (never accumulated across chunks in bf16), and ``grad_hidden`` is accumulated in
+  an FP32 ``[T, H]`` buffer.  Blocking the vocabulary (not the rows) is what avoids
+  both a full FP32 ``[V, H]`` accumulator and bf16 accumulation of ``grad_weight``.
+  On GPUs a block is one model-precision matmul over all rows (FP32 accumulation
+  inside it); on CPUs, whose matmuls run on FP32 copies, a block is cut into row
+  tiles (FP32 copies of one tile's rows, a ``[cols, H]`` FP32 accumulator for the
+  block), so no FP32 copy of the whole ``hidden`` exists.
 
 Chunk and block sizes come from ``Config.chunk_budget_mib``.  The per-chunk and
 per-block bodies are compiled by Inductor (``dynamic=True``, once per dtype), so
@@ -158,6 +161,39 @@ def _budget(budget_bytes: int, n: int, vocab: int) -> int:
     return max(1, min(budget_bytes, n * vocab))
 
 
+def _backward_tiles(budget: int, n: int, vocab: int, width: int,
+                    device: torch.device) -> tuple[int, int, bool]:
+    """(columns per vocabulary block, rows per row tile, FP32 GEMMs?) of the backward.
+
+    On GPUs a block holds all rows (one model-precision matmul per block writes
+    ``grad_weight[block]``, FP32 accumulation inside it): about ``budget / (8 T)``
+    columns.  On CPUs the matmuls run on FP32 copies, made per tile so that no FP32
+    copy of the whole ``hidden`` exists: blocks of ``budget / (16 H)`` columns with
+    their own FP32 ``[cols, H]`` accumulator for ``grad_weight[block]`` (half the
+    budget with the FP32 copy of the weight block), row tiles filling the other half
+    (per element: bf16 logits, bf16 and FP32 gradient, FP32 matmul output; plus the
+    FP32 copy of the ``hidden`` rows).
+    """
+    if not _fp32_gemm(device):
+        return max(1, _budget(budget, n, vocab) // (8 * max(1, n))), max(1, n), False
+    cols = max(1, min(vocab, budget // (16 * width)))
+    rows = max(1, min(n, (budget // 2) // (12 * cols + 4 * width)))
+    return cols, rows, True
+
+
+def _even_splits(total: int, most: int) -> list[tuple[int, int]]:
+    """``[0, total)`` cut into the fewest pieces of at most ``most``, their sizes
+    differing by at most one (no 1-row remainder tile with its own 1-row kernel)."""
+    k = -(-total // max(1, most))
+    q, extra = divmod(total, max(1, k))
+    bounds, start = [], 0
+    for i in range(k):
+        end = start + q + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
 def _fp32_gemm(device: torch.device) -> bool:
     """Run the backward's matmuls on FP32 copies of the bf16/fp16 operands?
 
@@ -201,32 +237,38 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            g_lse: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
                            scale: Optional[torch.Tensor], scale_is_div: bool,
                            budget_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, vocab = hidden.shape[0], weight.shape[0]
+    n, vocab, width = hidden.shape[0], weight.shape[0], hidden.shape[1]
     grad_weight = torch.empty_like(weight)
     grad_bias = torch.zeros(vocab if bias is not None else 0, dtype=weight.dtype, device=weight.device)
     acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    # per element of a block: bf16 logits + bf16 gradient + its FP32 copy for the matmul
-    cols = max(1, _budget(budget_bytes, n, vocab) // (8 * max(1, n)))
+    cols, rows, fp32 = _backward_tiles(budget_bytes, n, vocab, width, hidden.device)
     body = _compiled(_bwd_block)
-    fp32 = _fp32_gemm(hidden.device)
-    h_mm = hidden.float() if fp32 else hidden
-    for v0 in range(0, vocab, cols):
-        v1 = min(vocab, v0 + cols)
-        w_blk = weight[v0:v1]
+    for v0, v1 in _even_splits(vocab, cols):
+        w32 = weight[v0:v1].float()
         b_blk = bias[v0:v1] if bias is not None else None
-        w32 = w_blk.float()
-        g = body(h_mm, w32 if fp32 else w_blk, b_blk.float() if fp32 and b_blk is not None else b_blk,
-                 tokens - v0, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-                 hidden.dtype)
-        g32 = g.float()
-        # grad_weight[block]: one matmul per block, FP32 accumulation, stored once
-        if fp32:
-            grad_weight[v0:v1] = g32.t() @ h_mm
-        else:
-            torch.mm(g.t(), hidden, out=grad_weight[v0:v1])
-        acc.addmm_(g32, w32)
-        if bias is not None:
-            grad_bias[v0:v1] = g32.sum(0)
+        w_in = w32 if fp32 else weight[v0:v1]
+        b_in = b_blk.float() if fp32 and b_blk is not None else b_blk
+        # grad_weight[block]: FP32 accumulation (inside one matmul, or across the row
+        # tiles in this [cols, H] FP32 block), stored in model precision once
+        gw = torch.zeros(v1 - v0, width, dtype=torch.float32, device=weight.device) if fp32 else None
+        gb = torch.zeros(v1 - v0, dtype=torch.float32, device=weight.device) if bias is not None else None
+        for r0, r1 in _even_splits(n, rows):
+            h_in = hidden[r0:r1].float() if fp32 else hidden[r0:r1]
+            g = body(h_in, w_in, b_in, tokens[r0:r1] - v0, lse[r0:r1],
+                     entropy[r0:r1] if entropy is not None else None, g_lse[r0:r1],
+                     g_logprob[r0:r1], g_entropy[r0:r1], scale, scale_is_div, hidden.dtype)
+            g32 = g.float()
+            if fp32:
+                gw.addmm_(g32.t(), h_in)
+            else:  # one row tile: all rows
+                torch.mm(g.t(), hidden, out=grad_weight[v0:v1])
+            acc[r0:r1].addmm_(g32, w32)
+            if gb is not None:
+                gb += g32.sum(0)
+        if gw is not None:
+            grad_weight[v0:v1] = gw
+        if gb is not None:
+            grad_bias[v0:v1] = gb
     return acc.to(hidden.dtype), grad_weight, grad_bias
 
 
