@@ -68,18 +68,6 @@ def count_graph() -> None:
     graphs_seen += 1
 
 
-def _keep_placeholder_attrs(graph: Graph, before: list) -> None:
-    """If the pass's fall-back rebuilt the graph, give the new placeholders what Dynamo
-    set on the old ones (``_dynamo_source``: AOT autograd asserts it on a Dynamo graph)."""
-    after = [n for n in graph.nodes if n.op == "placeholder"]
-    if after == before or len(after) != len(before):
-        return
-    for old, new in zip(before, after):
-        for key, value in vars(old).items():
-            if key.startswith("_dynamo") and not hasattr(new, key):
-                setattr(new, key, value)
-
-
 class InstalledPass(CustomGraphPass):
     """The passes as they sit in ``pre_grad_custom_pass`` after :func:`install`."""
 
@@ -95,9 +83,7 @@ class InstalledPass(CustomGraphPass):
 
             self._impl = ChunkedLogitsPass(self.config)
         count_graph()
-        before = [n for n in graph.nodes if n.op == "placeholder"]
-        self._impl(graph)
-        _keep_placeholder_attrs(graph, before)
+        self._impl(graph)  # its fall-back keeps the graph's own placeholders (passes._restore)
 
     def uuid(self) -> str:
         from .passes import source_hash

@@ -426,15 +426,16 @@ def _upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
     """An upcast of model-precision logits that ``node`` (FP32, not itself an upcast)
     is computed from through FP32 tensors of the same shape, a few ops back: then an op
     the pass does not know sits between the upcast and the head."""
-    frontier = [node]
+    frontier, seen = [node], {node}
     for _ in range(depth):
         nxt = []
         for n in frontier:
             for src in n.all_input_nodes:
-                if not is_fp32(src) or getattr(meta(src), "shape", None) != meta(node).shape:
+                if src in seen or not is_fp32(src) or getattr(meta(src), "shape", None) != meta(node).shape:
                     continue
                 if _upcast_input(src) is not None:
                     return src
+                seen.add(src)
                 nxt.append(src)
         frontier = nxt
     return None

@@ -46,11 +46,6 @@ def _log_probs(z_picked: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> 
     return (z_picked - m) - log_s
 
 
-def _logsumexp(z: torch.Tensor) -> torch.Tensor:
-    m, log_s = _shift_and_log_sum(z)
-    return log_s + m
-
-
 class RowStats(torch.autograd.Function):
     """Per-row ``lse``, token log-prob and entropy of ``x.float() / t``.
 
