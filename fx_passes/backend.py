@@ -9,7 +9,7 @@ from torch.fx import GraphModule
 
 from .config import Config, disabled_by_env
 from .hook import backend_compiling, count_graph
-from .passes import _Journal, cacheable_marks, report_failure, transform
+from .passes import _Journal, report_failure, transform, with_cacheable_marks
 
 __all__ = ["chunked_logits"]
 
@@ -17,9 +17,8 @@ __all__ = ["chunked_logits"]
 def _cacheable(patches: Optional[dict]) -> dict:
     """``patches`` plus the marks that let AOTAutograd's cache store a rewritten graph."""
     patches = dict(patches or {})
-    marked = patches.get("unsafe_marked_cacheable_functions",
-                         torch._inductor.config.unsafe_marked_cacheable_functions)
-    patches["unsafe_marked_cacheable_functions"] = {**marked, **cacheable_marks()}
+    key = "unsafe_marked_cacheable_functions"
+    patches[key] = with_cacheable_marks(patches.get(key, getattr(torch._inductor.config, key)))
     return patches
 
 

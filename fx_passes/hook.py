@@ -137,9 +137,9 @@ def _put(new: InstalledPass) -> None:
     if inductor_config.pre_grad_pass_timing == "default":
         inductor_config.pre_grad_pass_timing = "early"
         _state.timing_changed = True
-    from .passes import cacheable_marks  # AOTAutograd's cache may store rewritten graphs
-    inductor_config.unsafe_marked_cacheable_functions = {
-        **inductor_config.unsafe_marked_cacheable_functions, **cacheable_marks()}
+    from .passes import with_cacheable_marks  # AOTAutograd's cache may store rewritten graphs
+    inductor_config.unsafe_marked_cacheable_functions = with_cacheable_marks(
+        inductor_config.unsafe_marked_cacheable_functions)
     _state.current = new
 
 

@@ -144,8 +144,9 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats")
 
 
-def cacheable_marks() -> dict[str, str]:
-    return dict.fromkeys(CACHEABLE, f"chunked_logits-{source_hash()[:16]}")
+def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:
+    """``marked`` (a value of ``unsafe_marked_cacheable_functions``) plus our marks."""
+    return {**marked, **dict.fromkeys(CACHEABLE, f"chunked_logits-{source_hash()[:16]}")}
 
 
 @functools.lru_cache(None)
