@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from .graph_ops import canon, is_low_precision, is_metadata_query, meta, tensor_input
-from .ops import _log_probs, _scaled, _shift_and_log_sum
+from .ops import _grad_logits, _log_probs, _scaled, _shift_and_log_sum
 
 __all__ = ["LMHead", "match_lm_head", "lm_head_row_stats"]
 
@@ -137,22 +137,14 @@ def _fwd_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool):
 
 def _bwd_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool,
                dtype: torch.dtype):
-    """Model-precision gradient of this block's logits (same maths as ops.RowStats).
+    """Model-precision gradient of this block's logits (``ops._grad_logits``, as ops.RowStats).
 
     ``h``/``w``/``b`` may be FP32 copies of the model-precision operands (see
     ``_fp32_gemm``): the logits are rounded to ``dtype`` as the forward's were.
     """
     logits = F.linear(h, w, b).to(dtype)
     logp = _scaled(logits, scale, is_div) - lse.unsqueeze(-1)
-    p = logp.exp()
-    grad_z = (g_lse - g_logprob).unsqueeze(-1) * p
-    onehot = torch.arange(w.shape[0], device=w.device) == tokens.unsqueeze(-1)
-    grad_z = grad_z + torch.where(onehot, g_logprob.unsqueeze(-1), 0.0)
-    if entropy is not None:
-        grad_z = grad_z - (g_entropy.unsqueeze(-1) * p) * (logp + entropy.unsqueeze(-1))
-    if scale is not None:
-        grad_z = grad_z / scale if is_div else grad_z * scale
-    return grad_z.to(dtype)
+    return _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale, is_div).to(dtype)
 
 
 def _budget(budget_bytes: int, n: int, vocab: int) -> int:

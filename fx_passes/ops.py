@@ -46,6 +46,36 @@ def _log_probs(z_picked: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> 
     return (z_picked - m) - log_s
 
 
+def _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale: Scale,
+                 scale_is_div: bool) -> torch.Tensor:
+    """FP32 gradient, w.r.t. the model-precision logits x, of the per-row ``lse``,
+    token ``logprob`` and ``entropy`` of ``z = x.float() / t``, from ``logp = z - lse``.
+
+    A ``g_*`` that is None means no gradient flows into that result; ``tokens`` and
+    ``entropy`` are None when the forward did not compute log-probs / entropy.
+    d/dz of each result:  lse: p;  logprob: onehot(token) - p;  entropy: -p (logp + entropy).
+    """
+    p = logp.exp()
+    # p is read once (a second read makes Inductor keep an FP32 [rows, V] copy of it
+    # when the gradient is written through a slice's zero padding).
+    coeff_p = logp.new_zeros(logp.shape[:-1])  # per-row weight of p
+    if g_lse is not None:
+        coeff_p = coeff_p + g_lse
+    picked = tokens is not None and g_logprob is not None
+    if picked:
+        coeff_p = coeff_p - g_logprob
+    weight = coeff_p.unsqueeze(-1)
+    if entropy is not None and g_entropy is not None:
+        weight = weight - g_entropy.unsqueeze(-1) * (logp + entropy.unsqueeze(-1))
+    grad_z = p * weight
+    if picked:
+        onehot = torch.arange(logp.shape[-1], device=logp.device) == tokens.unsqueeze(-1)
+        grad_z = grad_z + torch.where(onehot, g_logprob.unsqueeze(-1), 0.0)
+    if scale is not None:
+        grad_z = grad_z / scale if scale_is_div else grad_z * scale
+    return grad_z
+
+
 class RowStats(torch.autograd.Function):
     """Per-row ``lse``, token log-prob and entropy of ``x.float() / t``.
 
@@ -70,8 +100,6 @@ class RowStats(torch.autograd.Function):
             entropy = -(logp.exp() * logp).sum(dim=-1)
         ctx.scale = scale
         ctx.scale_is_div = scale_is_div
-        ctx.has_tokens = tokens is not None
-        ctx.want_entropy = want_entropy
         ctx.save_for_backward(x, tokens, lse, entropy)
         return lse, logprob, entropy
 
@@ -80,28 +108,7 @@ class RowStats(torch.autograd.Function):
         x, tokens, lse, entropy = ctx.saved_tensors
         scale, is_div = ctx.scale, ctx.scale_is_div
         logp = _scaled(x, scale, is_div) - lse.unsqueeze(-1)
-        p = logp.exp()
-        # d/dz of each output, z = x.float() / t:
-        #   lse:     p
-        #   logprob: onehot(token) - p
-        #   entropy: -p * (logp + entropy)
-        # p is read once (a second read makes Inductor keep an FP32 [rows, V] copy of it
-        # when the gradient is written through a slice's zero padding).
-        coeff_p = torch.zeros_like(lse)  # per-row weight of p
-        if g_lse is not None:
-            coeff_p = coeff_p + g_lse
-        if ctx.has_tokens and g_logprob is not None:
-            coeff_p = coeff_p - g_logprob
-        weight = coeff_p.unsqueeze(-1)
-        if ctx.want_entropy and g_entropy is not None:
-            weight = weight - g_entropy.unsqueeze(-1) * (logp + entropy.unsqueeze(-1))
-        grad_z = p * weight
-        if ctx.has_tokens and g_logprob is not None:
-            vocab = torch.arange(x.shape[-1], device=x.device)
-            onehot = vocab == tokens.unsqueeze(-1)
-            grad_z = grad_z + torch.where(onehot, g_logprob.unsqueeze(-1), 0.0)
-        if scale is not None:
-            grad_z = grad_z / scale if is_div else grad_z * scale
+        grad_z = _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
         return grad_z.to(x.dtype), None, None, None, None
 
 
