@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_ops import canon, is_low_precision, is_metadata_query, meta, tensor_input
+from .graph_ops import canon, is_low_precision, meta
 from .ops import _grad_logits, _log_probs, _scaled, _shift_and_log_sum
 
 __all__ = ["LMHead", "match_lm_head", "lm_head_row_stats"]

@@ -1,15 +1,12 @@
 """lm_head inside the chunk: the logits matmul runs per row chunk (forward) and per
 vocabulary block (backward), so not even the model-precision logits exist whole."""
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from tests.codegen import allocations, full_fp32_buffers, step_codes
-from tests.helpers import rewrite
+from tests.codegen import allocations, step_codes
 from tests.test_numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
 from tests.workloads import WORKLOADS, run_step
 
