@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from torch._dynamo.utils import counters
 
@@ -33,3 +36,16 @@ def rewrite(fn, *args, dynamic=False, **options) -> tuple[str, str]:
 
 def chunked_counters() -> dict:
     return dict(counters["chunked_logits"])
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment without the package's switches (CHUNKED_LOGITS*), plus
+    ``extra``: what a fresh process that knows nothing of chunked-logits would see."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
+    env.update(extra)
+    return env
+
+
+def last_json(stdout: str) -> dict:
+    """The JSON object a child process printed on its last line."""
+    return json.loads(stdout.strip().splitlines()[-1])

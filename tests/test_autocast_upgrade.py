@@ -1,12 +1,16 @@
 """Implicit upcasts (autocast) and the opt-in FP32 upgrade of model-precision heads."""
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from tests.codegen import allocations, full_fp32_buffers, step_codes
-from tests.helpers import chunked_counters, rewrite
+from tests.helpers import chunked_counters, clean_env, last_json, rewrite
 from tests.workloads import Workload
 
 
@@ -156,25 +160,17 @@ print(json.dumps({"counters": dict(counters["chunked_logits"]), "dtype": str(out
 
 
 def _run_script(tmp_path, argv, **env):
-    import json
-    import os
-    import subprocess
-    import sys
     script = tmp_path / "job.py"
     script.write_text(UPGRADE_SCRIPT)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")},
-           "TORCH_LOGS": "fx_passes", **env}
-    proc = subprocess.run([*argv, str(script)], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=300)
+    proc = subprocess.run([*argv, str(script)], capture_output=True, text=True,
+                          env=clean_env(TORCH_LOGS="fx_passes", **env), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    return last_json(proc.stdout), proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["launcher flag", "env switch", "env switch, option unset"])
 def test_upgrade_through_launcher_and_env_switch(tmp_path, how):
-    import pathlib
-    import sys
     launcher = [str(pathlib.Path(sys.executable).parent / "chunked-logits"), "run",
                 "--upgrade-low-precision", "--"]
     argv, env = {

@@ -7,13 +7,14 @@ Two runs that a test compares go in parallel (the machine has 2 cores).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from tests.helpers import clean_env, last_json
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -26,14 +27,12 @@ LAUNCHER = [str(BIN / "chunked-logits"), "run"]
 pytestmark = pytest.mark.slow
 
 
-def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
-    return env
+def offline_env(**extra: str) -> dict:
+    return clean_env(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
 
 
 def run(cmd: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=clean_env(**env), timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=offline_env(**env), timeout=600)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -41,10 +40,6 @@ def run(cmd: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
 def parallel(*jobs):
     with ThreadPoolExecutor(len(jobs)) as pool:
         return [f.result() for f in [pool.submit(*job) for job in jobs]]
-
-
-def last_json(proc: subprocess.CompletedProcess) -> dict:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_sft_hf_trainer_under_the_launcher(tmp_path):
@@ -63,7 +58,7 @@ def test_sft_hf_trainer_under_the_launcher(tmp_path):
     assert "ForCausalLMLoss" in event["where"] and "loss_utils.py" in event["where"]
     assert event["fp32_bytes_avoided"] == 4 * 128 * 2048
     assert "chunked_logits summary" in with_pass.stderr and "ForCausalLMLoss" in with_pass.stderr
-    ours, theirs = last_json(with_pass), last_json(stock)
+    ours, theirs = last_json(with_pass.stdout), last_json(stock.stdout)
     assert ours["backend"] == theirs["backend"] == "inductor"
     assert len(ours["losses"]) == 4
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-3)
@@ -78,7 +73,7 @@ def test_grpo_step_backend_and_launcher(tmp_path):
         (run, [sys.executable, script, "--backend", "chunked_logits"], tmp_path),
         (run, [*LAUNCHER, "--", script], tmp_path),
     )
-    a, b = last_json(backend), last_json(launched)
+    a, b = last_json(backend.stdout), last_json(launched.stdout)
     assert a["backend"] == "chunked_logits" and b["backend"] == "inductor"
     for r in (a, b):
         assert r["counters"]["rewritten"] == 1 and "pass_failed" not in r["counters"]
@@ -93,7 +88,7 @@ def test_grpo_step_backend_and_launcher(tmp_path):
 def test_ref_scoring_under_the_environment_switch(tmp_path):
     """CHUNKED_LOGITS=1, no launcher, no code change: the no_grad scoring is rewritten."""
     proc = run([sys.executable, str(EXAMPLES / "ref_scoring.py")], tmp_path, CHUNKED_LOGITS="1")
-    out = last_json(proc)
+    out = last_json(proc.stdout)
     assert out["counters"]["rewritten"] == 1 and "pass_failed" not in out["counters"]
     assert out["shape"] == [8, 63] and out["dtype"] == "torch.float32"
     assert out["max_diff_vs_eager"] < 1e-2  # Inductor's bf16 model math, the same as stock
@@ -105,7 +100,7 @@ def test_demo_small(tmp_path):
     """The README's demo at a smaller size: less memory, the same error, a report."""
     proc = run([sys.executable, str(EXAMPLES / "demo.py"), "--tokens", "2048", "--vocab", "16384",
                 "--repeat", "1", "--json"], tmp_path)
-    results = last_json(proc)
+    results = last_json(proc.stdout)
     stock, ours = results["inductor"], results["chunked_logits"]
     assert ours["counters"]["rewritten"] == 1
     fp32 = 4 * 2048 * 16384

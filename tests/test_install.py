@@ -26,6 +26,7 @@ from torch._inductor.utils import run_and_get_code
 import fx_passes
 from fx_passes import Config, hook, report
 from tests.codegen import full_fp32_buffers
+from tests.helpers import clean_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 T, V = 16, 256
@@ -305,12 +306,6 @@ PROBE = textwrap.dedent("""
                                          if not ln.startswith("# AOT ID")).encode()).hexdigest(),
     }))
 """)
-
-
-def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
-    env.update(extra)
-    return env
 
 
 def probe(tmp_path, **env: str) -> tuple[dict, str]:

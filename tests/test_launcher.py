@@ -15,6 +15,7 @@ import pytest
 
 from fx_passes import cli
 from fx_passes.config import Config
+from tests.helpers import clean_env, last_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -48,20 +49,10 @@ NOCOMPILE = textwrap.dedent("""
 """)
 
 
-def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
-    env.update(extra)
-    return env
-
-
 def launch(args: list[str], cwd, env=None, timeout=300, exe=None) -> subprocess.CompletedProcess:
     exe = exe or [str(BIN / "chunked-logits")]
     return subprocess.run([*exe, *args], capture_output=True, text=True, cwd=cwd,
                           env=env or clean_env(), timeout=timeout)
-
-
-def last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture
