@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.workloads import ALL_WORKLOADS, Workload, run_step  # noqa: E402
+from tests.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402
 
 __all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
            "limit_bytes", "errors", "pass_report", "snapshot"]
@@ -49,6 +49,8 @@ def default_modes(name: str) -> list[str]:
     if ALL_WORKLOADS[name].upgrade:
         return ["eager", "inductor", "chunked_logits", "chunked_logits_up", "chunked_logits_up_dyn"]
     return [m for m in MODES if not m.startswith("chunked_logits_up")]
+
+
 STOCK = "inductor"
 LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows

@@ -27,15 +27,14 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.cases import MODES, STOCK, default_modes, limit_bytes, sizes  # noqa: E402
+from benchmarks.cases import ALL_WORKLOADS, MODES, STOCK, WORKLOADS, default_modes, limit_bytes, sizes  # noqa: E402
 from benchmarks.memory import MALLOC_ENV, MIB  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
 # The package's environment switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
 # CHUNKED_LOGITS_DISABLE=1 takes it out of the backend): kept away from the children.
 SWITCHES = "CHUNKED_LOGITS"
-DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
-ALL_WORKLOADS = DEFAULT_WORKLOADS + ("W4L", "U1", "U2", "U3")
+DEFAULT_WORKLOADS = tuple(WORKLOADS)  # W1-W5; also W4L, U1-U3 (tests.workloads.EXTRA_WORKLOADS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
