@@ -48,9 +48,14 @@ def test_mutation_inside_region_is_declined():
         return torch.log_softmax(z, -1).gather(-1, tok[:, None]), x.sum()
 
     x, tok = torch.randn(8, 32).bfloat16(), torch.randint(0, 32, (8,))
+    # A declined graph is compiled exactly as stock Inductor compiles it (compiled and
+    # eager results differ in the last bits, and by how much depends on the CPU).
+    stock = torch.compile(fn, backend="inductor")(x.clone(), tok)
+    torch._dynamo.reset()
     got = torch.compile(fn, backend="chunked_logits")(x.clone(), tok)
     assert chunked_counters() == {"declined": 1, "declined:ORDER": 1}
-    torch.testing.assert_close(got[0], fn(x.clone(), tok)[0], rtol=0, atol=0)
+    for g, s in zip(got, stock):
+        torch.testing.assert_close(g, s, rtol=0, atol=0)
 
 
 # --- upgrade_low_precision (off by default) -----------------------------------------
