@@ -19,7 +19,7 @@ import torch
 
 Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
 
-__all__ = ["row_stats", "RowStats"]
+__all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits"]
 
 
 def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
@@ -76,6 +76,32 @@ def _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale: Scal
     return grad_z
 
 
+def stats_of_logits(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scale, scale_is_div: bool,
+                    want_entropy: bool):
+    """(lse, token logprob or None, entropy or None) per row of ``z = x.float() / t``:
+    the maths of every forward (``RowStats`` here, the lm_head loop's chunks)."""
+    z = _scaled(x, scale, scale_is_div)
+    m, log_s = _shift_and_log_sum(z)
+    logprob = None
+    if tokens is not None:
+        picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logprob = _log_probs(_scaled(picked, scale, scale_is_div), m, log_s)
+    entropy = None
+    if want_entropy:
+        logp = _log_probs(z, m.unsqueeze(-1), log_s.unsqueeze(-1))
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+    return log_s + m, logprob, entropy
+
+
+def grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale: Scale,
+                   scale_is_div: bool) -> torch.Tensor:
+    """The gradient w.r.t. the model-precision logits ``x``, in ``x``'s dtype, from the
+    forward's ``lse`` (and ``entropy``): the maths of every backward."""
+    logp = _scaled(x, scale, scale_is_div) - lse.unsqueeze(-1)
+    grad_z = _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div)
+    return grad_z.to(x.dtype)
+
+
 class RowStats(torch.autograd.Function):
     """Per-row ``lse``, token log-prob and entropy of ``x.float() / t``.
 
@@ -87,17 +113,7 @@ class RowStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tokens, scale, scale_is_div, want_entropy):
-        z = _scaled(x, scale, scale_is_div)
-        m, log_s = _shift_and_log_sum(z)
-        lse = log_s + m
-        logprob = None
-        if tokens is not None:
-            picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            logprob = _log_probs(_scaled(picked, scale, scale_is_div), m, log_s)
-        entropy = None
-        if want_entropy:
-            logp = _log_probs(z, m.unsqueeze(-1), log_s.unsqueeze(-1))
-            entropy = -(logp.exp() * logp).sum(dim=-1)
+        lse, logprob, entropy = stats_of_logits(x, tokens, scale, scale_is_div, want_entropy)
         ctx.scale = scale
         ctx.scale_is_div = scale_is_div
         ctx.save_for_backward(x, tokens, lse, entropy)
@@ -106,10 +122,9 @@ class RowStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lse, g_logprob, g_entropy):
         x, tokens, lse, entropy = ctx.saved_tensors
-        scale, is_div = ctx.scale, ctx.scale_is_div
-        logp = _scaled(x, scale, is_div) - lse.unsqueeze(-1)
-        grad_z = _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
-        return grad_z.to(x.dtype), None, None, None, None
+        grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, ctx.scale,
+                              ctx.scale_is_div)
+        return grad, None, None, None, None
 
 
 def row_stats(

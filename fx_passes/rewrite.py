@@ -28,7 +28,8 @@ import torch
 from torch.fx import Graph, Node
 
 from .config import Config
-from .lm_head import LMHead, lm_head_row_stats, match_lm_head
+from .lm_head import lm_head_row_stats
+from .lm_head_match import LMHead, match_lm_head
 from .graph_ops import canon, get_arg, is_pure, meta
 from .match import Region
 from .ops import row_stats

@@ -687,12 +687,12 @@ def eager_lm_head_chunks():
     """Run the lm_head chunk loop's bodies eagerly (fx_passes.lm_head compiles them with
     Inductor, seconds per variant): the cheap path checks the rewrite and the loop, the
     full-compile tests check the compiled bodies."""
-    real = fx_passes.lm_head._compiled
-    fx_passes.lm_head._compiled = lambda fn: fn
+    real = fx_passes.lm_head.compiled
+    fx_passes.lm_head.compiled = lambda fn: fn
     try:
         yield
     finally:
-        fx_passes.lm_head._compiled = real
+        fx_passes.lm_head.compiled = real
 
 
 CHECKED_KEYS = ("rewritten", "would_rewrite", "declined", "pass_failed", "lm_head_fused", "lm_head_not_fused")

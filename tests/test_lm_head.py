@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.codegen import allocations, step_codes
 from tests.test_numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
@@ -105,3 +106,55 @@ def test_loop_bodies_compile_once_across_calls_and_grad_modes():
     with torch.no_grad():  # scoring: a new outer graph (grad mode), the same forward body
         fn(*inputs)
     assert counters["stats"]["unique_graphs"] == compiled + 1
+
+
+class _LargestFP32(TorchDispatchMode):
+    """The element count of the largest FP32 tensor any op allocates (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t._is_view():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _backward_inputs(T, H, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    weight = (torch.randn(V, H, generator=g) / H**0.5).bfloat16()
+    tokens = torch.randint(0, V, (T,), generator=g)
+    lse = torch.logsumexp((hidden.double() @ weight.double().T), -1).float()
+    g_rows = torch.randn(3, T, generator=g)
+    return hidden, weight, tokens, lse, g_rows
+
+
+@pytest.mark.parametrize("budget", [2**20, 48 * 2**10])  # one sweep; several (T rows in groups of 96)
+def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
+    """Was a gap (issue 10): grad_hidden was accumulated in an FP32 [T, H] buffer.  Now
+    a group of rows at a time is (an FP32 [S, H] buffer, S from the budget), and the
+    gradients are the same with one sweep or several."""
+    import fx_passes.lm_head as lm_head
+    monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)  # eager bodies: every op is seen
+    T, H, V = 300, 64, 512
+    hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
+    with _LargestFP32() as mode:
+        gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
+                                          None, False, budget)
+    groups = -(-T // lm_head.accumulator_rows(budget, T, H))
+    assert (groups == 1) == (budget == 2**20)
+    if groups > 1:
+        assert mode.largest < T * H, "an FP32 buffer as large as [T, H]"
+    # the same gradients as FP64 maths on the model-precision values, to FP32 accuracy
+    x = (hidden.double() @ weight.double().T)
+    p = torch.softmax(x, -1)
+    onehot = torch.nn.functional.one_hot(tokens, V).double()
+    grad_x = p * (g_lse - g_lp).double()[:, None] + onehot * g_lp.double()[:, None]
+    grad_x = grad_x.bfloat16().double()  # the op hands the logits' gradient on in bf16
+    for got, want in ((gh, grad_x @ weight.double()), (gw, grad_x.T @ hidden.double())):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
