@@ -52,6 +52,7 @@ def default_modes(name: str) -> list[str]:
 
 
 STOCK = "inductor"
+LM_HEAD_WORKLOADS = ("W4", "W4L")  # the lm_head matmul is in the graph
 LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
@@ -161,7 +162,7 @@ def limit_bytes(name: str, T: int, V: int) -> int:
         return 4 * T
     if name in ("W2", "U2"):
         return 2 * 4 * T
-    if name in ("W4", "W4L"):
+    if name in LM_HEAD_WORKLOADS:
         H = LM_HEAD_HIDDEN
         return 2 * T * H + 2 * V * H + 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
     return 2 * T * V

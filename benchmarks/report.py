@@ -13,9 +13,10 @@ CHUNKED = ("chunked_logits", "chunked_logits_dyn", "chunked_logits_up", "chunked
 UPGRADE = ("U1", "U2", "U3")
 UPGRADE_ERR = 1e-4  # issue 6: error vs FP64 of the upgraded log-probs and entropy
 FIELDS = ("workload", "mode", "T", "V", "peak_mib", "limit_mib", "peak_over_limit", "rss_before_mib",
-          "t_min_ms", "t_median_ms", "t_ratio_vs_stock", "n_time_steps", "out_err", "grad_err",
+          "time_T", "t_min_ms", "t_median_ms", "t_ratio_vs_stock", "n_time_steps", "out_err", "grad_err",
           "grad_ref_max", "unique_graphs", "chunked_logits", "auto_chunked_graphs",
           "auto_chunker_declined", "error")
+LM_HEAD_PEAK = 1.15  # issue 10: W4 and W4L within 1.15x of the limit, on any CPU
 NOISE_MIB = 1.0  # RSS is page-granular and has some allocator noise: "no worse" allows this
 
 
@@ -48,6 +49,7 @@ COLUMNS = (  # header, width, cell
     ("peak MiB", 9, lambda r: _fmt(r.get("peak_mib"), ".1f")),
     ("limit MiB", 9, lambda r: _fmt(r["limit_mib"], ".2f" if r["workload"] in SCORING else ".1f")),
     ("peak/limit", 10, lambda r: _fmt(_ratio(r), ".2f", "n/a" if r["workload"] in SCORING else "-")),
+    ("time T", 6, lambda r: _fmt(r.get("time_T"), "d")),
     ("median ms", 9, lambda r: _fmt(r.get("t_median_ms"), ".1f")),
     ("min ms", 8, lambda r: _fmt(r.get("t_min_ms"), ".1f")),
     ("vs stock", 8, lambda r: _fmt(r.get("t_ratio_vs_stock"), ".3f")),
@@ -106,7 +108,7 @@ def _mode_targets(by: dict, mode: str) -> list[str]:
             lines.append(_peak_vs_stock(by, w, mode, f"{w} peak MiB <= stock + {NOISE_MIB:g} MiB"))
     for w in ("W4", "W4L"):
         if w in has:
-            lines.append(_check(f"{w} peak/limit", _ratio(by[(w, mode)]), 1.5, ".2f"))
+            lines.append(_check(f"{w} peak/limit", _ratio(by[(w, mode)]), LM_HEAD_PEAK, ".2f"))
     for w, limit in (("W2", 1.0), ("W3", 1.0), ("W1", 1.05), ("W5", 1.05), ("W4", 1.1), ("W4L", 1.1)):
         if w in has:
             lines.append(_check(f"{w} time vs stock", get(w, "t_ratio_vs_stock"), limit, ".3f"))

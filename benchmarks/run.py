@@ -27,7 +27,9 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.cases import ALL_WORKLOADS, MODES, STOCK, WORKLOADS, default_modes, limit_bytes, sizes  # noqa: E402
+from benchmarks.cases import (  # noqa: E402
+    ALL_WORKLOADS, LM_HEAD_WORKLOADS, MODES, STOCK, WORKLOADS, default_modes, limit_bytes, sizes,
+)
 from benchmarks.memory import MALLOC_ENV, MIB  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
@@ -52,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--csv", default="bench_out/results.csv", help="where to write the CSV")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child process")
+    p.add_argument("--time-rows-div", type=int, default=0,
+                   help="time W4/W4L at T divided by this (default 0: 8 on a CPU without native bf16 "
+                        "matmul, where stock's bf16 GEMMs take minutes a step; else 1)")
     # internal: what a child process runs
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -130,6 +135,7 @@ def time_child(args) -> dict:
     runs, which compute them, were skipped) also the errors and what each compile did."""
     from benchmarks.cases import errors, make_case, make_inputs
     T, V = sizes(args.time, args.scale)
+    T = max(1, T // time_rows_div(args, args.time))
     inputs = make_inputs(args.time, T, V)
     cases, compiled, failed = [], {}, {}
     for mode in args.time_modes:
@@ -145,6 +151,35 @@ def time_child(args) -> dict:
         for case in cases:
             result[case.mode].update(compiled[case.mode], **errors(case, *case.step()))
     return {**result, **failed}
+
+
+def native_bf16_matmul() -> bool:
+    """Does this CPU multiply bf16 matrices in hardware (AVX-512 BF16 or AMX)?  Without
+    it a bf16 GEMM runs several times slower than an FP32 one."""
+    try:
+        flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return True  # not Linux: assume it does (the timing is then at full size)
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def time_rows_div(args, name: str) -> int:
+    """What T of workload ``name`` is divided by for timing (see --time-rows-div)."""
+    if name not in LM_HEAD_WORKLOADS:
+        return 1
+    return args.time_rows_div or (1 if native_bf16_matmul() else 8)
+
+
+def cpu_line() -> str:
+    """What the kernels of this run were built for: the step times depend on it."""
+    import torch
+    from torch._inductor import cpu_vec_isa
+    isa = cpu_vec_isa.pick_vec_isa()
+    return (f"cpu: ATen capability {torch.backends.cpu.get_cpu_capability()} "
+            f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), Inductor vector ISA "
+            f"{type(isa).__name__ if isa else 'none'} "
+            f"(TORCHINDUCTOR_CPP_MARCH={os.environ.get('TORCHINDUCTOR_CPP_MARCH', 'unset')}), "
+            f"native bf16 matmul: {'yes' if native_bf16_matmul() else 'no'}")
 
 
 def child_main(args) -> None:
@@ -194,7 +229,8 @@ def run_memory(args, name: str, rows: dict) -> None:
 def run_time(args, name: str, rows: dict) -> None:
     t0 = time.time()
     time_modes = modes_of(args, name)[1]
-    extra = ["--time", name, "--time-modes", ",".join(time_modes)]
+    extra = ["--time", name, "--time-modes", ",".join(time_modes), "--time-rows-div",
+             str(time_rows_div(args, name))]
     res = spawn(args, extra + (["--report"] if args.skip_memory else []))
     if "error" in res and len(res) == 1:
         res = {m: dict(res) for m in time_modes}
@@ -202,7 +238,7 @@ def run_time(args, name: str, rows: dict) -> None:
     for mode, r in res.items():
         if stock and "t_median_ms" in r:
             r["t_ratio_vs_stock"] = r["t_median_ms"] / stock
-        rows[(name, mode)].update(r)
+        rows[(name, mode)].update(r, time_T=sizes(name, args.scale)[0] // time_rows_div(args, name))
     print(f"  time   {name} all modes interleaved  ({time.time() - t0:.0f} s)", flush=True)
 
 
@@ -224,6 +260,7 @@ def parent_main(args) -> None:
     import torch
     version = source_version()
     print(version, flush=True)
+    print(cpu_line(), flush=True)
     threads = args.threads or torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, scale 1/{args.scale}, "
           f"{args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
