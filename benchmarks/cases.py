@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 from tests.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402
 
 __all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
-           "limit_bytes", "errors", "pass_report", "snapshot"]
+           "limit_bytes", "reference", "errors", "pass_report", "snapshot"]
 
 MODES = {
     "eager": "eager PyTorch, no compile",
@@ -52,7 +52,7 @@ def default_modes(name: str) -> list[str]:
 
 
 STOCK = "inductor"
-LM_HEAD_WORKLOADS = ("W4", "W4L")  # the lm_head matmul is in the graph
+LM_HEAD_WORKLOADS = ("W4", "W4L", "WV")  # the lm_head matmul is in the graph
 LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
@@ -155,8 +155,8 @@ def limit_bytes(name: str, T: int, V: int) -> int:
     """The memory one step must allocate at least (the physical limit).
 
     Scoring (W1, W2, U1, U2): the FP32 [T] outputs.  W3, W5, U3: the bf16 logits
-    gradient.  W4, W4L: bf16 grad of hidden and of weight, plus one FP32 chunk of 256
-    rows of logits.
+    gradient.  W4, W4L, WV (lm_head in the graph): bf16 grad of hidden and of weight,
+    plus one FP32 chunk of 256 rows of logits.
     """
     if name in ("W1", "U1"):
         return 4 * T
@@ -197,9 +197,10 @@ def _max_abs(got, want) -> float:
     return max((g.double() - w).abs().max().item() for g, w in zip(got, want))
 
 
-def errors(case: Case, outputs, grads) -> dict:
-    """Max abs error of the outputs and of the input gradients vs the FP64 reference."""
-    ref_out, ref_grads = reference(case)
+def errors(case: Case, outputs, grads, ref=None) -> dict:
+    """Max abs error of the outputs and of the input gradients vs the FP64 reference
+    (``ref``, from :func:`reference`, when several modes share one set of inputs)."""
+    ref_out, ref_grads = reference(case) if ref is None else ref
     scale = max((g.abs().max().item() for g in ref_grads), default=float("nan"))
     return {"out_err": _max_abs(outputs, ref_out), "grad_err": _max_abs(grads, ref_grads),
             "grad_ref_max": scale}

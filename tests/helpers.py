@@ -34,6 +34,20 @@ def rewrite(fn, *args, dynamic=False, **options) -> tuple[str, str]:
     return before, after
 
 
+def ensure_backend() -> None:
+    """Register ``backend="chunked_logits"`` when the package is importable but not
+    installed (``PYTHONPATH=.`` on a machine without ``pip install``): the name
+    normally comes from the package's entry point."""
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    from fx_passes.backend import chunked_logits
+    try:
+        lookup_backend("chunked_logits")
+    except InvalidBackend:
+        register_backend(chunked_logits, name="chunked_logits")
+
+
 def chunked_counters() -> dict:
     return dict(counters["chunked_logits"])
 

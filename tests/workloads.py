@@ -49,6 +49,12 @@ def w5_cross_entropy(logits, labels):
     return F.cross_entropy(logits.float(), labels, ignore_index=-100)
 
 
+def wv_lm_head_cross_entropy(hidden, weight, labels):
+    """Training: SFT cross-entropy with the lm_head in the graph (what fused linear
+    cross-entropy kernels such as Liger's and Cut Cross-Entropy replace)."""
+    return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100)
+
+
 # --- the opt-in FP32 upgrade (Config.upgrade_low_precision): graphs that never upcast ---
 
 def u1_bf16_logprob(logits, tokens):
@@ -116,6 +122,13 @@ def _make_ce(T, V, dtype=torch.bfloat16, seed=0):
     return _logits(T, V, dtype, g, True), labels
 
 
+def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
+    hidden, weight, labels, _ = _make_lm_head(T, V, dtype, seed, H)
+    g = torch.Generator().manual_seed(seed + 1)
+    labels[torch.rand(T, generator=g) < 0.1] = -100
+    return hidden, weight, labels
+
+
 def _make_batched_scoring(T, V, dtype=torch.bfloat16, seed=0, B=4):
     """[B, T/B, V] logits (T = 4096 gives the issue's [4, 1024, 32000])."""
     g = torch.Generator().manual_seed(seed)
@@ -138,9 +151,11 @@ WORKLOADS = {
     "W5": Workload("W5", w5_cross_entropy, True, _make_ce, (4096, 32768), (0,)),
 }
 
-# Benchmarked besides W1-W5: W4 at long T (issue 3) and the upgrade workloads (issue 6).
+# Benchmarked besides W1-W5: W4 at long T (issue 3), the upgrade workloads (issue 6) and
+# the large vocabulary of the GPU check (issue 13: Qwen3-0.6B's lm_head, H 1024, V 151936).
 EXTRA_WORKLOADS = {
     "W4L": Workload("W4L", w4_lm_head_loss, True, _make_lm_head, (16384, 32768), (0, 1)),
+    "WV": Workload("WV", wv_lm_head_cross_entropy, True, _make_lm_head_ce, (4096, 151936), (0, 1)),
     "U1": Workload("U1", u1_bf16_logprob, False, _make_batched_scoring, (4096, 32000), upgrade=True),
     "U2": Workload("U2", u2_bf16_logprob_entropy_per_sequence, False, _make_batched_scoring,
                    (4096, 32000), upgrade=True),
@@ -148,6 +163,16 @@ EXTRA_WORKLOADS = {
                    upgrade=True),
 }
 ALL_WORKLOADS = {**WORKLOADS, **EXTRA_WORKLOADS}
+
+
+def on_device(inputs: tuple, device) -> tuple:
+    """``inputs`` (built on the CPU, where the seeded generators live) moved to ``device``,
+    keeping which of them require grad: the same numbers on every device."""
+    def move(x):
+        if not x.is_floating_point():
+            return x.to(device)
+        return x.detach().to(device).requires_grad_(x.requires_grad)
+    return tuple(move(x) for x in inputs)
 
 
 def run_step(workload: Workload, fn: Callable, inputs: tuple):
