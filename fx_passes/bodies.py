@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from . import compat
 from .ops import grad_of_logits, stats_of_logits
 
-__all__ = ["compiled", "forward_chunk", "backward_block"]
+__all__ = ["compiled", "forward_chunk", "backward_block", "parse_transforms"]
 
 
 @functools.lru_cache(None)
@@ -38,18 +38,58 @@ def compiled(fn):
     return call
 
 
-def forward_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool):
+@functools.lru_cache(None)
+def parse_transforms(transforms: str) -> tuple[tuple[str, float], ...]:
+    """``"div:<c>,tanh,mul:<c>"`` (``lm_head_match.LMHead.transforms``) as (op, c) steps."""
+    steps = []
+    for item in filter(None, transforms.split(",")):
+        op, _, const = item.partition(":")
+        if op not in ("div", "mul", "tanh") or (op != "tanh") != bool(const):
+            raise ValueError(f"chunked_logits: unknown logit transform {item!r} in {transforms!r}")
+        steps.append((op, float.fromhex(const) if const else 0.0))
+    return tuple(steps)
+
+
+def _transform(z: torch.Tensor, op: str, c: float) -> torch.Tensor:
+    if op == "tanh":
+        return torch.tanh(z)
+    return z / c if op == "div" else z * c
+
+
+def _transform_grad(grad: torch.Tensor, out: torch.Tensor, op: str, c: float) -> torch.Tensor:
+    """The FP32 gradient through one transform (``tanh``'s from its output)."""
+    if op == "tanh":
+        return grad * (1 - out * out)
+    return grad / c if op == "div" else grad * c
+
+
+def _logits(h, w, b, dtype: torch.dtype, transforms: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The chunk's logits and each transform's output.  The matmul's output is rounded to
+    the model dtype, as the unfused graph stores it; the transforms run in FP32 on it with
+    no rounding between them, as stock Inductor's fused kernel computes them (rounding
+    each to bf16, as eager does, would be less accurate than the stock compiled path)."""
+    x = F.linear(h, w, b).to(dtype)
+    outs = []
+    for op, c in parse_transforms(transforms):
+        outs.append(_transform(outs[-1] if outs else x.float(), op, c))
+    return (outs[-1] if outs else x), outs
+
+
+def forward_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
     """(lse, logprob or None, entropy or None) of this chunk's rows: the logits are
     computed in model precision, then reduced as the unfused region reduces them."""
-    return stats_of_logits(F.linear(h, w, b).to(h.dtype), tokens, scale, is_div, want_entropy)
+    return stats_of_logits(_logits(h, w, b, h.dtype, transforms)[0], tokens, scale, is_div, want_entropy)
 
 
 def backward_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool,
-                   dtype: torch.dtype):
-    """Model-precision gradient of this block's logits.
+                   dtype: torch.dtype, transforms: str):
+    """Model-precision gradient of this block's matmul output (through the transforms).
 
     ``h``/``w``/``b`` may be FP32 copies of the model-precision operands (see
     ``tiling.fp32_gemm``): the logits are rounded to ``dtype`` as the forward's were.
     """
-    logits = F.linear(h, w, b).to(dtype)
-    return grad_of_logits(logits, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
+    x, outs = _logits(h, w, b, dtype, transforms)
+    grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
+    for (op, c), out in zip(reversed(parse_transforms(transforms)), reversed(outs)):
+        grad = _transform_grad(grad, out, op, c)
+    return grad.to(dtype)

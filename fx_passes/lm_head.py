@@ -34,7 +34,8 @@ __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_backward", "lm_h
 @torch.library.custom_op("chunked_logits::lm_head_stats", mutates_args=())
 def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
-                  want_entropy: bool, budget_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  want_entropy: bool, budget_bytes: int,
+                  transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, vocab = hidden.shape[0], weight.shape[0]
     lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
     rows = forward_rows(budget_bytes, n, vocab)
@@ -42,7 +43,8 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         tok = tokens[r0:r1] if tokens is not None else None
-        c_lse, c_lp, c_ent = body(hidden[r0:r1], weight, bias, tok, scale, scale_is_div, want_entropy)
+        c_lse, c_lp, c_ent = body(hidden[r0:r1], weight, bias, tok, scale, scale_is_div, want_entropy,
+                                  transforms)
         lse[r0:r1] = c_lse
         if c_lp is not None:
             logprob[r0:r1] = c_lp
@@ -52,7 +54,7 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 @lm_head_stats.register_fake
-def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes):
+def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms):
     n = hidden.shape[0]
     return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
 
@@ -73,13 +75,14 @@ class _Backward:
     scale: Optional[torch.Tensor]
     scale_is_div: bool
     budget: int
+    transforms: str
 
     def grad_of_tile(self, body, h, w, b, v0: int, t0: int, t1: int) -> torch.Tensor:
         """Model-precision gradient of the logits ``[t0:t1, block]`` (block from ``v0``)."""
         entropy = self.entropy[t0:t1] if self.entropy is not None else None
         return body(h, w, b, self.tokens[t0:t1] - v0, self.lse[t0:t1], entropy, self.g_lse[t0:t1],
                     self.g_logprob[t0:t1], self.g_entropy[t0:t1], self.scale, self.scale_is_div,
-                    self.hidden.dtype)
+                    self.hidden.dtype, self.transforms)
 
     def sweep(self, r0: int, r1: int, acc: torch.Tensor, grad_weight: Optional[torch.Tensor],
               grad_bias: Optional[torch.Tensor]) -> None:
@@ -122,7 +125,8 @@ class _Backward:
 
 
 def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                  scale_is_div: bool, budget_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale_is_div: bool, budget_bytes: int,
+                  transforms: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden``, ``weight`` and ``bias``, with no FP32 ``[T, H]`` buffer.
 
     ``grad_weight[block]`` needs every row and ``grad_hidden[rows]`` every block; each
@@ -139,7 +143,7 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
     grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=weight.dtype,
                             device=weight.device)
     bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                    scale_is_div, budget_bytes)
+                    scale_is_div, budget_bytes, transforms)
     acc = torch.empty(accumulator_rows(budget_bytes, n, width), width, dtype=torch.float32,
                       device=hidden.device)
     for r0, r1 in even_splits(n, acc.shape[0]):
@@ -155,24 +159,25 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
 def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            tokens: torch.Tensor, lse: torch.Tensor, entropy: Optional[torch.Tensor],
                            g_lse: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
-                           scale: Optional[torch.Tensor], scale_is_div: bool,
-                           budget_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
+                           transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                         scale_is_div, budget_bytes)
+                         scale_is_div, budget_bytes, transforms)
 
 
 @lm_head_stats_backward.register_fake
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-      budget_bytes):
+      budget_bytes, transforms):
     return (torch.empty_like(hidden), torch.empty_like(weight),
             weight.new_empty(weight.shape[0] if bias is not None else 0))
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes = inputs
+    hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms = inputs
     lse, _, entropy = output
     ctx.save_for_backward(hidden, weight, bias, tokens, scale, lse, entropy if want_entropy else None)
     ctx.has_tokens, ctx.scale_is_div, ctx.budget = tokens is not None, scale_is_div, budget_bytes
+    ctx.transforms = transforms
 
 
 def _backward(ctx, g_lse, g_logprob, g_entropy):
@@ -184,16 +189,17 @@ def _backward(ctx, g_lse, g_logprob, g_entropy):
     if tokens is None:
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
-                                        g_entropy, scale, ctx.scale_is_div, ctx.budget)
-    return gh, gw, (gb if bias is not None else None), None, None, None, None, None
+                                        g_entropy, scale, ctx.scale_is_div, ctx.budget, ctx.transforms)
+    return gh, gw, (gb if bias is not None else None), None, None, None, None, None, None
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup)
 
 
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
-                      budget_bytes: int):
-    """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``.
+                      budget_bytes: int, transforms: str = ""):
+    """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after
+    the logit ``transforms`` (``lm_head_match.LMHead.transforms``).
 
     ``hidden`` is ``[.., H]``; results have ``hidden``'s shape without the last dim.
     """
@@ -203,6 +209,6 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
     if scale is not None and not isinstance(scale, torch.Tensor):
         scale = torch.scalar_tensor(scale, dtype=torch.float32, device=hidden.device)
     lse, logprob, entropy = lm_head_stats(h2, weight, bias, tok2, scale, scale_is_div, want_entropy,
-                                          budget_bytes)
+                                          budget_bytes, transforms)
     return (lse.reshape(rows_shape), logprob.reshape(rows_shape) if tokens is not None else None,
             entropy.reshape(rows_shape) if want_entropy else None)

@@ -3,6 +3,13 @@
 A region's logits are ``hidden @ weight.T`` (``linear`` / ``matmul``, with or without
 bias) when this module says so: then the rewrite calls
 :func:`fx_passes.lm_head.lm_head_row_stats` on ``hidden`` and the logits never exist.
+
+Between the matmul and the upcast some model families transform the logits in
+model precision: Gemma2 softcaps them (``tanh(x / c) * c``), Granite divides them by
+``logits_scaling``, Cohere multiplies them by ``logit_scale``.  Such a chain of
+divisions and multiplications by constants and ``tanh`` is carried into the chunk
+loop (``LMHead.transforms``, applied per chunk exactly as the model rounds them); any
+other op there keeps the matmul whole, and the reason names the op.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_ops import canon, is_low_precision, meta
+from .graph_ops import canon, get_arg, is_low_precision, meta, tensor_input
 
-__all__ = ["LMHead", "match_lm_head"]
+__all__ = ["LMHead", "match_lm_head", "TRANSFORMS_KNOWN"]
+
+TRANSFORMS_KNOWN = "x / c, x * c and tanh(x), c a constant"
+_MAX_TRANSFORMS = 8  # how far back from the upcast the logit transforms are followed
 
 
 @dataclasses.dataclass
@@ -27,6 +37,8 @@ class LMHead:
     weight: Node  # [V, H]
     bias: Optional[Node]
     transpose: Optional[Node]  # the weight.T node of a matmul form, erased if unused
+    chain: tuple[Node, ...] = ()  # the logit transforms' nodes, matmul side first, erased too
+    transforms: str = ""  # their encoding for the op: "div:<c>,tanh,mul:<c>" (float.hex)
 
 
 def _weight_of_transpose(node) -> Optional[Node]:
@@ -60,18 +72,73 @@ def _producer(x: Node) -> Optional[LMHead]:
     return None
 
 
+def _constant(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _transform(node: Node) -> Optional[tuple[Node, str]]:
+    """(the logits it reads, its encoding) when ``node`` is a known logit transform."""
+    op = canon(node)
+    if op in ("div", "mul") and get_arg(node, "rounding_mode") is None:
+        a, b = tensor_input(node), get_arg(node, "other")
+        if isinstance(a, Node) and _constant(b):
+            return a, f"{op}:{float(b).hex()}"
+        if op == "mul" and _constant(a) and isinstance(b, Node):
+            return b, f"mul:{float(a).hex()}"
+    tanh = (node.op == "call_function" and node.target in (torch.tanh, F.tanh)) or (
+        node.op == "call_method" and node.target == "tanh")
+    if tanh and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], Node):
+        return node.args[0], "tanh"
+    return None
+
+
+def _op_name(node: Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _unwind(x: Node) -> tuple[Optional[LMHead], str]:
+    """The lm_head behind ``x`` through known logit transforms; or None with the reason
+    (empty when no matmul is near: then ``x`` is simply not an lm_head's output)."""
+    chain, specs, node = [], [], x
+    for _ in range(_MAX_TRANSFORMS):
+        head = _producer(node)
+        if head is not None:
+            break
+        step = _transform(node)
+        if step is None:
+            if any(_producer(a) is not None for a in node.all_input_nodes):
+                return None, (f"the logits pass through {_op_name(node)} ({node.name}) between the lm_head "
+                              f"and the upcast; the chunk loop carries {TRANSFORMS_KNOWN}")
+            return None, ""
+        chain.append(node)
+        specs.append(step[1])
+        node = step[0]
+    else:
+        return None, ""
+    for n in chain:  # each transform's result is read only by the next one (or the region)
+        if n is not x and len(n.users) != 1:
+            return None, f"the transformed logits {n.name} are also used outside the region"
+    if chain and len(head.logits.users) != 1:
+        return None, "the logits are also used outside the region; the matmul runs once in full"
+    head.chain = tuple(reversed(chain))
+    head.transforms = ",".join(reversed(specs))
+    return head, ""
+
+
 def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     """The lm_head producing the region's logits, or None with the reason it stays."""
     x = region.x
-    head = _producer(x) if isinstance(x, Node) else None
+    head, why = _unwind(x) if isinstance(x, Node) else (None, "")
     if head is None:
-        return None, ""  # not an lm_head: nothing to say
+        return None, why
     reads = set(region.roles) | ({region.moved_scale} if region.moved_scale is not None else set())
     if any(u not in reads for u in x.users) or region.meta_users:
         return None, "the logits are also used outside the region; the matmul runs once in full"
     h, w, b = meta(head.hidden), meta(head.weight), meta(head.bias) if head.bias is not None else None
     ok = (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and h.dim() >= 1
           and is_low_precision(head.hidden) and h.dtype == w.dtype == meta(x).dtype
+          and all(meta(n).dtype == w.dtype for n in head.chain)
           and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == w.dtype)))
     if not ok:
         return None, "the matmul's operands are not a model-precision [.., H] x [V, H] lm_head"

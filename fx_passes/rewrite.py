@@ -134,7 +134,8 @@ def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, confi
     model-precision logits ``xv``, or from the lm_head's hidden states ``xv``."""
     if lm_head is not None:
         return e.function(lm_head_row_stats, xv, lm_head.weight, lm_head.bias, tokens, region.scale,
-                          region.scale_is_div, region.want_entropy, config.chunk_budget_bytes)
+                          region.scale_is_div, region.want_entropy, config.chunk_budget_bytes,
+                          lm_head.transforms)
     return e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
 
 
@@ -213,7 +214,7 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
     if region.moved_scale is not None:
         graph.erase_node(region.moved_scale)
     if lm_head is not None:
-        for n in (lm_head.logits, lm_head.transpose):
+        for n in (*reversed(lm_head.chain), lm_head.logits, lm_head.transpose):
             if n is not None and not n.users:
                 graph.erase_node(n)
     index = region.index

@@ -34,6 +34,19 @@ def lm_tied(ids, weight, labels, up=F32):
     return F.cross_entropy(logits.to(up), labels, reduction="sum")
 
 
+def lm_softcap(hidden, weight, tok, adv, up=F32):
+    # Gemma2's final_logit_softcapping: tanh(x / c) * c in model precision, then the upcast
+    logits = torch.tanh((hidden @ weight.T) / 30.0) * 30.0
+    logp = torch.log_softmax(logits.to(up), -1)
+    return -(logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1) * adv.to(up)).mean()
+
+
+def lm_scaled(hidden, weight, labels, up=F32):
+    # Cohere's logit_scale (x * c); the trailing / 1.5 is moved after the upcast (a temperature)
+    logits = F.linear(hidden, weight) * 0.0625 / 1.5
+    return F.cross_entropy(logits.to(up), labels)
+
+
 def _inputs(name, dtype, T=61, H=32, V=50257):
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
@@ -46,6 +59,13 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
         labels = torch.randint(0, V, (3, T), generator=g)
         labels[:, ::5] = -100
         return lm_ce_bias_shift, (h, w, b, labels), (0, 1, 2)
+    if name == "softcap":
+        h = torch.randn(T, H, generator=g).to(dtype)
+        w3 = (w.float() * 10).to(dtype)  # logits up to about +-40: the cap matters
+        return lm_softcap, (h, w3, torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)), (0, 1)
+    if name == "scaled":
+        h = torch.randn(T, H, generator=g).to(dtype)
+        return lm_scaled, (h, (w.float() * 16).to(dtype), torch.randint(0, V, (T,), generator=g)), (0, 1)
     if name == "tied":
         ids = torch.randint(0, V, (T,), generator=g)
         return lm_tied, (ids, w, torch.randint(0, V, (T,), generator=g)), (1,)
@@ -53,7 +73,7 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
 
 
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("name", ["logprob_entropy", "ce_bias_shift", "tied"])
+@pytest.mark.parametrize("name", ["logprob_entropy", "ce_bias_shift", "tied", "softcap", "scaled"])
 def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _inputs(name, dtype)
     ref_outs, ref_grads = reference(fn, inputs, grad_pos)
@@ -66,6 +86,17 @@ def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
     assert_no_less_accurate((outs, grads), (stock_outs, stock_grads), (ref_outs, ref_grads),
                             dtype, out_rtol, grad_rtol)
+
+
+def test_unknown_logit_transform_keeps_the_matmul_and_says_which(caplog):
+    def fn(hidden, weight, labels):
+        return F.cross_entropy(torch.sigmoid(hidden @ weight.T).float(), labels)
+
+    h, w = torch.randn(8, 16).bfloat16(), torch.randn(64, 16).bfloat16()
+    with caplog.at_level("INFO", logger="fx_passes"):
+        torch.compile(fn, backend="chunked_logits")(h, w, torch.randint(0, 64, (8,)))
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "lm_head_not_fused": 1}
+    assert "the logits pass through sigmoid" in caplog.text and "tanh(x)" in caplog.text
 
 
 def test_no_logits_buffer_at_all():

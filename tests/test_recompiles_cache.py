@@ -208,8 +208,8 @@ def test_fx_graph_cache_missed_when_the_pass_code_changes(cold, tmp_path) -> Non
     shutil.copytree(ROOT / "fx_passes", pkg / "fx_passes", ignore=shutil.ignore_patterns("__pycache__"))
     ops = pkg / "fx_passes" / "ops.py"
     text = ops.read_text()
-    assert text.count("return grad_z.to(x.dtype), ") == 1, "ops.py changed: update this test"
-    ops.write_text(text.replace("return grad_z.to(x.dtype), ", "return (2 * grad_z).to(x.dtype), "))
+    assert text.count("return grad_z.to(x.dtype)\n") == 1, "ops.py changed: update this test"
+    ops.write_text(text.replace("return grad_z.to(x.dtype)\n", "return (2 * grad_z).to(x.dtype)\n"))
 
     changed = run_child(cache, {"train": {}, "pre_grad": {}}, pythonpath=pkg)
     assert pathlib.Path(changed["fx_passes"]).resolve() == (pkg / "fx_passes" / "__init__.py").resolve()
