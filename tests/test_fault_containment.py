@@ -345,3 +345,36 @@ def test_transformed_copy_keeps_what_dynamo_attached() -> None:
     assert new is not gm and "row_stats" in new.code
     assert new.meta == gm.meta and "dynamo_flat_name_to_original_fqn" in new.meta
     assert new._param_name_to_source == gm._param_name_to_source
+
+
+def test_contained_rolls_back_reports_and_lets_control_flow_through() -> None:
+    """The one containment every entry point uses (passes and backend)."""
+    from fx_passes.containment import contained
+    from fx_passes.report import Event
+
+    def compile_something():
+        with contained(False) as attempt:
+            counters["chunked_logits"]["rewritten"] += 1
+            events.append(Event("rewritten", "here", "a claim the failure takes back"))
+            raise RuntimeError("injected")
+        return attempt
+
+    counters["chunked_logits"]["rewritten"] += 1
+    n_events = len(events)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert compile_something().failed
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "pass_failed": 1}
+    assert len(events) == n_events
+    assert [str(w.message) for w in record] == [WARNING_TEXT]
+    assert record[0].filename == __file__  # it points at the caller of the function that failed
+
+    with contained(False) as attempt:
+        pass
+    assert not attempt.failed
+    for error, strict in [(RuntimeError("strict"), True), (KeyboardInterrupt(), False),
+                          (torch._dynamo.exc.RestartAnalysis(), False)]:
+        with pytest.raises(type(error)):
+            with contained(strict):
+                raise error
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "pass_failed": 1}
