@@ -7,7 +7,8 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import GraphModule
 
-from .config import Config, disabled_by_env
+from . import env
+from .config import Config
 from .hook import backend_compiling, count_graph
 from .containment import contained
 from .passes import transform, with_cacheable_marks
@@ -64,7 +65,7 @@ def chunked_logits(
     attempt = contained(config.strict, "Inductor failed on the rewritten graph",
                         "Inductor failed on the rewritten graph")
     rewritten = gm
-    if not disabled_by_env():
+    if not env.disabled():
         count_graph()
         rewritten = transform(gm, config)
     patches = inductor_options or None

@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
-import os
 import threading
 from typing import Any, Iterator, Optional
 
@@ -38,12 +36,11 @@ import torch._inductor.config as inductor_config
 from torch.fx import Graph
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
-from .config import Config, disabled_by_env
+from . import env
+from .config import Config
 
 __all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
-           "install_from_env", "options_from_env", "backend_compiling"]
-
-ENV_OPTIONS = "CHUNKED_LOGITS_OPTIONS"
+           "install_from_env", "backend_compiling"]
 
 _lock = threading.RLock()
 # Set by the chunked_logits backend while it compiles a graph it already transformed.
@@ -76,7 +73,7 @@ class InstalledPass(CustomGraphPass):
         self._impl = None
 
     def __call__(self, graph: Graph) -> None:
-        if disabled_by_env() or _backend_active.get():
+        if env.disabled() or _backend_active.get():
             return
         if self._impl is None:
             from .passes import ChunkedLogitsPass
@@ -88,7 +85,7 @@ class InstalledPass(CustomGraphPass):
     def uuid(self) -> str:
         from .passes import source_hash
 
-        state = "off" if disabled_by_env() else "on"
+        state = "off" if env.disabled() else "on"
         return f"chunked_logits-installed-{source_hash()[:16]}-{self.config.key()}-{state}"
 
     def __repr__(self) -> str:
@@ -216,63 +213,11 @@ def uninstall() -> bool:
 
 # --- the environment switch -------------------------------------------------------
 
-_FALSE = {"0", "false", "no", "off"}
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _parse_value(key: str, text: str, fields: dict[str, Any]) -> Any:
-    low = text.strip().lower()
-    default = fields.get(key)
-    if isinstance(default, bool):
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError(f"{ENV_OPTIONS}: {key} must be 1/0, true/false, yes/no or on/off, got {text!r}")
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text.strip()
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    return value
-
-
-def options_from_env(text: Optional[str] = None) -> dict[str, Any]:
-    """``CHUNKED_LOGITS_OPTIONS`` as a dict of Config fields.
-
-    JSON (``{"report_only": true}``) or a comma list: ``report_only``,
-    ``no_temperature_after_upcast``, ``strict=0``; dashes and underscores are alike.
-    """
-    text = os.environ.get(ENV_OPTIONS, "") if text is None else text
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        value = json.loads(text)
-        if not isinstance(value, dict):
-            raise ValueError(f"{ENV_OPTIONS} must be a JSON object, got {text!r}")
-        return value
-    fields = {f.name: f.default for f in dataclasses.fields(Config)}
-    names = set(fields)
-    out: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if sep:
-            out[key] = _parse_value(key, value, fields)
-        elif key.startswith("no_") and key not in names and key[3:] in names:
-            out[key[3:]] = False
-        else:
-            out[key] = True
-    return out
-
-
 def install_from_env() -> Optional[Installation]:
     """What ``CHUNKED_LOGITS=1`` does once Inductor's config is imported."""
-    if disabled_by_env():
+    if env.disabled():
         return None
-    config = Config.from_options(options_from_env())
+    config = Config.from_options(env.options())
     result = install(config)
     from . import summary
 

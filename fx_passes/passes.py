@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 
-from .config import Config, disabled_by_env
+from . import env
+from .config import Config
 from .containment import contained
 from .match import Region, find_regions
 from .report import COUNTER, Decline, log, record_decline, record_rewrite
@@ -144,7 +145,7 @@ class ChunkedLogitsPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> None:
         gm = graph.owning_module
-        if disabled_by_env() or (gm is not None and getattr(gm, _DONE, False)):
+        if env.disabled() or (gm is not None and getattr(gm, _DONE, False)):
             return
         snapshot = _copy(gm) if gm is not None else None
         # without a module to copy there is nothing to restore: an error propagates
@@ -156,7 +157,7 @@ class ChunkedLogitsPass(CustomGraphPass):
             setattr(gm, _DONE, True)
 
     def uuid(self) -> str:
-        state = "off" if disabled_by_env() else "on"
+        state = "off" if env.disabled() else "on"
         return f"chunked_logits-{source_hash()[:16]}-{self.config.key()}-{state}"
 
 

@@ -17,14 +17,11 @@ import os
 import sys
 from typing import Any, Optional
 
+from . import env
+
 __all__ = ["configure", "arm", "arm_from_env", "collect", "format_text", "rank", "write_summary"]
 
-ENV_SUMMARY = "CHUNKED_LOGITS_SUMMARY"  # auto | always | never
-ENV_RANKS = "CHUNKED_LOGITS_SUMMARY_RANKS"  # 0 | all
-ENV_DIR = "CHUNKED_LOGITS_SUMMARY_DIR"
-ENV_JSON = "CHUNKED_LOGITS_SUMMARY_JSON"
-
-MODES = ("auto", "always", "never")
+MODES = env.SUMMARY_MODES
 
 
 @dataclasses.dataclass
@@ -73,24 +70,13 @@ def arm() -> None:
 
 def arm_from_env() -> None:
     if not _settings.locked:
-        mode = os.environ.get(ENV_SUMMARY, "").strip().lower() or None
-        if mode in ("1", "true", "yes", "on"):
-            mode = "always"
-        elif mode in ("0", "false", "no", "off"):
-            mode = "never"
-        configure(mode=mode if mode in MODES else None,
-                  ranks=os.environ.get(ENV_RANKS, "").strip() or None,
-                  directory=os.environ.get(ENV_DIR), json_path=os.environ.get(ENV_JSON))
+        configure(**env.summary_settings())
     arm()
 
 
 def rank() -> Optional[int]:
     """This process's rank in a multi-process job, or None outside one."""
-    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(var)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return None
+    return env.rank()
 
 
 def collect() -> dict[str, Any]:
@@ -98,15 +84,13 @@ def collect() -> dict[str, Any]:
     report = sys.modules.get("fx_passes.report")
     utils = sys.modules.get("torch._dynamo.utils")
     hook = sys.modules.get("fx_passes.hook")
-    config_mod = sys.modules.get("fx_passes.config")
     events = list(getattr(report, "events", []))
     counters = dict(utils.counters.get("chunked_logits", {})) if utils is not None else {}
     installed = _installed_config is not None
     dropped = False
     if hook is not None and installed and hook._state.current is not None:
         dropped = hook._present() is None
-    disabled = bool(config_mod.disabled_by_env()) if config_mod is not None else (
-        os.environ.get("CHUNKED_LOGITS_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"))
+    disabled = env.disabled()
     return {
         "rank": rank(),
         "pid": os.getpid(),

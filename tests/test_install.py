@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 import fx_passes
-from fx_passes import Config, hook, report
+from fx_passes import Config, env, hook, report
 from tests.codegen import full_fp32_buffers
 from tests.helpers import clean_env
 
@@ -277,7 +277,7 @@ def test_uuid_follows_options_and_kill_switch(monkeypatch):
     ("strict=0,remove_div_by_one=yes", {"strict": False, "remove_div_by_one": True}),
 ])
 def test_options_from_env(text, expected):
-    assert hook.options_from_env(text) == expected
+    assert env.options(text) == expected
 
 
 # --- fresh processes: the environment switch ----------------------------------------
@@ -332,15 +332,16 @@ def test_env_switch_fresh_processes(tmp_path):
     assert off["at_start"] == [] and off["after_torch"] == [] and off["after_compile"] == []
     assert off["counters"] == {} and "chunked_logits" not in off_err
 
-    assert on["at_start"] == ["fx_passes", "fx_passes._autoinstall"]  # no torch at start
-    assert on["after_torch"] == ["fx_passes", "fx_passes._autoinstall"]  # lazy until Inductor
+    started = ["fx_passes", "fx_passes._autoinstall", "fx_passes.env"]
+    assert on["at_start"] == started  # no torch at start
+    assert on["after_torch"] == started  # lazy until Inductor
     assert "fx_passes.hook" in on["after_compile"]
     assert on["counters"] == {"rewritten": 1}
     assert on["code"] != off["code"]
     assert "chunked_logits summary" in on_err and "1 region rewritten" in on_err
 
     assert killed["counters"] == {} and killed["code"] == off["code"]
-    assert killed["after_compile"] == ["fx_passes", "fx_passes._autoinstall"]
+    assert killed["after_compile"] == started
     assert "chunked_logits summary" not in killed_err
 
     assert opts["counters"] == {"would_rewrite": 1} and opts["code"] == off["code"]
@@ -404,10 +405,10 @@ def test_options_from_env_numeric_fields():
     if not numeric:
         pytest.skip("Config has no numeric field")
     name = numeric[0].name
-    assert hook.options_from_env(f"{name}=1") == {name: type(numeric[0].default)(1)}
-    assert hook.options_from_env(f'{{"{name}": 2}}') == {name: 2}
+    assert env.options(f"{name}=1") == {name: type(numeric[0].default)(1)}
+    assert env.options(f'{{"{name}": 2}}') == {name: 2}
     with pytest.raises(ValueError, match="report_only"):
-        hook.options_from_env("report_only=maybe")
+        env.options("report_only=maybe")
 
 
 def test_install_marks_row_stats_cacheable_and_uninstall_restores():
@@ -418,3 +419,12 @@ def test_install_marks_row_stats_cacheable_and_uninstall_restores():
             assert marks["mine.op"] == "1" and "fx_passes.ops.row_stats" in marks
             assert marks["fx_passes.ops.row_stats"].startswith("chunked_logits-")
         assert inductor_config.unsafe_marked_cacheable_functions == {"mine.op": "1"}
+
+
+def test_package_and_env_module_import_no_torch():
+    """``import fx_passes`` and the environment module (read at interpreter start) stay torch-free."""
+    code = ("import sys, fx_passes, fx_passes.env, fx_passes.config; fx_passes.env.options('strict'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=clean_env(), timeout=120, check=True).stdout
+    assert out.split() == ["False"]
