@@ -9,9 +9,10 @@ from torch.fx import GraphModule
 
 from . import env
 from .config import Config
-from .hook import backend_compiling, count_graph
+from .hook import backend_compiling
 from .containment import contained
 from .passes import transform, with_cacheable_marks
+from .session import session
 
 __all__ = ["chunked_logits"]
 
@@ -66,7 +67,7 @@ def chunked_logits(
                         "Inductor failed on the rewritten graph")
     rewritten = gm
     if not env.disabled():
-        count_graph()
+        session.count_graph()
         rewritten = transform(gm, config)
     patches = inductor_options or None
     with backend_compiling():

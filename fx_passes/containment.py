@@ -23,7 +23,8 @@ from typing import Any, Optional
 import torch
 from torch._dynamo.utils import counters
 
-from .report import COUNTER, events, log
+from .report import COUNTER, log
+from .session import session
 
 __all__ = ["contained", "Containment"]
 
@@ -37,7 +38,7 @@ class Containment:
         self.strict, self.what, self.short = strict, what, short
         self.failed = False
         self._counts = dict(counters[COUNTER])
-        self._n_events = len(events)
+        self._mark = session.mark()
 
     def __enter__(self) -> "Containment":
         return self
@@ -60,7 +61,7 @@ class Containment:
     def _rollback(self) -> None:
         counters[COUNTER].clear()
         counters[COUNTER].update(self._counts)
-        del events[self._n_events:]
+        session.rollback(self._mark)
 
 
 def contained(strict: bool, what: str = _PASS_FAILED, short: str = "pass failed") -> Containment:

@@ -38,6 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 
 from . import env
 from .config import Config
+from .session import session
 
 __all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
            "install_from_env", "backend_compiling"]
@@ -46,8 +47,6 @@ _lock = threading.RLock()
 # Set by the chunked_logits backend while it compiles a graph it already transformed.
 _backend_active: contextvars.ContextVar[bool] = contextvars.ContextVar("chunked_logits_backend",
                                                                       default=False)
-# How many graphs the passes looked at in this process (installed pass and backend).
-graphs_seen = 0
 
 
 @contextlib.contextmanager
@@ -58,11 +57,6 @@ def backend_compiling() -> Iterator[None]:
         yield
     finally:
         _backend_active.reset(token)
-
-
-def count_graph() -> None:
-    global graphs_seen
-    graphs_seen += 1
 
 
 class InstalledPass(CustomGraphPass):
@@ -79,7 +73,7 @@ class InstalledPass(CustomGraphPass):
             from .passes import ChunkedLogitsPass
 
             self._impl = ChunkedLogitsPass(self.config)
-        count_graph()
+        session.count_graph()
         self._impl(graph)  # its fall-back keeps the graph's own placeholders (passes._restore)
 
     def uuid(self) -> str:
@@ -111,6 +105,11 @@ def _present() -> Optional[InstalledPass]:
         if _ours(p):
             return p
     return None
+
+
+def _dropped() -> bool:
+    """Was the installed pass replaced (``pre_grad_custom_pass`` assigned over it)?"""
+    return _state.current is not None and _present() is None
 
 
 def installed_config() -> Optional[Config]:
@@ -199,9 +198,7 @@ def install(config: Optional[Config] = None, /, **options: Any) -> Installation:
     with _lock:
         previous = installed_config()
         _put(InstalledPass(config))
-    from . import summary
-
-    summary.note_installed(config)
+    session.note_installed(config, dropped=_dropped)
     return Installation(config, previous)
 
 

@@ -2,20 +2,21 @@
 
 Counters live in ``torch._dynamo.utils.counters["chunked_logits"]``:
 ``rewritten``, ``declined``, ``div_by_one_removed``, ``pass_failed`` and one
-``declined:<reason>`` per reason.  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
+``declined:<reason>`` per reason; each event also goes to ``session.session`` (for
+the exit summary).  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
 decline, ``TORCH_LOGS="+fx_passes"`` adds the graphs before and after.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
-from typing import Optional
 
 from torch._dynamo.utils import counters
 
-__all__ = ["Decline", "Reason", "log", "COUNTER", "record_rewrite", "record_decline", "events"]
+from .session import Event, session
+
+__all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -45,23 +46,10 @@ class Decline(Exception):
         self.detail = detail
 
 
-@dataclasses.dataclass
-class Event:
-    kind: str  # "rewritten" | "declined" | "would_rewrite"
-    where: str
-    what: str
-    fp32_bytes_avoided: int = 0
-    reason: Optional[Reason] = None
-
-
-# Process-wide list of what happened, for the launcher's exit summary.
-events: list[Event] = []
-
-
 def record_rewrite(where: str, what: str, fp32_bytes: int, report_only: bool) -> None:
     kind = "would_rewrite" if report_only else "rewritten"
     counters[COUNTER][kind] += 1
-    events.append(Event(kind, where, what, fp32_bytes))
+    session.record(Event(kind, where, what, fp32_bytes))
     log.info("chunked_logits: %s %s at %s (FP32 [.., V] bytes avoided: %s)",
              "would rewrite" if report_only else "rewrote", what, where, fp32_bytes or "symbolic")
 
@@ -69,5 +57,5 @@ def record_rewrite(where: str, what: str, fp32_bytes: int, report_only: bool) ->
 def record_decline(where: str, decline: Decline) -> None:
     counters[COUNTER]["declined"] += 1
     counters[COUNTER][f"declined:{decline.reason.name}"] += 1
-    events.append(Event("declined", where, str(decline), reason=decline.reason))
+    session.record(Event("declined", where, str(decline), reason=decline.reason))
     log.info("chunked_logits: declined region at %s: %s", where, decline)

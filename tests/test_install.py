@@ -24,7 +24,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 import fx_passes
-from fx_passes import Config, env, hook, report
+from fx_passes import Config, env, hook
+from fx_passes.session import session
 from tests.codegen import full_fp32_buffers
 from tests.helpers import clean_env
 
@@ -72,14 +73,14 @@ class Recorder(CustomGraphPass):
 @pytest.fixture(autouse=True)
 def _clean_install():
     """No install, no user pass and no event leaks out of a test."""
-    report.events.clear()
+    session.reset()
     with inductor_config.patch(pre_grad_custom_pass=None, joint_custom_pre_pass=None,
                                post_grad_custom_post_pass=None, pre_grad_pass_timing="default"):
         try:
             yield
         finally:
             fx_passes.uninstall()
-    report.events.clear()
+    session.reset()
 
 
 def same_code(a: list[str], b: list[str]) -> bool:
@@ -112,7 +113,7 @@ def test_install_rewrites_under_stock_inductor():
     assert chunked() == {"rewritten": 1}
     assert full_fp32_buffers(codes, T, V) == []
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
-    assert [e.kind for e in report.events] == ["rewritten"]
+    assert [e.kind for e in session.events] == ["rewritten"]
     assert fx_passes.uninstall() is True
     assert inductor_config.pre_grad_custom_pass is None
     assert inductor_config.pre_grad_pass_timing == "default"
@@ -137,7 +138,7 @@ def test_install_and_backend_rewrite_each_region_once():
     torch.compile(escaping, backend="chunked_logits")(x, tok)
     # the installed pass leaves the backend's graphs alone: no second decline either
     assert chunked() == {"rewritten": 1, "declined": 1, "declined:ESCAPES": 1}
-    assert [e.kind for e in report.events] == ["rewritten", "declined"]
+    assert [e.kind for e in session.events] == ["rewritten", "declined"]
 
 
 def test_backend_options_win_over_installed_ones():
@@ -428,3 +429,22 @@ def test_package_and_env_module_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=clean_env(), timeout=120, check=True).stdout
     assert out.split() == ["False"]
+
+
+def test_session_collects_what_the_summary_says_and_resets():
+    """One owner of the session's events: install notes its config, the pass records events,
+    a replaced pre_grad_custom_pass shows as dropped, and reset starts over."""
+    from fx_passes import summary
+
+    fx_passes.install(report_only=True)
+    x = torch.randn(8, 32).bfloat16()
+    torch.compile(lambda x: torch.logsumexp(x.float(), -1))(x)
+    data = summary.collect()
+    assert data["installed"] and data["config"]["report_only"] and data["graphs_seen"] == 1
+    assert [e["kind"] for e in data["events"]] == ["would_rewrite"] and not data["pass_dropped"]
+    inductor_config.pre_grad_custom_pass = None  # a user's assignment over the install
+    assert summary.collect()["pass_dropped"]
+    session.reset()
+    data = summary.collect()
+    assert (data["installed"], data["graphs_seen"], data["events"], data["pass_dropped"]) == (
+        False, 0, [], False)
