@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from fx_passes import Config, Reason
+from fx_passes.match import find_regions
 from fx_passes.passes import ChunkedLogitsPass
-from tests.helpers import chunked_counters, rewrite
+from fx_passes.report import Decline
+from fx_passes.rewrite import rewrite_region
+from tests.helpers import chunked_counters, dynamo_graph, rewrite
 
 V = 64
 
@@ -79,6 +82,24 @@ def test_declined_graph_is_left_as_it_was(name):
     assert "rewritten" not in c
     for g, e in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, expected))):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_declined_rewrite_leaves_the_graph_byte_identical():
+    """rewrite_region checks everything before it edits: a region it declines (here two
+    losses with different ignore_index, found only at rewrite time) leaves the graph as
+    it was, not with replayed views or a mask node left behind."""
+    def fn(x, labels):
+        z = x[:, :-1].float().reshape(-1, V)
+        y = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(z, y, reduction="sum"), F.cross_entropy(z, y, ignore_index=3)
+
+    graph = dynamo_graph(fn, bf16(2, 5, V), torch.randint(0, V, (2, 5))).graph
+    before = (str(graph), graph.python_code("self").src)
+    (region,) = find_regions(graph)
+    with pytest.raises(Decline) as info:
+        rewrite_region(graph, region, Config())
+    assert info.value.reason is Reason.LOSS_OPTIONS and "different ignore_index" in str(info.value)
+    assert (str(graph), graph.python_code("self").src) == before
 
 
 def test_decline_is_logged_with_reason(caplog):
