@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import GraphModule
 
-from . import env
+from . import compat, env
 from .config import Config
 from .hook import backend_compiling
 from .containment import contained
@@ -20,8 +20,9 @@ __all__ = ["chunked_logits"]
 def _cacheable(patches: Optional[dict]) -> dict:
     """``patches`` plus the marks that let AOTAutograd's cache store a rewritten graph."""
     patches = dict(patches or {})
-    key = "unsafe_marked_cacheable_functions"
-    patches[key] = with_cacheable_marks(patches.get(key, getattr(torch._inductor.config, key)))
+    if compat.CACHEABLE_MARKS:
+        key = "unsafe_marked_cacheable_functions"
+        patches[key] = with_cacheable_marks(patches.get(key, getattr(torch._inductor.config, key)))
     return patches
 
 

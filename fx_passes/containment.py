@@ -20,9 +20,9 @@ import traceback
 import warnings
 from typing import Any, Optional
 
-import torch
 from torch._dynamo.utils import counters
 
+from . import compat
 from .report import COUNTER, log
 from .session import session
 
@@ -46,7 +46,7 @@ class Containment:
     def __exit__(self, kind: Optional[type], error: Optional[BaseException], tb: Any) -> bool:
         if error is None or not isinstance(error, Exception):
             return False
-        if self.strict or isinstance(error, torch._dynamo.exc.RestartAnalysis):
+        if self.strict or isinstance(error, compat.CONTROL_FLOW_ERRORS):
             return False
         self._rollback()
         counters[COUNTER]["pass_failed"] += 1

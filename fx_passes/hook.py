@@ -16,9 +16,10 @@ rewritten again.  ``CHUNKED_LOGITS_DISABLE=1`` turns the installed pass off at
 compile time, like the backend.
 
 While installed, Inductor's ``pre_grad_pass_timing`` is ``"early"`` (when it was
-``"default"``): pre-grad passes then run before the compile-cache lookup, so the
-cache key is the rewritten graph and every compile reports what it rewrote, even
-when the compiled code comes from the cache.
+``"default"``; torch before 2.12 has no such setting and always runs them early):
+pre-grad passes then run before the compile-cache lookup, so the cache key is the
+rewritten graph and every compile reports what it rewrote, even when the compiled
+code comes from the cache.  What each torch version lacks: :mod:`fx_passes.compat`.
 
 This module imports no more of torch than Inductor's config, so that the
 environment switch costs nothing until something is compiled.
@@ -29,20 +30,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import threading
 from typing import Any, Iterator, Optional
 
+import torch
 import torch._inductor.config as inductor_config
 from torch.fx import Graph
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import env
+from . import compat, env
 from .config import Config
 from .session import session
 
 __all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
            "install_from_env", "backend_compiling"]
 
+log = logging.getLogger("fx_passes")
 _lock = threading.RLock()
 # Set by the chunked_logits backend while it compiles a graph it already transformed.
 _backend_active: contextvars.ContextVar[bool] = contextvars.ContextVar("chunked_logits_backend",
@@ -101,7 +105,7 @@ def _ours(p: Any) -> bool:
 
 
 def _present() -> Optional[InstalledPass]:
-    for p in get_custom_graph_passes(inductor_config.pre_grad_custom_pass):
+    for p in compat.custom_graph_passes(inductor_config.pre_grad_custom_pass):
         if _ours(p):
             return p
     return None
@@ -119,9 +123,15 @@ def installed_config() -> Optional[Config]:
         return p.config if p is not None else None
 
 
-def _put(new: InstalledPass) -> None:
+def _put(new: InstalledPass) -> bool:
+    """Put ``new`` in front of the other pre-grad passes; False where this torch takes one."""
     value = inductor_config.pre_grad_custom_pass
-    others = [p for p in get_custom_graph_passes(value) if not _ours(p)]
+    others = [p for p in compat.custom_graph_passes(value) if not _ours(p)]
+    if others and not compat.PASS_LISTS:
+        log.warning("chunked_logits: not installed: torch %s takes one pre_grad_custom_pass and "
+                    "yours is set (%r); use torch.compile(..., backend='chunked_logits')",
+                    torch.__version__, others[0])
+        return False
     if _present() is None:
         _state.container = ("none" if value is None else "list" if isinstance(value, list)
                             else "tuple" if isinstance(value, tuple) else "single")
@@ -130,18 +140,20 @@ def _put(new: InstalledPass) -> None:
     else:
         kind = list if isinstance(value, list) else tuple
         inductor_config.pre_grad_custom_pass = kind([new, *others])
-    if inductor_config.pre_grad_pass_timing == "default":
+    if compat.PRE_GRAD_PASS_TIMING and inductor_config.pre_grad_pass_timing == "default":
         inductor_config.pre_grad_pass_timing = "early"
         _state.timing_changed = True
-    from .passes import with_cacheable_marks  # AOTAutograd's cache may store rewritten graphs
-    inductor_config.unsafe_marked_cacheable_functions = with_cacheable_marks(
-        inductor_config.unsafe_marked_cacheable_functions)
+    if compat.CACHEABLE_MARKS:  # AOTAutograd's cache may store rewritten graphs
+        from .passes import with_cacheable_marks
+        inductor_config.unsafe_marked_cacheable_functions = with_cacheable_marks(
+            inductor_config.unsafe_marked_cacheable_functions)
     _state.current = new
+    return True
 
 
 def _remove() -> bool:
     value = inductor_config.pre_grad_custom_pass
-    passes = get_custom_graph_passes(value)
+    passes = compat.custom_graph_passes(value)
     rest = [p for p in passes if not _ours(p)]
     removed = len(rest) != len(passes)
     if removed:
@@ -151,9 +163,9 @@ def _remove() -> bool:
             inductor_config.pre_grad_custom_pass = rest[0]
         else:
             inductor_config.pre_grad_custom_pass = (list if isinstance(value, list) else tuple)(rest)
-    if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":
+    if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":  # set: it exists
         inductor_config.pre_grad_pass_timing = "default"
-    if removed:
+    if removed and compat.CACHEABLE_MARKS:
         from .passes import CACHEABLE
         inductor_config.unsafe_marked_cacheable_functions = {
             k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items()
@@ -197,8 +209,9 @@ def install(config: Optional[Config] = None, /, **options: Any) -> Installation:
         config = Config.from_options(dataclasses.asdict(config), **options)
     with _lock:
         previous = installed_config()
-        _put(InstalledPass(config))
-    session.note_installed(config, dropped=_dropped)
+        placed = _put(InstalledPass(config))
+    if placed:
+        session.note_installed(config, dropped=_dropped)
     return Installation(config, previous)
 
 

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 
-from . import env
+from . import compat, env
 from .config import Config
 from .containment import contained
 from .match import Region, find_regions
@@ -82,8 +82,8 @@ def _copy(gm: GraphModule) -> GraphModule:
     out = graph.graph_copy(gm.graph, twins)
     graph.output(out)
     for old, twin in twins.items():  # Dynamo's per-node attributes (placeholders' sources)
-        for name, value in vars(old).items():
-            if name.startswith("_dynamo") and not hasattr(twin, name):
+        for name, value in compat.dynamo_node_attributes(old).items():
+            if not hasattr(twin, name):
                 setattr(twin, name, value)
     new = GraphModule(gm, graph)
     new.meta = dict(gm.meta)
