@@ -1,9 +1,9 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test` (lint, then the tests).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-long bench
+.PHONY: setup demo lint test test-long bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,7 +15,10 @@ setup: $(BIN)/python
 demo: setup
 	$(BIN)/python examples/demo.py
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # the property suite's deep profile (minutes, not run by CI)

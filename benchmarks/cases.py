@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402
+from tests.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402, F401 (run.py reads WORKLOADS here)
 
 __all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
            "limit_bytes", "errors", "pass_report", "snapshot"]

@@ -9,8 +9,8 @@ from torch.fx import GraphModule
 
 from . import compat, env
 from .config import Config
-from .hook import backend_compiling
 from .containment import contained
+from .hook import backend_compiling
 from .passes import transform, with_cacheable_marks
 from .session import session
 

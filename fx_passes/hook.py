@@ -36,8 +36,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch._inductor.config as inductor_config
-from torch.fx import Graph
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph
 
 from . import compat, env
 from .config import Config

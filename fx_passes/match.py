@@ -23,7 +23,14 @@ import torch
 from torch.fx import Graph, Node
 
 from .graph_ops import (
-    canon, get_arg, is_fp32, is_low_precision, is_metadata_query, last_dim, meta, tensor_input,
+    canon,
+    get_arg,
+    is_fp32,
+    is_low_precision,
+    is_metadata_query,
+    last_dim,
+    meta,
+    tensor_input,
 )
 from .report import Decline, Reason
 
@@ -70,7 +77,8 @@ class Region:
         scale = "none" if self.scale is None else ("/" if self.scale_is_div else "*") + (
             self.scale.name if isinstance(self.scale, Node) else repr(self.scale))
         moved = ", temperature moved after the upcast" if self.moved_scale is not None else ""
-        how = ", upgraded to FP32" if self.upgraded else ", implicit (autocast) upcast" if self.implicit else ""
+        how = (", upgraded to FP32" if self.upgraded
+               else ", implicit (autocast) upcast" if self.implicit else "")
         return f"{'+'.join(kinds)} over {tuple(meta(self.z).shape)} (temperature {scale}{moved}{how})"
 
 
@@ -387,7 +395,8 @@ def _scaled_operand(node: Node) -> Optional[Node]:
     if canon(node) not in ("div", "mul"):
         return None
     for cand in (tensor_input(node), get_arg(node, "other")):
-        if isinstance(cand, Node) and meta(cand) is not None and getattr(meta(cand), "shape", None) == meta(node).shape:
+        shape = getattr(meta(cand), "shape", None) if isinstance(cand, Node) else None
+        if shape is not None and shape == meta(node).shape:
             try:
                 if _scalar_operand(node, cand) is not None:
                     return cand

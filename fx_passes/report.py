@@ -25,14 +25,18 @@ log = logging.getLogger("fx_passes")
 class Reason(str, enum.Enum):
     """Every reason the pass leaves a region as it was (docs/declines.md lists them)."""
 
-    NOT_LOW_PRECISION = "the logits are not bf16/fp16 before the FP32 upcast (already FP32 or integer): nothing to save"
-    ESCAPES = "an FP32 [.., V] tensor of the region is used outside the pattern (a graph output or another consumer)"
+    NOT_LOW_PRECISION = ("the logits are not bf16/fp16 before the FP32 upcast (already FP32 or integer): "
+                         "nothing to save")
+    ESCAPES = ("an FP32 [.., V] tensor of the region is used outside the pattern "
+               "(a graph output or another consumer)")
     UNKNOWN_OP = "an op the pass does not know reads the FP32 logits"
     NOT_LAST_DIM = "the softmax / reduction is not over the last (vocabulary) dim"
     VOCAB_TOO_SMALL = "the vocabulary dim has size 1"
-    TEMPERATURE = "the temperature is not one scalar (per-row tensor, tensor that requires grad, or several scalings)"
+    TEMPERATURE = ("the temperature is not one scalar (per-row tensor, tensor that requires grad, "
+                   "or several scalings)")
     INDEX_SHAPE = "the gather index is not exactly one token per row of the logits"
-    LOSS_OPTIONS = "cross_entropy / nll_loss with class weights, label smoothing, a class dim other than the last, an ignore_index computed in the graph, or legacy size_average/reduce"
+    LOSS_OPTIONS = ("cross_entropy / nll_loss with class weights, label smoothing, a class dim other "
+                    "than the last, an ignore_index computed in the graph, or legacy size_average/reduce")
     SEVERAL_INDICES = "several different token / label tensors read one upcast"
     ORDER = "the token indices depend on a value the region produces, or on a side effect"
 

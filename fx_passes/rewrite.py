@@ -29,8 +29,8 @@ import torch
 from torch.fx import Graph, Node
 
 from .config import Config
-from .lm_head import LMHead, lm_head_row_stats, match_lm_head
 from .graph_ops import canon, get_arg, is_pure, meta
+from .lm_head import LMHead, lm_head_row_stats, match_lm_head
 from .match import Region
 from .ops import row_stats
 from .report import Decline, Reason

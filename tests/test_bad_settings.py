@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fx_passes import ChunkedLogitsPass, Config
-from fx_passes import env
+from fx_passes import ChunkedLogitsPass, Config, env
 
 NAMES = ", ".join(f.name for f in dataclasses.fields(Config))
 BOOLS = [f.name for f in dataclasses.fields(Config) if f.type == "bool"]

@@ -38,7 +38,8 @@ def lp_and(extra):
 DECLINES = {
     "fp32_logits": (lambda x, tok: lp(x.float(), tok), lambda: (torch.randn(8, V), torch.randint(0, V, (8,))),
                     Reason.NOT_LOW_PRECISION),
-    "integer_tensor": (lambda x, tok: lp(x.float(), tok), lambda: (torch.randint(0, 9, (8, V)), torch.randint(0, V, (8,))),
+    "integer_tensor": (lambda x, tok: lp(x.float(), tok),
+                       lambda: (torch.randint(0, 9, (8, V)), torch.randint(0, V, (8,))),
                        Reason.NOT_LOW_PRECISION),
     "upcast_returned": (lp_and(lambda z: z), lambda: (bf16(8, V), torch.randint(0, V, (8,))),
                         Reason.ESCAPES),
@@ -46,8 +47,8 @@ DECLINES = {
                              Reason.ESCAPES),
     "unknown_consumer": (lp_and(lambda z: torch.sigmoid(z).sum()),
                          lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.UNKNOWN_OP),
-    "vocab_of_one": (lambda x, tok: lp(x.float(), tok), lambda: (bf16(8, 1), torch.zeros(8, dtype=torch.long)),
-                     Reason.VOCAB_TOO_SMALL),
+    "vocab_of_one": (lambda x, tok: lp(x.float(), tok),
+                     lambda: (bf16(8, 1), torch.zeros(8, dtype=torch.long)), Reason.VOCAB_TOO_SMALL),
     "per_row_temperature": (lambda x, tok, t: lp(x.float() / t, tok),
                             lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.rand(8, 1) + 0.5),
                             Reason.TEMPERATURE),
@@ -118,7 +119,8 @@ def test_report_only_counts_but_changes_nothing():
 
 def test_kill_switch_disables_the_backend(monkeypatch):
     monkeypatch.setenv("CHUNKED_LOGITS_DISABLE", "1")
-    torch.compile(lambda x, tok: lp(x.float(), tok), backend="chunked_logits")(bf16(8, V), torch.randint(0, V, (8,)))
+    compiled = torch.compile(lambda x, tok: lp(x.float(), tok), backend="chunked_logits")
+    compiled(bf16(8, V), torch.randint(0, V, (8,)))
     assert chunked_counters() == {}
 
 
@@ -154,8 +156,9 @@ def test_fp16_large_logits_stay_finite():
     x = torch.full((4, 1024), 60000.0, dtype=torch.float16)
     x[:, 0] = 65000.0
     tok = torch.zeros(4, dtype=torch.long)
-    fn = torch.compile(lambda x, tok: (lp(x.float(), tok), -(x.float().softmax(-1) * x.float().log_softmax(-1)).sum(-1)),
-                       backend="chunked_logits")
+    fn = torch.compile(
+        lambda x, tok: (lp(x.float(), tok), -(x.float().softmax(-1) * x.float().log_softmax(-1)).sum(-1)),
+        backend="chunked_logits")
     logprob, entropy = fn(x, tok)
     assert chunked_counters()["rewritten"] == 1
     assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
@@ -178,7 +181,8 @@ def test_uuid_changes_with_config():
 def test_backend_name_works_in_a_fresh_process_without_import():
     code = (
         "import sys, torch\n"
-        "f = torch.compile(lambda x: torch.log_softmax(x.float(), -1).amax(-1).sum(), backend='chunked_logits')\n"
+        "f = torch.compile(lambda x: torch.log_softmax(x.float(), -1).amax(-1).sum(),\n"
+        "                  backend='chunked_logits')\n"
         "x = torch.randn(4, 8, dtype=torch.bfloat16)\n"
         "torch.compile(lambda x: x.float().logsumexp(-1), backend='chunked_logits')(x)\n"
         "from torch._dynamo.utils import counters\n"

@@ -38,7 +38,8 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
     w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
     if name == "logprob_entropy":
         h = torch.randn(T, H, generator=g).to(dtype)
-        return lm_logprob_entropy, (h, w, torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)), (0, 1)
+        tok = torch.randint(0, V, (T,), generator=g)
+        return lm_logprob_entropy, (h, w, tok, torch.randn(T, generator=g)), (0, 1)
     if name == "ce_bias_shift":
         h = torch.randn(3, T, H, generator=g).to(dtype)
         b = (torch.randn(V, generator=g) * 0.1).to(dtype)

@@ -44,10 +44,25 @@ from fx_passes.report import Decline, Reason
 from tests.codegen import full_fp32_buffers
 from tests.property_profiles import FULL_COMPILES, PROFILE
 from tests.property_programs import (
-    KNOWN_BUGS, TWISTS, CaptureAndTransform, Case, as_reference, assert_no_worse, assert_rewritten_graph,
-    cases, compile_fn, eager_lm_head_chunks, execute, known_full_compile_bug,
+    KNOWN_BUGS,
+    TWISTS,
+    CaptureAndTransform,
+    Case,
+    as_reference,
+    assert_no_worse,
+    assert_rewritten_graph,
+    cases,
+    compile_fn,
+    eager_lm_head_chunks,
+    execute,
+    known_full_compile_bug,
     logit_scale,
-    make_inputs, make_program, normalize, pass_counters, pass_warnings, program_source,
+    make_inputs,
+    make_program,
+    normalize,
+    pass_counters,
+    pass_warnings,
+    program_source,
 )
 
 # Every supported pattern, and every neighbour (twist), once.  They run in every profile.
