@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402, F401 (run.py reads WORKLOADS here)
+from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402, F401 (run.py reads WORKLOADS here)
 
 __all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
            "limit_bytes", "errors", "pass_report", "snapshot"]
@@ -52,7 +52,7 @@ def default_modes(name: str) -> list[str]:
 
 
 STOCK = "inductor"
-LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
+LM_HEAD_HIDDEN = 1024  # H of W4 (workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
 
@@ -135,7 +135,7 @@ class Case:
     inputs: tuple
 
     def step(self):
-        """One step: (outputs, input gradients); see tests.workloads.run_step."""
+        """One step: (outputs, input gradients); see workloads.run_step."""
         return run_step(self.workload, self.fn, self.inputs)
 
     def clear_grads(self) -> None:

@@ -34,7 +34,7 @@ RESULT_TAG = "@@RESULT "
 # The package's environment switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
 # CHUNKED_LOGITS_DISABLE=1 takes it out of the backend): kept away from the children.
 SWITCHES = "CHUNKED_LOGITS"
-DEFAULT_WORKLOADS = tuple(WORKLOADS)  # W1-W5; also W4L, U1-U3 (tests.workloads.EXTRA_WORKLOADS)
+DEFAULT_WORKLOADS = tuple(WORKLOADS)  # W1-W5; also W4L, U1-U3 (workloads.EXTRA_WORKLOADS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -47,7 +47,7 @@ def compiled_codes(fn, *args, **kwargs) -> tuple[object, list[str]]:
 
 
 def step_codes(workload, compiled, inputs) -> list[str]:
-    from .workloads import run_step
+    from benchmarks.workloads import run_step
     _, codes = run_and_get_code(run_step, workload, compiled, inputs)
     return codes
 

@@ -26,12 +26,33 @@ def dynamo_graph(fn, *args, dynamic=False) -> torch.fx.GraphModule:
     return graphs[0]
 
 
+def rewrite_graphs(fn, *args, dynamic=False, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """(graph before, graph after) of the passes on ``fn``'s Dynamo graph."""
+    gm = dynamo_graph(fn, *args, dynamic=dynamic)
+    return gm, transform(gm, Config.from_options(options))
+
+
 def rewrite(fn, *args, dynamic=False, **options) -> tuple[str, str]:
     """(code before, code after) of the passes on ``fn``'s Dynamo graph."""
-    gm = dynamo_graph(fn, *args, dynamic=dynamic)
-    before = gm.code.strip()
-    after = transform(gm, Config.from_options(options)).code.strip()
-    return before, after
+    before, after = rewrite_graphs(fn, *args, dynamic=dynamic, **options)
+    return before.code.strip(), after.code.strip()
+
+
+def ops(gm: torch.fx.GraphModule) -> str:
+    """The graph's calls in order, one word each: ``.float`` for a method call
+    (``x.float()``), ``log_softmax`` for a function (``torch.log_softmax``, ``F.log_softmax``)
+    or operator (``truediv`` for ``/``).  Placeholders, outputs and the names Dynamo
+    gives nodes are left out: what a graph computes, in words that stay the same
+    across torch versions (Dynamo's printing of a graph does not)."""
+    words = []
+    for n in gm.graph.nodes:
+        if n.op == "call_method":
+            words.append(f".{n.target}")
+        elif n.op == "call_function":
+            words.append(getattr(n.target, "__name__", str(n.target)))
+        elif n.op in ("call_module", "get_attr"):
+            words.append(f"{n.op}:{n.target}")
+    return " ".join(words)
 
 
 def chunked_counters() -> dict:

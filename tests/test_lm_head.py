@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from benchmarks.workloads import WORKLOADS, run_step
 from tests.codegen import allocations, step_codes
-from tests.test_numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
-from tests.workloads import WORKLOADS, run_step
+from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
 
 
 def lm_logprob_entropy(hidden, weight, tok, adv, up=F32):
