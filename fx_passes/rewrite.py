@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from .config import Config
 from .graph_ops import canon, get_arg, is_pure, meta
 from .lm_head import LMHead, lm_head_row_stats, match_lm_head
-from .match import Region
+from .match import Region, Role
 from .ops import row_stats
 from .report import Decline, Reason
 
@@ -163,7 +163,7 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
     # anywhere from the first to the last region node: nothing in between may mutate
     # them or change grad mode / autocast state.
     _check_no_side_effect_between(graph, first, max([last, *late], key=order.__getitem__))
-    loss_sinks = [s for s in region.sinks if s.role == "loss"]
+    loss_sinks = [s for s in region.sinks if s.role == Role.LOSS]
     ignore = loss_sinks[0].ignore_index if loss_sinks else None
     if any(s.ignore_index != ignore for s in loss_sinks):
         raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
@@ -218,15 +218,15 @@ def _replace_sinks(e: _Emitter, region: Region, stats: Node, valid: Node | None)
         return outputs[i]
 
     for sink in region.sinks:
-        if sink.role == "logprob":
+        if sink.role == Role.LOGPROB:
             value = e.method("unsqueeze", out(1), -1)
-        elif sink.role == "lse":
+        elif sink.role == Role.LSE:
             value = out(0)
-        elif sink.role == "entropy":
+        elif sink.role == Role.ENTROPY:
             value = out(2)
-        elif sink.role == "neg_entropy":
+        elif sink.role == Role.NEG_ENTROPY:
             value = e.function(operator.neg, out(2))
-        elif sink.role == "expected_z":
+        elif sink.role == Role.EXPECTED_Z:
             value = e.function(operator.sub, out(0), out(2))
         else:  # loss: -logprob on rows whose label is not ignored
             value = e.function(torch.where, valid, e.function(operator.neg, out(1)), 0.0)
