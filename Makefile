@@ -1,9 +1,9 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test` (lint, then the tests).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-avx2 test-long bench
+.PHONY: setup demo lint test test-avx2 test-long bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,16 +15,21 @@ setup: $(BIN)/python
 demo: setup
 	$(BIN)/python examples/demo.py
 
+lint: setup
+	$(BIN)/ruff check .
+
 # What a CPU without AVX-512 computes (issue 10): ATen's AVX2 kernels, and Inductor's C++
-# built for an AVX2-only target (with -march=native an AVX-512 machine would mix the two).
-AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=haswell
+# built for an AVX2-only target (with -march=native an AVX-512 machine would mix the two),
+# in a cache of its own (Inductor's FX graph cache would serve the AVX-512 graphs).
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=haswell \
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor-avx2
 # The tests whose numbers depend on the CPU's kernels: numerics, generated code, examples.
 ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_upgrade.py \
 	tests/test_declines.py tests/test_codegen.py tests/test_batch_invariance.py tests/test_examples.py
 
-# The whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs them.
-# (x86-64 only: elsewhere there is no AVX2 to emulate.)
-test: setup
+# Lint, the whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs
+# them (x86-64 only: elsewhere there is no AVX2 to emulate).
+test: lint
 	$(BIN)/python -m pytest -q
 ifeq ($(shell uname -m),x86_64)
 	$(AVX2_ENV) $(BIN)/python -m pytest -q $(ISA_TESTS)

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402
+from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402, F401 (run.py reads WORKLOADS here)
 
 __all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
            "limit_bytes", "reference", "errors", "pass_report", "snapshot"]
@@ -53,7 +53,7 @@ def default_modes(name: str) -> list[str]:
 
 STOCK = "inductor"
 LM_HEAD_WORKLOADS = ("W4", "W4L", "WV")  # the lm_head matmul is in the graph
-LM_HEAD_HIDDEN = 1024  # H of W4 (tests.workloads._make_lm_head's default)
+LM_HEAD_HIDDEN = 1024  # H of W4 (workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
 
@@ -136,7 +136,7 @@ class Case:
     inputs: tuple
 
     def step(self):
-        """One step: (outputs, input gradients); see tests.workloads.run_step."""
+        """One step: (outputs, input gradients); see workloads.run_step."""
         return run_step(self.workload, self.fn, self.inputs)
 
     def clear_grads(self) -> None:
@@ -235,3 +235,17 @@ def pass_report(mode: str, since: dict | None = None) -> dict:
 
 
 snapshot = _compile_counts
+
+
+def ensure_backend() -> None:
+    """Register ``backend="chunked_logits"`` when the package is importable but not
+    installed (``PYTHONPATH=.`` on a machine without ``pip install``): the name
+    normally comes from the package's entry point."""
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    from fx_passes.backend import chunked_logits
+    try:
+        lookup_backend("chunked_logits")
+    except InvalidBackend:
+        register_backend(chunked_logits, name="chunked_logits")

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import baselines, memory  # noqa: E402
 from benchmarks.cases import (  # noqa: E402
     Case,
+    ensure_backend,
     errors,
     limit_bytes,
     make_case,
@@ -43,10 +44,9 @@ from benchmarks.cases import (  # noqa: E402
     reference,
     snapshot,
 )
+from benchmarks.codegen import full_fp32_buffers  # noqa: E402
 from benchmarks.gpu_report import write_json  # noqa: E402
-from tests.codegen import full_fp32_buffers  # noqa: E402
-from tests.helpers import ensure_backend  # noqa: E402
-from tests.workloads import ALL_WORKLOADS, on_device  # noqa: E402
+from benchmarks.workloads import ALL_WORKLOADS, on_device  # noqa: E402
 
 STOCK = "inductor"
 COMPILED = (STOCK, "chunked_logits", "chunked_logits_dyn")

@@ -37,7 +37,7 @@ from benchmarks import gpu_report  # noqa: E402
 from benchmarks.cases import sizes  # noqa: E402
 from benchmarks.memory import MALLOC_ENV  # noqa: E402
 from benchmarks.run import source_version  # noqa: E402
-from tests.helpers import clean_env  # noqa: E402
+from fx_passes.env import without_ours  # noqa: E402
 
 WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "WV")
 # The dry run's sizes: tests/test_codegen.py's [256, 4096], so that in a whole test run
@@ -49,7 +49,7 @@ MIN_CASE_S = 20  # less budget left than this: the remaining workloads are skipp
 
 
 def case_sizes(name: str, dry_run: bool) -> tuple[int, int]:
-    """(T, V) of workload ``name``: the issue's sizes (tests/workloads.py), or the dry run's."""
+    """(T, V) of workload ``name``: the issue's sizes (benchmarks/workloads.py), or the dry run's."""
     if not dry_run:
         return sizes(name)
     return DRY_T, DRY_V_WV if name == "WV" else DRY_V
@@ -95,7 +95,7 @@ def child_env(dry_run: bool) -> dict:
     """The children import this checkout (installed or not) and never see the package's
     switches (CHUNKED_LOGITS=1 would put the pass into the stock baseline)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = clean_env(PYTHONPATH=path)
+    env = without_ours(PYTHONPATH=path)
     if dry_run:
         env.update(MALLOC_ENV)  # the CPU stand-in reads VmHWM: see benchmarks/README.md
     return env

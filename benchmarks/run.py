@@ -28,15 +28,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import report  # noqa: E402
 from benchmarks.cases import (  # noqa: E402
-    ALL_WORKLOADS, LM_HEAD_WORKLOADS, MODES, STOCK, WORKLOADS, default_modes, limit_bytes, sizes,
+    ALL_WORKLOADS,
+    LM_HEAD_WORKLOADS,
+    MODES,
+    STOCK,
+    WORKLOADS,
+    default_modes,
+    limit_bytes,
+    sizes,
 )
 from benchmarks.memory import MALLOC_ENV, MIB  # noqa: E402
+from fx_passes.env import without_ours  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
-# The package's environment switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
-# CHUNKED_LOGITS_DISABLE=1 takes it out of the backend): kept away from the children.
-SWITCHES = "CHUNKED_LOGITS"
-DEFAULT_WORKLOADS = tuple(WORKLOADS)  # W1-W5; also W4L, U1-U3 (tests.workloads.EXTRA_WORKLOADS)
+DEFAULT_WORKLOADS = tuple(WORKLOADS)  # W1-W5; also W4L, U1-U3 (workloads.EXTRA_WORKLOADS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -196,8 +201,9 @@ def spawn(args, extra: list[str], env_extra: dict | None = None) -> dict:
     """Run this script as a child with ``extra`` arguments; its result dict or an error."""
     cmd = [sys.executable, __file__, "--scale", str(args.scale), "--warmup", str(args.warmup),
            "--steps", str(args.steps), "--threads", str(args.threads), *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SWITCHES)}
-    env.update(env_extra or {})
+    # the package's switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
+    # CHUNKED_LOGITS_DISABLE=1 takes it out of the backend) are kept away from the children
+    env = without_ours(**(env_extra or {}))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:

@@ -13,36 +13,19 @@ the process first compiles with Inductor), the hook calls
 :func:`fx_passes.hook.install_from_env`, which puts the passes into Inductor's
 ``pre_grad_custom_pass`` and arranges the exit summary.
 
-Variables (all read when the hook fires):
-
-* ``CHUNKED_LOGITS``: ``1`` / ``true`` / ``yes`` / ``on`` turns it on.
-* ``CHUNKED_LOGITS_DISABLE``: the kill switch; wins over everything.
-* ``CHUNKED_LOGITS_OPTIONS``: Config fields, as JSON (``{"report_only": true}``) or
-  as a comma list (``report_only,no_temperature_after_upcast,strict=0``).
-* ``CHUNKED_LOGITS_SUMMARY``: when to print the exit summary: ``auto`` (default:
-  when something was rewritten or declined), ``always``, ``never``.
-* ``CHUNKED_LOGITS_SUMMARY_RANKS``: ``0`` (default: only rank 0 prints) or ``all``.
-* ``CHUNKED_LOGITS_SUMMARY_DIR``: also write each rank's summary to its own file there.
-* ``CHUNKED_LOGITS_SUMMARY_JSON``: write counters and events as JSON to this path
-  (``{rank}`` and ``{pid}`` are replaced).
+The variables and their parsing are in
+:mod:`fx_passes.env`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 
-ENV_SWITCH = "CHUNKED_LOGITS"
-ENV_KILL_SWITCH = "CHUNKED_LOGITS_DISABLE"  # same name as fx_passes.config.ENV_KILL_SWITCH
-TRUE = {"1", "true", "yes", "on"}
+from fx_passes import env
 
 # The module whose import means "this process is about to compile with Inductor".
 TRIGGER = "torch._inductor.config"
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in TRUE
 
 
 class _PostImportHooks:
@@ -118,7 +101,7 @@ def _install(_module) -> None:
 
 def activate() -> bool:
     """Arrange the install if the switch is on (and the kill switch off)."""
-    if not env_flag(ENV_SWITCH) or env_flag(ENV_KILL_SWITCH):
+    if not env.switch_on() or env.disabled():
         return False
     when_imported(TRIGGER, _install)
     return True

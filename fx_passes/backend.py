@@ -7,9 +7,12 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import GraphModule
 
-from .config import Config, disabled_by_env
-from .hook import backend_compiling, count_graph
-from .passes import _Journal, report_failure, transform, with_cacheable_marks
+from . import compat, env
+from .config import Config
+from .containment import contained
+from .hook import backend_compiling
+from .passes import transform, with_cacheable_marks
+from .session import session
 
 __all__ = ["chunked_logits"]
 
@@ -17,8 +20,9 @@ __all__ = ["chunked_logits"]
 def _cacheable(patches: Optional[dict]) -> dict:
     """``patches`` plus the marks that let AOTAutograd's cache store a rewritten graph."""
     patches = dict(patches or {})
-    key = "unsafe_marked_cacheable_functions"
-    patches[key] = with_cacheable_marks(patches.get(key, getattr(torch._inductor.config, key)))
+    if compat.CACHEABLE_MARKS:
+        key = "unsafe_marked_cacheable_functions"
+        patches[key] = with_cacheable_marks(patches.get(key, getattr(torch._inductor.config, key)))
     return patches
 
 
@@ -58,23 +62,20 @@ def chunked_logits(
     config = Config.from_options(options)  # validates before any work
     if mode is not None:
         inductor_options = {**torch._inductor.list_mode_options(mode), **inductor_options}
-    rewritten, journal = gm, _Journal()
-    if not disabled_by_env():
-        count_graph()
+    # Created before the transform: if Inductor fails on the rewritten graph, the
+    # transform's counters and events are taken back too (the untouched graph is compiled).
+    attempt = contained(config.strict, "Inductor failed on the rewritten graph",
+                        "Inductor failed on the rewritten graph")
+    rewritten = gm
+    if not env.disabled():
+        session.count_graph()
         rewritten = transform(gm, config)
     patches = inductor_options or None
     with backend_compiling():
         if rewritten is gm:
             return compile_fx(gm, example_inputs, config_patches=patches)
-        try:
+        # Never break a user's compile: if Inductor fails on the rewritten graph, compile
+        # the untouched one (an error there is the user's, and propagates).
+        with attempt:
             return compile_fx(rewritten, example_inputs, config_patches=_cacheable(patches))
-        except Exception as e:
-            # Never break a user's compile: Inductor failed on the rewritten graph, so
-            # compile the untouched one (an error there is the user's, and propagates).
-            # Dynamo's restart requests are control flow, not failures: let them through.
-            if config.strict or isinstance(e, torch._dynamo.exc.RestartAnalysis):
-                raise
-            journal.rollback()
-            report_failure("Inductor failed on the rewritten graph",
-                           "Inductor failed on the rewritten graph")
-            return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=patches)

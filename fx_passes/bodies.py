@@ -33,7 +33,7 @@ def compiled(fn):
         # thread-local dispatch-key sets and grad modes (Dynamo guards on all three):
         # detached tensors, one key set and no_grad, so each body compiles once.
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        with compat.below_autograd():
+        with compat.below_autograd_no_grad():
             return body(*args)
     return call
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import runpy
 import sys
 from typing import Any, Optional, Sequence
 
-from . import _autoinstall, summary
-from .config import Config, disabled_by_env
+from . import _autoinstall, env, summary
+from .config import Config
 
 __all__ = ["main", "build_parser", "config_options"]
 
@@ -147,18 +146,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    summary.configure(mode=args.summary, ranks=args.summary_ranks or os.environ.get(
-        summary.ENV_RANKS, "").strip() or None, directory=args.summary_dir,
+    summary.configure(mode=args.summary, ranks=args.summary_ranks or env.summary_ranks(),
+        directory=args.summary_dir,
         json_path=args.summary_json, lock=True)
     summary.arm()
-    if disabled_by_env():
+    if env.disabled():
         if summary.rank() in (None, 0):
             sys.stderr.write("chunked_logits: CHUNKED_LOGITS_DISABLE=1 is set: running the script "
                              "without the pass\n")
     else:
         # Python subprocesses of the script (spawned workers, ...) turn it on the same way.
-        os.environ[_autoinstall.ENV_SWITCH] = "1"
-        os.environ["CHUNKED_LOGITS_OPTIONS"] = json.dumps(dataclasses.asdict(config))
+        env.export(dataclasses.asdict(config))
         _install_later(dataclasses.asdict(config))
     _run_target(target)
     return 0

@@ -1,10 +1,132 @@
-"""Placeholder until the compat module lands (merge will replace this file)."""
+"""The private torch APIs this package uses: each checked once, here, with the torch it needs.
+
+Supported: torch >= 2.11, < 2.15 (pyproject.toml).  Where an API is missing, the feature
+that needs it is off and the ``fx_passes`` log says so once, at import; nothing else in
+the package touches these names directly.
+
+==================================================  =======  ====================================
+API (who uses it)                                   torch    without it
+==================================================  =======  ====================================
+``torch._C._log_api_usage_once`` (graph_ops:        all      the telemetry call a loss module
+a telemetry call is not a side effect)                       makes when built inside the compiled
+                                                             code counts as a side effect
+                                                             (such regions are declined)
+Inductor ``unsafe_marked_cacheable_functions``      >= 2.8   rewritten graphs are not stored in
+(backend, install: warm starts)                              AOTAutograd's cache (cold starts)
+Inductor ``pre_grad_pass_timing`` (install: run     >= 2.12  nothing to do: before 2.12 pre-grad
+pre-grad passes before the cache lookup)                     passes always run before the lookup
+``custom_graph_pass.get_custom_graph_passes``,      >= 2.13  install() cannot chain with a user's
+lists in ``pre_grad_custom_pass`` (install)                  own pre-grad pass: it leaves theirs
+                                                             and is not installed (the backend
+                                                             works)
+``torch._dynamo.exc.RestartAnalysis``               all      -
+(containment: a restart is not a failure)
+Dynamo's ``_dynamo*`` node attributes, e.g.          all      nothing to copy
+placeholders' ``_dynamo_source`` (passes._copy)
+``torch._C._AutoDispatchBelowADInplaceOrView``      all      the lm_head loop bodies run under
+(lm_head loop bodies: one dispatch-key set)                  no_grad only (may compile again
+                                                             when the op is called with other
+                                                             dispatch keys)
+==================================================  =======  ====================================
+"""
+
+from __future__ import annotations
+
 import contextlib
+import logging
+from typing import Any, Iterator
 
 import torch
+import torch._dynamo.exc
+import torch._inductor.config as inductor_config
+import torch._inductor.custom_graph_pass as custom_graph_pass
+
+__all__ = ["TELEMETRY_FUNCTIONS", "CACHEABLE_MARKS", "PRE_GRAD_PASS_TIMING", "PASS_LISTS",
+           "CONTROL_FLOW_ERRORS", "custom_graph_passes", "dynamo_node_attributes",
+           "below_autograd_no_grad", "available"]
+
+log = logging.getLogger("fx_passes")
+
+
+def _check(available: bool, what: str, needs: str, without: str) -> bool:
+    if not available:
+        log.info("chunked_logits: torch %s has no %s (needs torch %s): %s",
+                 torch.__version__, what, needs, without)
+    return available
+
+
+def _has_config(name: str) -> bool:
+    return hasattr(inductor_config, name)
+
+
+_LOG_API_USAGE = getattr(torch._C, "_log_api_usage_once", None)
+_check(_LOG_API_USAGE is not None, "torch._C._log_api_usage_once", ">= 2.11",
+       "graphs that log API usage inside a region are declined")
+# Calls whose only effect is telemetry (graph_ops.is_pure).
+TELEMETRY_FUNCTIONS: tuple[Any, ...] = (_LOG_API_USAGE,) if _LOG_API_USAGE is not None else ()
+
+CACHEABLE_MARKS: bool = _check(
+    _has_config("unsafe_marked_cacheable_functions"), "Inductor config unsafe_marked_cacheable_functions",
+    ">= 2.8", "rewritten graphs are not stored in AOTAutograd's cache")
+
+# Before 2.12 pre-grad passes always ran before the cache lookup, which is what install()
+# asks for with "early": nothing is missing there, so this is not logged.
+PRE_GRAD_PASS_TIMING: bool = _has_config("pre_grad_pass_timing")
+
+_GET_PASSES = getattr(custom_graph_pass, "get_custom_graph_passes", None)
+PASS_LISTS: bool = _check(
+    _GET_PASSES is not None, "lists of pre_grad_custom_pass", ">= 2.13",
+    "install() does not chain with a user's own pre-grad pass (use backend='chunked_logits')")
+
+_RESTART = getattr(torch._dynamo.exc, "RestartAnalysis", None)
+_check(_RESTART is not None, "torch._dynamo.exc.RestartAnalysis", ">= 2.11",
+       "no Dynamo restart to let through")
+# Exceptions that are Dynamo's control flow, never a failure of the pass.
+CONTROL_FLOW_ERRORS: tuple[type, ...] = (_RESTART,) if _RESTART is not None else ()
+
+_AUTO_DISPATCH = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+_check(_AUTO_DISPATCH is not None, "torch._C._AutoDispatchBelowADInplaceOrView", ">= 2.11",
+       "the lm_head loop bodies run under no_grad only")
+
+
+def custom_graph_passes(value: Any) -> tuple[Any, ...]:
+    """The passes in an Inductor custom-pass setting (None, one pass, or a list/tuple)."""
+    if _GET_PASSES is not None:
+        return tuple(_GET_PASSES(value))
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+# Dynamo hangs its own attributes on graph nodes (placeholders' ``_dynamo_source``,
+# which AOTAutograd asserts); a copy of a graph must keep them.
+DYNAMO_ATTRIBUTE_PREFIX = "_dynamo"
+
+
+def dynamo_node_attributes(node: torch.fx.Node) -> dict[str, Any]:
+    """What Dynamo attached to ``node`` (empty when this torch attaches nothing)."""
+    return {k: v for k, v in vars(node).items() if k.startswith(DYNAMO_ATTRIBUTE_PREFIX)}
 
 
 @contextlib.contextmanager
-def below_autograd():
-    with torch._C._AutoDispatchBelowADInplaceOrView(), torch.no_grad():
+def below_autograd_no_grad() -> Iterator[None]:
+    """``torch._C._AutoDispatchBelowADInplaceOrView()`` plus ``torch.no_grad()``: one
+    dispatch-key set and one grad mode, so a compiled loop body (lm_head) that is called
+    from inside a custom op compiles once, whatever keys and mode its caller has."""
+    with contextlib.ExitStack() as stack:
+        if _AUTO_DISPATCH is not None:
+            stack.enter_context(_AUTO_DISPATCH())
+        stack.enter_context(torch.no_grad())
         yield
+
+
+def available() -> dict[str, bool]:
+    """Each check's answer on this torch (what the table above says is missing where)."""
+    return {
+        "log_api_usage_once": bool(TELEMETRY_FUNCTIONS),
+        "unsafe_marked_cacheable_functions": CACHEABLE_MARKS,
+        "pre_grad_pass_timing": PRE_GRAD_PASS_TIMING,
+        "pre_grad_pass_lists": PASS_LISTS,
+        "restart_analysis": bool(CONTROL_FLOW_ERRORS),
+        "auto_dispatch_below_autograd": _AUTO_DISPATCH is not None,
+    }

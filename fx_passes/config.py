@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from typing import Any, Mapping
 
-__all__ = ["Config", "ENV_KILL_SWITCH"]
-
-# Set to 1 to turn every pass of this package off (the backend then is stock Inductor).
-ENV_KILL_SWITCH = "CHUNKED_LOGITS_DISABLE"
+__all__ = ["Config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +83,3 @@ class Config:
         """A stable text form, part of the pass's cache uuid."""
         return repr(dataclasses.astuple(self))
 
-
-def disabled_by_env() -> bool:
-    """True when the kill switch is set in the environment."""
-    return os.environ.get(ENV_KILL_SWITCH, "").strip().lower() in {"1", "true", "yes", "on"}

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from . import compat
+
 __all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -142,7 +144,7 @@ def is_metadata_query(node: Node) -> bool:
 
 # Calls whose only effect is telemetry; Dynamo keeps them in the graph (e.g. a loss
 # module built inside the compiled code logs its construction), they touch no tensor.
-_TELEMETRY = (torch._C._log_api_usage_once,)
+_TELEMETRY = compat.TELEMETRY_FUNCTIONS
 
 
 def is_pure(node: Node) -> bool:

@@ -16,9 +16,10 @@ rewritten again.  ``CHUNKED_LOGITS_DISABLE=1`` turns the installed pass off at
 compile time, like the backend.
 
 While installed, Inductor's ``pre_grad_pass_timing`` is ``"early"`` (when it was
-``"default"``): pre-grad passes then run before the compile-cache lookup, so the
-cache key is the rewritten graph and every compile reports what it rewrote, even
-when the compiled code comes from the cache.
+``"default"``; torch before 2.12 has no such setting and always runs them early):
+pre-grad passes then run before the compile-cache lookup, so the cache key is the
+rewritten graph and every compile reports what it rewrote, even when the compiled
+code comes from the cache.  What each torch version lacks: :mod:`fx_passes.compat`.
 
 This module imports no more of torch than Inductor's config, so that the
 environment switch costs nothing until something is compiled.
@@ -29,28 +30,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
-import os
+import logging
 import threading
 from typing import Any, Iterator, Optional
 
+import torch
 import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
-from .config import Config, disabled_by_env
+from . import compat, env
+from .config import Config
+from .session import session
 
 __all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
-           "install_from_env", "options_from_env", "backend_compiling"]
+           "install_from_env", "backend_compiling"]
 
-ENV_OPTIONS = "CHUNKED_LOGITS_OPTIONS"
-
+log = logging.getLogger("fx_passes")
 _lock = threading.RLock()
 # Set by the chunked_logits backend while it compiles a graph it already transformed.
 _backend_active: contextvars.ContextVar[bool] = contextvars.ContextVar("chunked_logits_backend",
                                                                       default=False)
-# How many graphs the passes looked at in this process (installed pass and backend).
-graphs_seen = 0
 
 
 @contextlib.contextmanager
@@ -63,11 +63,6 @@ def backend_compiling() -> Iterator[None]:
         _backend_active.reset(token)
 
 
-def count_graph() -> None:
-    global graphs_seen
-    graphs_seen += 1
-
-
 class InstalledPass(CustomGraphPass):
     """The passes as they sit in ``pre_grad_custom_pass`` after :func:`install`."""
 
@@ -76,19 +71,19 @@ class InstalledPass(CustomGraphPass):
         self._impl = None
 
     def __call__(self, graph: Graph) -> None:
-        if disabled_by_env() or _backend_active.get():
+        if env.disabled() or _backend_active.get():
             return
         if self._impl is None:
             from .passes import ChunkedLogitsPass
 
             self._impl = ChunkedLogitsPass(self.config)
-        count_graph()
+        session.count_graph()
         self._impl(graph)  # its fall-back keeps the graph's own placeholders (passes._restore)
 
     def uuid(self) -> str:
         from .passes import source_hash
 
-        state = "off" if disabled_by_env() else "on"
+        state = "off" if env.disabled() else "on"
         return f"chunked_logits-installed-{source_hash()[:16]}-{self.config.key()}-{state}"
 
     def __repr__(self) -> str:
@@ -110,10 +105,15 @@ def _ours(p: Any) -> bool:
 
 
 def _present() -> Optional[InstalledPass]:
-    for p in get_custom_graph_passes(inductor_config.pre_grad_custom_pass):
+    for p in compat.custom_graph_passes(inductor_config.pre_grad_custom_pass):
         if _ours(p):
             return p
     return None
+
+
+def _dropped() -> bool:
+    """Was the installed pass replaced (``pre_grad_custom_pass`` assigned over it)?"""
+    return _state.current is not None and _present() is None
 
 
 def installed_config() -> Optional[Config]:
@@ -123,9 +123,15 @@ def installed_config() -> Optional[Config]:
         return p.config if p is not None else None
 
 
-def _put(new: InstalledPass) -> None:
+def _put(new: InstalledPass) -> bool:
+    """Put ``new`` in front of the other pre-grad passes; False where this torch takes one."""
     value = inductor_config.pre_grad_custom_pass
-    others = [p for p in get_custom_graph_passes(value) if not _ours(p)]
+    others = [p for p in compat.custom_graph_passes(value) if not _ours(p)]
+    if others and not compat.PASS_LISTS:
+        log.warning("chunked_logits: not installed: torch %s takes one pre_grad_custom_pass and "
+                    "yours is set (%r); use torch.compile(..., backend='chunked_logits')",
+                    torch.__version__, others[0])
+        return False
     if _present() is None:
         _state.container = ("none" if value is None else "list" if isinstance(value, list)
                             else "tuple" if isinstance(value, tuple) else "single")
@@ -134,18 +140,20 @@ def _put(new: InstalledPass) -> None:
     else:
         kind = list if isinstance(value, list) else tuple
         inductor_config.pre_grad_custom_pass = kind([new, *others])
-    if inductor_config.pre_grad_pass_timing == "default":
+    if compat.PRE_GRAD_PASS_TIMING and inductor_config.pre_grad_pass_timing == "default":
         inductor_config.pre_grad_pass_timing = "early"
         _state.timing_changed = True
-    from .passes import with_cacheable_marks  # AOTAutograd's cache may store rewritten graphs
-    inductor_config.unsafe_marked_cacheable_functions = with_cacheable_marks(
-        inductor_config.unsafe_marked_cacheable_functions)
+    if compat.CACHEABLE_MARKS:  # AOTAutograd's cache may store rewritten graphs
+        from .passes import with_cacheable_marks
+        inductor_config.unsafe_marked_cacheable_functions = with_cacheable_marks(
+            inductor_config.unsafe_marked_cacheable_functions)
     _state.current = new
+    return True
 
 
 def _remove() -> bool:
     value = inductor_config.pre_grad_custom_pass
-    passes = get_custom_graph_passes(value)
+    passes = compat.custom_graph_passes(value)
     rest = [p for p in passes if not _ours(p)]
     removed = len(rest) != len(passes)
     if removed:
@@ -155,9 +163,9 @@ def _remove() -> bool:
             inductor_config.pre_grad_custom_pass = rest[0]
         else:
             inductor_config.pre_grad_custom_pass = (list if isinstance(value, list) else tuple)(rest)
-    if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":
+    if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":  # set: it exists
         inductor_config.pre_grad_pass_timing = "default"
-    if removed:
+    if removed and compat.CACHEABLE_MARKS:
         from .passes import CACHEABLE
         inductor_config.unsafe_marked_cacheable_functions = {
             k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items()
@@ -201,10 +209,9 @@ def install(config: Optional[Config] = None, /, **options: Any) -> Installation:
         config = Config.from_options(dataclasses.asdict(config), **options)
     with _lock:
         previous = installed_config()
-        _put(InstalledPass(config))
-    from . import summary
-
-    summary.note_installed(config)
+        placed = _put(InstalledPass(config))
+    if placed:
+        session.note_installed(config, dropped=_dropped)
     return Installation(config, previous)
 
 
@@ -216,63 +223,11 @@ def uninstall() -> bool:
 
 # --- the environment switch -------------------------------------------------------
 
-_FALSE = {"0", "false", "no", "off"}
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _parse_value(key: str, text: str, fields: dict[str, Any]) -> Any:
-    low = text.strip().lower()
-    default = fields.get(key)
-    if isinstance(default, bool):
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError(f"{ENV_OPTIONS}: {key} must be 1/0, true/false, yes/no or on/off, got {text!r}")
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text.strip()
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    return value
-
-
-def options_from_env(text: Optional[str] = None) -> dict[str, Any]:
-    """``CHUNKED_LOGITS_OPTIONS`` as a dict of Config fields.
-
-    JSON (``{"report_only": true}``) or a comma list: ``report_only``,
-    ``no_temperature_after_upcast``, ``strict=0``; dashes and underscores are alike.
-    """
-    text = os.environ.get(ENV_OPTIONS, "") if text is None else text
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        value = json.loads(text)
-        if not isinstance(value, dict):
-            raise ValueError(f"{ENV_OPTIONS} must be a JSON object, got {text!r}")
-        return value
-    fields = {f.name: f.default for f in dataclasses.fields(Config)}
-    names = set(fields)
-    out: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if sep:
-            out[key] = _parse_value(key, value, fields)
-        elif key.startswith("no_") and key not in names and key[3:] in names:
-            out[key[3:]] = False
-        else:
-            out[key] = True
-    return out
-
-
 def install_from_env() -> Optional[Installation]:
     """What ``CHUNKED_LOGITS=1`` does once Inductor's config is imported."""
-    if disabled_by_env():
+    if env.disabled():
         return None
-    config = Config.from_options(options_from_env())
+    config = Config.from_options(env.options())
     result = install(config)
     from . import summary
 

@@ -41,6 +41,9 @@ class LMHead:
     transforms: str = ""  # their encoding for the op: "div:<c>,tanh,mul:<c>" (float.hex)
 
 
+_SWAPS = ((0, 1), (1, 0), (-1, -2), (-2, -1))  # transpose(a, b) of a 2-D weight
+
+
 def _weight_of_transpose(node) -> Optional[Node]:
     """``W`` when ``node`` is ``W.T`` / ``W.t()`` / ``W.transpose(0, 1)`` of a 2-D W."""
     if not isinstance(node, Node):
@@ -49,7 +52,7 @@ def _weight_of_transpose(node) -> Optional[Node]:
         src = node.args[0]
     elif node.op == "call_method" and node.target == "t" and len(node.args) == 1:
         src = node.args[0]
-    elif node.op == "call_method" and node.target == "transpose" and tuple(node.args[1:]) in ((0, 1), (1, 0), (-1, -2), (-2, -1)):
+    elif node.op == "call_method" and node.target == "transpose" and tuple(node.args[1:]) in _SWAPS:
         src = node.args[0]
     else:
         return None

@@ -16,62 +16,28 @@ rule raises :class:`~fx_passes.report.Decline` with the reason.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
 from torch.fx import Graph, Node
 
 from .graph_ops import (
-    canon, get_arg, is_fp32, is_low_precision, is_metadata_query, last_dim, meta, tensor_input,
+    canon,
+    get_arg,
+    is_fp32,
+    is_low_precision,
+    is_metadata_query,
+    last_dim,
+    meta,
+    tensor_input,
 )
+from .region import SINK_ROLES, TERMINAL_ROLES, Region, Role, Sink, make_sink, region_index
 from .report import Decline, Reason
 
-__all__ = ["Region", "Sink", "find_regions"]
+__all__ = ["Region", "Role", "Sink", "find_regions"]
 
 ROW_VIEWS = {"getitem", "reshape", "flatten", "contiguous"}
 HEADS = {"log_softmax", "softmax", "logsumexp", "cross_entropy"}
-SINK_ROLES = {"logprob", "loss", "neg_entropy", "entropy", "lse", "expected_z"}
-TERMINAL_ROLES = {"logprob", "loss", "neg_entropy", "entropy"}
-
-
-@dataclasses.dataclass
-class Sink:
-    node: Node
-    role: str
-    keepdim: bool = False
-    ignore_index: Any = -100  # an int, or a SymInt input's placeholder
-    reduction: str = "none"
-
-
-@dataclasses.dataclass
-class Region:
-    upcast: Node
-    x: Node  # model-precision logits the rewritten region reads
-    moved_scale: Optional[Node]  # bf16 temperature node moved after the upcast
-    views: list[Node]  # FP32 row views, replayed on x
-    scale: Any  # None, a Python number or a Node (SymFloat / 0-d tensor)
-    scale_is_div: bool
-    z: Node  # the scaled FP32 logits every head reads
-    roles: dict[Node, str]
-    sinks: list[Sink]
-    index: Optional[Node]  # gather index [.., 1] or CE labels [N]
-    meta_users: list[tuple[Node, Node]]  # (shape query, FP32 node it reads)
-    unit_scale_dropped: bool = False  # the region's temperature was a constant 1
-    implicit: bool = False  # no upcast node: autocast (or the upgrade option) computes in FP32
-    upgraded: bool = False  # model-precision heads computed in FP32 (upgrade_low_precision)
-
-    @property
-    def want_entropy(self) -> bool:
-        return any(s.role in {"neg_entropy", "entropy", "expected_z"} for s in self.sinks)
-
-    def describe(self) -> str:
-        kinds = sorted({s.role for s in self.sinks})
-        scale = "none" if self.scale is None else ("/" if self.scale_is_div else "*") + (
-            self.scale.name if isinstance(self.scale, Node) else repr(self.scale))
-        moved = ", temperature moved after the upcast" if self.moved_scale is not None else ""
-        how = ", upgraded to FP32" if self.upgraded else ", implicit (autocast) upcast" if self.implicit else ""
-        return f"{'+'.join(kinds)} over {tuple(meta(self.z).shape)} (temperature {scale}{moved}{how})"
 
 
 def _scalar_operand(node: Node, chain: Node) -> Optional[tuple[Any, bool]]:
@@ -141,6 +107,11 @@ def _upcast_input(node: Node) -> Optional[Node]:
     return src
 
 
+# The structural kind of the scaled FP32 logits themselves, next to Role.LOG_SOFTMAX and
+# Role.SOFTMAX (z is the end of the upcast chain, whatever role that node has).
+_Z = "z"
+
+
 class _Matcher:
     """Grows one region from its root.
 
@@ -157,8 +128,30 @@ class _Matcher:
         self.move_scale = temperature_after_upcast
         self.implicit = implicit
         self.upgrade = upgrade
-        self.roles: dict[Node, str] = {} if implicit else {root: "upcast"}
+        self.roles: dict[Node, Role] = {} if implicit else {root: Role.UPCAST}
         self.meta_users: list[tuple[Node, Node]] = []
+
+    def match(self) -> Region:
+        views, scale, is_div, z = self._walk_chain()
+        self.z = z
+        vz = meta(z)
+        if vz.dim() < 1 or (isinstance(vz.shape[-1], int) and vz.shape[-1] < 2):
+            raise Decline(Reason.VOCAB_TOO_SMALL, f"shape {tuple(vz.shape)}")
+        self._classify_users(z)
+        x, moved, scale, is_div = self._temperature(scale, is_div)
+        unit_scale = isinstance(scale, (int, float)) and scale == 1
+        if unit_scale:
+            scale = None  # x / 1.0: nothing to divide
+        sinks = [make_sink(n, r, self.roles, z) for n, r in self.roles.items() if r in SINK_ROLES]
+        sinks = [s for s in sinks if s is not None]
+        if not sinks:
+            raise Decline(Reason.ESCAPES, "no per-row result: the FP32 tensor itself is what the graph uses")
+        self._check_no_escape()
+        return Region(upcast=self.upcast, x=x, moved_scale=moved, views=views, scale=scale,
+                      scale_is_div=is_div, z=z, roles=self.roles, sinks=sinks,
+                      index=region_index(sinks, z), meta_users=self.meta_users,
+                      unit_scale_dropped=unit_scale, implicit=self.implicit,
+                      upgraded=any(is_low_precision(n) for n in self.roles))
 
     def _walk_chain(self) -> tuple[list[Node], Any, bool, Node]:
         """FP32 row views and at most one scaling after the upcast: (views, scale, is_div, z)."""
@@ -170,15 +163,24 @@ class _Matcher:
             (u,) = users
             if _is_row_view(u, cur):
                 views.append(u)
-                self.roles[u] = "view"
+                self.roles[u] = Role.VIEW
             elif (s := _scalar_operand(u, cur)) is not None:
                 if scale is not None:
                     raise Decline(Reason.TEMPERATURE, "several scalings of the FP32 logits")
-                (scale, is_div), self.roles[u] = s, "scale"
+                (scale, is_div), self.roles[u] = s, Role.SCALE
             else:
                 break
             cur = u
         return views, scale, is_div, cur
+
+    def _temperature(self, scale: Any, is_div: bool) -> tuple[Node, Optional[Node], Any, bool]:
+        """(x, the moved node or None, scale, is_div): a model-precision ``x / t`` that only
+        the region reads, right before the upcast, is divided after it instead."""
+        x = self.z if self.implicit else tensor_input(self.upcast)
+        only_region = all(u in self.roles or is_metadata_query(u) for u in x.users)
+        if self.move_scale and scale is None and only_region and (m := self._moved_scale(x)):
+            return m[0], x, m[1], m[2]
+        return x, None, scale, is_div
 
     def _moved_scale(self, node: Node) -> Optional[tuple[Node, Any, bool]]:
         """A model-precision ``x / t`` feeding only the region: (x, t, is_div) to divide after."""
@@ -191,28 +193,8 @@ class _Matcher:
             return None
         return src, s[0], s[1]
 
-    def match(self) -> Region:
-        views, scale, is_div, z = self._walk_chain()
-        self.z = z
-        vz = meta(z)
-        if vz.dim() < 1 or (isinstance(vz.shape[-1], int) and vz.shape[-1] < 2):
-            raise Decline(Reason.VOCAB_TOO_SMALL, f"shape {tuple(vz.shape)}")
-        self._classify_users(z)
-
-        x, moved = z if self.implicit else tensor_input(self.upcast), None
-        scaled = x if self.implicit else tensor_input(self.upcast)
-        only_region = all(u in self.roles or is_metadata_query(u) for u in scaled.users)
-        if self.move_scale and scale is None and only_region and (m := self._moved_scale(scaled)):
-            x, scale, is_div = m
-            moved = scaled
-
-        self.unit_scale_dropped = isinstance(scale, (int, float)) and scale == 1
-        if self.unit_scale_dropped:
-            scale = None  # x / 1.0: nothing to divide
-        sinks = [self._sink(n, r) for n, r in self.roles.items() if r in SINK_ROLES]
-        sinks = [s for s in sinks if s is not None]
-        if not sinks:
-            raise Decline(Reason.ESCAPES, "no per-row result: the FP32 tensor itself is what the graph uses")
+    def _check_no_escape(self) -> None:
+        """Every FP32 [.., V] node of the region is read only inside it (or by shape queries)."""
         for n, r in self.roles.items():
             if r in SINK_ROLES:
                 continue
@@ -220,10 +202,6 @@ class _Matcher:
                 if u not in self.roles and not is_metadata_query(u):
                     where = "the graph output" if u.op == "output" else f"{u.name} ({u.target})"
                     raise Decline(Reason.ESCAPES, f"{n.name} is read by {where}")
-        index = self._index(sinks)
-        return Region(self.upcast, x, moved, views, scale, is_div, z, self.roles, sinks, index,
-                      self.meta_users, self.unit_scale_dropped, self.implicit,
-                      any(is_low_precision(n) for n in self.roles))
 
     def _users(self, node: Node) -> list[Node]:
         out = []
@@ -237,16 +215,16 @@ class _Matcher:
     def _kind(self, node: Any) -> Optional[str]:
         """Structural kind of an operand: z, L = log_softmax(z), P = softmax(z) / exp(L)."""
         if node is self.z:
-            return "z"
+            return _Z
         if not isinstance(node, Node):
             return None
         op, src = canon(node), tensor_input(node)
         if op == "log_softmax" and src is self.z:
-            return "L"
+            return Role.LOG_SOFTMAX
         if op == "softmax" and src is self.z:
-            return "P"
-        if op == "exp" and self._kind(src) == "L":
-            return "P"
+            return Role.SOFTMAX
+        if op == "exp" and self._kind(src) == Role.LOG_SOFTMAX:
+            return Role.SOFTMAX
         return None
 
     def _classify_users(self, start: Node) -> None:
@@ -260,126 +238,80 @@ class _Matcher:
                 if role is not None and node is self.z and self.implicit and not self._fp32_head(u):
                     role = None
                 if role is None:
-                    if node is self.z and self.implicit:
-                        continue  # the model-precision logits may be read by anything
-                    if u.op == "output" or self.roles.get(node) in ("lse", "expected_z"):
-                        continue  # a per-row result read outside, or an escape checked later
-                    if any(o.op == "output" for o in node.users) and self.roles.get(node) not in SINK_ROLES:
-                        # the FP32 tensor itself is a graph output: that decides, whatever else reads it
-                        raise Decline(Reason.ESCAPES, f"{node.name} is read by the graph output")
-                    raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
+                    self._check_unknown_reader(u, node)
+                    continue
                 self.roles[u] = role
                 if role not in TERMINAL_ROLES:
                     queue.append(u)
+
+    def _check_unknown_reader(self, u: Node, node: Node) -> None:
+        """``u`` reads ``node`` and has no role: fine where a non-FP32 or per-row value is
+        read, else a decline (the FP32 tensor escapes, or an op the pass does not know)."""
+        if node is self.z and self.implicit:
+            return  # the model-precision logits may be read by anything
+        if u.op == "output" or self.roles.get(node) in (Role.LSE, Role.EXPECTED_Z):
+            return  # a per-row result read outside, or an escape checked later
+        if any(o.op == "output" for o in node.users) and self.roles.get(node) not in SINK_ROLES:
+            # the FP32 tensor itself is a graph output: that decides, whatever else reads it
+            raise Decline(Reason.ESCAPES, f"{node.name} is read by the graph output")
+        raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
 
     def _fp32_head(self, head: Node) -> bool:
         """In implicit mode: does this head of the low-precision logits compute in FP32?"""
         return is_fp32(head) or (self.upgrade and is_low_precision(head))
 
-    def _check_softmax_like(self, node: Node) -> None:
-        if not last_dim(get_arg(node, "dim"), meta(node).dim()):
-            raise Decline(Reason.NOT_LAST_DIM, f"{node.name} dim={get_arg(node, 'dim')}")
-        if get_arg(node, "dtype") not in (None, torch.float32):
-            raise Decline(Reason.UNKNOWN_OP, f"{node.name} casts to {get_arg(node, 'dtype')}")
-
-    def _role(self, u: Node, src: Node) -> Optional[str]:
-        op, kind = canon(u), self._kind(src) if src is not self.z else "z"
-        if kind is None:
-            kind = self.roles.get(src)
-        if op in ("log_softmax", "softmax") and src is self.z and tensor_input(u) is src:
-            self._check_softmax_like(u)
-            return "L" if op == "log_softmax" else "P"
-        if op == "logsumexp" and src is self.z:
-            if not last_dim(get_arg(u, "dim"), meta(src).dim()):
-                raise Decline(Reason.NOT_LAST_DIM, f"{u.name} dim={get_arg(u, 'dim')}")
-            return "lse"
-        if op == "exp" and kind == "L":
-            return "P"
+    def _role(self, u: Node, src: Node) -> Optional[Role]:
+        """The role of ``u``, which reads ``src`` (z or a node of the region), or None."""
+        op = canon(u)
+        if op in HEADS:
+            return self._head_role(u, src, op)
+        kind = self._kind(src) or self.roles.get(src)
+        if op == "exp" and kind == Role.LOG_SOFTMAX:
+            return Role.SOFTMAX
         if op == "mul":
             kinds = {self._kind(tensor_input(u)), self._kind(get_arg(u, "other"))}
-            if kinds == {"P", "L"}:
-                return "p_logp"
-            if kinds == {"P", "z"}:
-                return "p_z"
-            return None
-        if op == "sum" and self.roles.get(src) in ("p_logp", "p_z"):
+            if kinds == {Role.SOFTMAX, Role.LOG_SOFTMAX}:
+                return Role.P_LOGP
+            return Role.P_Z if kinds == {Role.SOFTMAX, _Z} else None
+        if op == "sum" and self.roles.get(src) in (Role.P_LOGP, Role.P_Z):
             if not last_dim(get_arg(u, "dim"), meta(src).dim()) or get_arg(u, "dtype") is not None:
                 raise Decline(Reason.NOT_LAST_DIM, f"{u.name} sums dim={get_arg(u, 'dim')}")
-            return "neg_entropy" if self.roles[src] == "p_logp" else "expected_z"
+            return Role.NEG_ENTROPY if self.roles[src] == Role.P_LOGP else Role.EXPECTED_Z
         if op == "sub" and self._is_entropy_sub(u):
-            return "entropy"
-        if op in ("gather", "take_along_dim") and kind == "L" and tensor_input(u) is src:
-            return "logprob"
-        if op == "cross_entropy" and src is self.z and tensor_input(u) is src:
-            return "loss"
-        if op == "nll_loss" and kind == "L" and tensor_input(u) is src:
-            return "loss"
+            return Role.ENTROPY
+        if op in ("gather", "take_along_dim", "nll_loss") and kind == Role.LOG_SOFTMAX \
+                and tensor_input(u) is src:
+            return Role.LOSS if op == "nll_loss" else Role.LOGPROB
         return None
+
+    def _head_role(self, u: Node, src: Node, op: str) -> Optional[Role]:
+        """``log_softmax`` / ``softmax`` / ``logsumexp`` / ``cross_entropy`` of z."""
+        if src is not self.z:
+            return None
+        if op == "logsumexp":
+            if not last_dim(get_arg(u, "dim"), meta(src).dim()):
+                raise Decline(Reason.NOT_LAST_DIM, f"{u.name} dim={get_arg(u, 'dim')}")
+            return Role.LSE
+        if tensor_input(u) is not src:
+            return None
+        if op == "cross_entropy":
+            return Role.LOSS
+        _check_softmax_like(u)
+        return Role.LOG_SOFTMAX if op == "log_softmax" else Role.SOFTMAX
 
     def _is_entropy_sub(self, u: Node) -> bool:
         a, b = tensor_input(u), get_arg(u, "other")
         return (isinstance(a, Node) and isinstance(b, Node) and canon(a) == "logsumexp"
                 and tensor_input(a) is self.z and canon(b) == "sum"
-                and self.roles.get(b) == "expected_z" and get_arg(u, "alpha") in (None, 1)
+                and self.roles.get(b) == Role.EXPECTED_Z and get_arg(u, "alpha") in (None, 1)
                 and bool(get_arg(a, "keepdim", False)) == bool(get_arg(b, "keepdim", False)))
 
-    def _sink(self, node: Node, role: str) -> Optional[Sink]:
-        if role == "lse" or role == "expected_z":
-            if all(self.roles.get(u) == "entropy" for u in node.users):
-                return None  # only feeds the entropy sub
-        if role in ("lse", "neg_entropy", "expected_z", "entropy"):
-            head = tensor_input(node) if role == "entropy" else node
-            return Sink(node, role, keepdim=bool(get_arg(head, "keepdim", False)))
-        if role == "logprob":
-            dim = get_arg(node, "dim")
-            if not last_dim(dim, meta(node).dim()):
-                raise Decline(Reason.NOT_LAST_DIM, f"{node.name} gathers along dim={dim}")
-            if get_arg(node, "sparse_grad", False):
-                raise Decline(Reason.UNKNOWN_OP, f"{node.name} uses sparse_grad")
-            return Sink(node, role)
-        # loss
-        if meta(self.z).dim() != 2:
-            raise Decline(Reason.LOSS_OPTIONS, f"{node.name}: logits of rank {meta(self.z).dim()}, "
-                          "the pass handles [N, V] with the class dim last")
-        bad = [k for k in ("weight", "size_average", "reduce") if get_arg(node, k) is not None]
-        if get_arg(node, "label_smoothing", 0.0) not in (0, 0.0):
-            bad.append("label_smoothing")
-        reduction = get_arg(node, "reduction", "mean")
-        ignore = get_arg(node, "ignore_index", -100)
-        if isinstance(ignore, Node) and not _is_int_input(ignore):
-            bad.append(f"ignore_index computed in the graph ({ignore.name})")
-        elif not isinstance(ignore, (int, Node)) or isinstance(ignore, bool):
-            bad.append(f"ignore_index={ignore!r}")
-        if bad or reduction not in ("none", "sum", "mean"):
-            raise Decline(Reason.LOSS_OPTIONS, f"{node.name}: {', '.join(bad) or reduction}")
-        return Sink(node, role, ignore_index=ignore, reduction=reduction)
 
-    def _index(self, sinks: list[Sink]) -> Optional[Node]:
-        found = set()
-        for s in sinks:
-            if s.role == "logprob":
-                idx = get_arg(s.node, "index" if canon(s.node) == "gather" else "indices")
-                vi, vz = meta(idx), meta(self.z)
-                if (not isinstance(vi, torch.Tensor) or vi.dtype != torch.int64
-                        or tuple(vi.shape) != tuple(vz.shape[:-1]) + (1,)):
-                    raise Decline(Reason.INDEX_SHAPE, f"{s.node.name} index shape "
-                                  f"{tuple(getattr(vi, 'shape', ()))} for logits {tuple(vz.shape)}")
-                found.add(("gather", idx))
-            elif s.role == "loss":
-                target = get_arg(s.node, "target")
-                vt = meta(target)
-                if (not isinstance(vt, torch.Tensor) or vt.dtype != torch.int64
-                        or tuple(vt.shape) != tuple(meta(self.z).shape[:-1])):
-                    raise Decline(Reason.LOSS_OPTIONS, f"{s.node.name} target is not one class index per row")
-                found.add(("labels", target))
-        if len(found) > 1:
-            raise Decline(Reason.SEVERAL_INDICES, ", ".join(n.name for _, n in found))
-        return next(iter(found))[1] if found else None
-
-
-def _is_int_input(node: Node) -> bool:
-    """An int the compiled function receives (a SymInt input under dynamic=True)."""
-    return node.op == "placeholder" and isinstance(meta(node), torch.SymInt)
+def _check_softmax_like(node: Node) -> None:
+    if not last_dim(get_arg(node, "dim"), meta(node).dim()):
+        raise Decline(Reason.NOT_LAST_DIM, f"{node.name} dim={get_arg(node, 'dim')}")
+    if get_arg(node, "dtype") not in (None, torch.float32):
+        raise Decline(Reason.UNKNOWN_OP, f"{node.name} casts to {get_arg(node, 'dtype')}")
 
 
 def _scaled_operand(node: Node) -> Optional[Node]:
@@ -387,7 +319,8 @@ def _scaled_operand(node: Node) -> Optional[Node]:
     if canon(node) not in ("div", "mul"):
         return None
     for cand in (tensor_input(node), get_arg(node, "other")):
-        if isinstance(cand, Node) and meta(cand) is not None and getattr(meta(cand), "shape", None) == meta(node).shape:
+        shape = getattr(meta(cand), "shape", None) if isinstance(cand, Node) else None
+        if shape is not None and shape == meta(node).shape:
             try:
                 if _scalar_operand(node, cand) is not None:
                     return cand

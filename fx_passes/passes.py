@@ -12,17 +12,17 @@ import functools
 import hashlib
 import logging
 import pathlib
-import traceback
-import warnings
 
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 
-from .config import Config, disabled_by_env
+from . import compat, env
+from .config import Config
+from .containment import contained
 from .match import Region, find_regions
-from .report import COUNTER, Decline, events, log, record_decline, record_rewrite
+from .report import COUNTER, Decline, log, record_decline, record_rewrite
 from .rewrite import fp32_bytes, rewrite_region
 from .unit_scale import remove_div_by_one
 
@@ -75,28 +75,6 @@ def run_passes(graph: Graph, config: Config) -> None:
     graph.lint()
 
 
-class _Journal:
-    """What the counters and events were before a pass run, to undo a failed run's
-    claims: after a failure the original graph is compiled, so nothing was rewritten."""
-
-    def __init__(self) -> None:
-        self.counts = dict(counters[COUNTER])
-        self.n_events = len(events)
-
-    def rollback(self) -> None:
-        counters[COUNTER].clear()
-        counters[COUNTER].update(self.counts)
-        del events[self.n_events:]
-
-
-def report_failure(what: str = "the pass failed on this graph", short: str = "pass failed") -> None:
-    """Count, warn (naming the pass) and log the traceback of a contained failure."""
-    counters[COUNTER]["pass_failed"] += 1
-    warnings.warn(f"chunked_logits: {what}; compiling it unchanged with stock Inductor "
-                  "(set TORCH_LOGS=fx_passes for the traceback)", stacklevel=3)
-    log.warning("chunked_logits: %s, graph left unchanged:\n%s", short, traceback.format_exc())
-
-
 def _copy(gm: GraphModule) -> GraphModule:
     """A copy of ``gm`` with its own graph; what Dynamo attached to it (``meta``: the
     compile id, parameter names; ``_param_name_to_source`` ...) comes along."""
@@ -104,8 +82,8 @@ def _copy(gm: GraphModule) -> GraphModule:
     out = graph.graph_copy(gm.graph, twins)
     graph.output(out)
     for old, twin in twins.items():  # Dynamo's per-node attributes (placeholders' sources)
-        for name, value in vars(old).items():
-            if name.startswith("_dynamo") and not hasattr(twin, name):
+        for name, value in compat.dynamo_node_attributes(old).items():
+            if not hasattr(twin, name):
                 setattr(twin, name, value)
     new = GraphModule(gm, graph)
     new.meta = dict(gm.meta)
@@ -119,18 +97,13 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
     """The transformed copy of ``gm``; the original on any internal error."""
     if getattr(gm, _DONE, False):
         return gm
-    journal = _Journal()
-    try:
+    with contained(config.strict) as attempt:
         new = _copy(gm)
         run_passes(new.graph, config)
         new.recompile()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("chunked_logits: graph after the passes:\n%s", new.code)
-    except Exception:
-        if config.strict:
-            raise
-        journal.rollback()
-        report_failure()
+    if attempt.failed:
         return gm
     setattr(new, _DONE, True)
     return new
@@ -172,23 +145,19 @@ class ChunkedLogitsPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> None:
         gm = graph.owning_module
-        if disabled_by_env() or (gm is not None and getattr(gm, _DONE, False)):
+        if env.disabled() or (gm is not None and getattr(gm, _DONE, False)):
             return
         snapshot = _copy(gm) if gm is not None else None
-        journal = _Journal()
-        try:
+        # without a module to copy there is nothing to restore: an error propagates
+        with contained(self.config.strict or snapshot is None) as attempt:
             run_passes(graph, self.config)
-        except Exception:
-            if self.config.strict or snapshot is None:
-                raise
-            journal.rollback()
-            report_failure()
+        if attempt.failed:
             _restore(graph, snapshot.graph)
         if gm is not None:
             setattr(gm, _DONE, True)
 
     def uuid(self) -> str:
-        state = "off" if disabled_by_env() else "on"
+        state = "off" if env.disabled() else "on"
         return f"chunked_logits-{source_hash()[:16]}-{self.config.key()}-{state}"
 
 

@@ -2,20 +2,21 @@
 
 Counters live in ``torch._dynamo.utils.counters["chunked_logits"]``:
 ``rewritten``, ``declined``, ``div_by_one_removed``, ``pass_failed`` and one
-``declined:<reason>`` per reason.  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
+``declined:<reason>`` per reason; each event also goes to ``session.session`` (for
+the exit summary).  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
 decline, ``TORCH_LOGS="+fx_passes"`` adds the graphs before and after.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
-from typing import Optional
 
 from torch._dynamo.utils import counters
 
-__all__ = ["Decline", "Reason", "log", "COUNTER", "record_rewrite", "record_decline", "events"]
+from .session import Event, session
+
+__all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -24,14 +25,18 @@ log = logging.getLogger("fx_passes")
 class Reason(str, enum.Enum):
     """Every reason the pass leaves a region as it was (docs/declines.md lists them)."""
 
-    NOT_LOW_PRECISION = "the logits are not bf16/fp16 before the FP32 upcast (already FP32 or integer): nothing to save"
-    ESCAPES = "an FP32 [.., V] tensor of the region is used outside the pattern (a graph output or another consumer)"
+    NOT_LOW_PRECISION = ("the logits are not bf16/fp16 before the FP32 upcast (already FP32 or integer): "
+                         "nothing to save")
+    ESCAPES = ("an FP32 [.., V] tensor of the region is used outside the pattern "
+               "(a graph output or another consumer)")
     UNKNOWN_OP = "an op the pass does not know reads the FP32 logits"
     NOT_LAST_DIM = "the softmax / reduction is not over the last (vocabulary) dim"
     VOCAB_TOO_SMALL = "the vocabulary dim has size 1"
-    TEMPERATURE = "the temperature is not one scalar (per-row tensor, tensor that requires grad, or several scalings)"
+    TEMPERATURE = ("the temperature is not one scalar (per-row tensor, tensor that requires grad, "
+                   "or several scalings)")
     INDEX_SHAPE = "the gather index is not exactly one token per row of the logits"
-    LOSS_OPTIONS = "cross_entropy / nll_loss with class weights, label smoothing, a class dim other than the last, an ignore_index computed in the graph, or legacy size_average/reduce"
+    LOSS_OPTIONS = ("cross_entropy / nll_loss with class weights, label smoothing, a class dim other "
+                    "than the last, an ignore_index computed in the graph, or legacy size_average/reduce")
     SEVERAL_INDICES = "several different token / label tensors read one upcast"
     ORDER = "the token indices depend on a value the region produces, or on a side effect"
 
@@ -45,23 +50,10 @@ class Decline(Exception):
         self.detail = detail
 
 
-@dataclasses.dataclass
-class Event:
-    kind: str  # "rewritten" | "declined" | "would_rewrite"
-    where: str
-    what: str
-    fp32_bytes_avoided: int = 0
-    reason: Optional[Reason] = None
-
-
-# Process-wide list of what happened, for the launcher's exit summary.
-events: list[Event] = []
-
-
 def record_rewrite(where: str, what: str, fp32_bytes: int, report_only: bool) -> None:
     kind = "would_rewrite" if report_only else "rewritten"
     counters[COUNTER][kind] += 1
-    events.append(Event(kind, where, what, fp32_bytes))
+    session.record(Event(kind, where, what, fp32_bytes))
     log.info("chunked_logits: %s %s at %s (FP32 [.., V] bytes avoided: %s)",
              "would rewrite" if report_only else "rewrote", what, where, fp32_bytes or "symbolic")
 
@@ -69,5 +61,5 @@ def record_rewrite(where: str, what: str, fp32_bytes: int, report_only: bool) ->
 def record_decline(where: str, decline: Decline) -> None:
     counters[COUNTER]["declined"] += 1
     counters[COUNTER][f"declined:{decline.reason.name}"] += 1
-    events.append(Event("declined", where, str(decline), reason=decline.reason))
+    session.record(Event("declined", where, str(decline), reason=decline.reason))
     log.info("chunked_logits: declined region at %s: %s", where, decline)

@@ -21,21 +21,22 @@ strided slice), so the only tensors of size ``[.., V]`` left are model precision
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import Graph, Node
 
 from .config import Config
+from .graph_ops import canon, get_arg, is_pure, meta
 from .lm_head import lm_head_row_stats
 from .lm_head_match import LMHead, match_lm_head
-from .graph_ops import canon, get_arg, is_pure, meta
-from .match import Region
+from .match import Region, Role
 from .ops import row_stats
 from .report import Decline, Reason
 
-__all__ = ["rewrite_region", "fp32_bytes"]
+__all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes"]
 
 
 def fp32_bytes(region: Region) -> int:
@@ -139,11 +140,21 @@ def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, confi
     return e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
 
 
-def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
-    """Replace the region's nodes; raises Decline before touching the graph if it can't.
+@dataclasses.dataclass
+class _Plan:
+    """What the edit does, decided before it starts."""
 
-    Returns how the logits are read: "lm_head_fused" or the reason they stay.
-    """
+    order: dict[Node, int]  # graph order before the edit
+    anchor: Node  # the new nodes go before it: the first sink
+    late: list[Node]  # what the token indices need, defined after the anchor: hoisted
+    lm_head: Optional[LMHead]  # the matmul computed inside the chunk loop, if fused
+    why: str  # why the logits are read whole ("" when there is nothing to say)
+    loss: bool  # the region has loss sinks: the index holds labels, some maybe ignored
+    ignore_index: Any  # the loss sinks' ignore_index (one for all of them)
+
+
+def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
+    """Every check of the rewrite: raises Decline, and touches nothing."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
     first = min([*region.roles, *([region.moved_scale] if region.moved_scale else [])],
@@ -154,28 +165,53 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
     # anywhere from the first to the last region node: nothing in between may mutate
     # them or change grad mode / autocast state.
     _check_no_side_effect_between(graph, first, max([last, *late], key=order.__getitem__))
+    loss_sinks = [s for s in region.sinks if s.role == Role.LOSS]
+    ignore = loss_sinks[0].ignore_index if loss_sinks else None
+    if any(s.ignore_index != ignore for s in loss_sinks):
+        raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
     lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, "fuse_lm_head is off")
-    for n in late:  # hoist what the token indices need to before the anchor
-        anchor.prepend(n)
+    return _Plan(order=order, anchor=anchor, late=late, lm_head=lm_head, why=why,
+                 loss=bool(loss_sinks), ignore_index=ignore)
 
-    e = _Emitter(graph, anchor)
+
+def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
+    """Replace the region's nodes; raises Decline before touching the graph if it can't.
+
+    Returns how the logits are read: "lm_head_fused" or the reason they stay.
+    """
+    plan = plan_rewrite(graph, region, config)  # the only place that declines
+    for n in plan.late:  # hoist what the token indices need to before the anchor
+        plan.anchor.prepend(n)
+    e = _Emitter(graph, plan.anchor)
+    lm_head = plan.lm_head
     src = lm_head.hidden if lm_head else region.x
     twins: dict[Node, Node] = {region.upcast: src}
     xv = src
     for view in region.views:
         xv = _replay_view(e, view, xv, on_hidden=lm_head is not None)
         twins[view] = xv
-    tokens = None
-    loss_sinks = [s for s in region.sinks if s.role == "loss"]
-    if region.index is not None and not loss_sinks:
-        tokens = _unsqueezed(region.index) or e.method("squeeze", region.index, -1)
-    elif loss_sinks:
-        ignore = loss_sinks[0].ignore_index
-        valid = e.function(operator.ne, region.index, ignore)
-        if any(s.ignore_index != ignore for s in loss_sinks):
-            raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
-        tokens = e.function(torch.where, valid, region.index, 0)
+    tokens, valid = _emit_tokens(e, region, plan)
     stats = emit_stats(e, region, xv, tokens, config, lm_head)
+    _replace_sinks(e, region, stats, valid)
+    for user, fp32_node in region.meta_users:
+        if user not in region.roles:
+            user.replace_input_with(fp32_node, twins.get(fp32_node, xv))
+    _erase_region(graph, region, plan)
+    return "lm_head_fused" if lm_head is not None else plan.why
+
+
+def _emit_tokens(e: _Emitter, region: Region, plan: _Plan) -> tuple[Node | None, Node | None]:
+    """(token indices with one per row, the not-ignored mask of a loss, or None)."""
+    if region.index is None:
+        return None, None
+    if not plan.loss:  # gather: the index without its trailing 1
+        return _unsqueezed(region.index) or e.method("squeeze", region.index, -1), None
+    valid = e.function(operator.ne, region.index, plan.ignore_index)
+    return e.function(torch.where, valid, region.index, 0), valid
+
+
+def _replace_sinks(e: _Emitter, region: Region, stats: Node, valid: Node | None) -> None:
+    """Each per-row result of the region, computed from ``stats`` = (lse, logprob, entropy)."""
     outputs: dict[int, Node] = {}
 
     def out(i: int) -> Node:  # stats[i], emitted once and only if used
@@ -184,15 +220,15 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
         return outputs[i]
 
     for sink in region.sinks:
-        if sink.role == "logprob":
+        if sink.role == Role.LOGPROB:
             value = e.method("unsqueeze", out(1), -1)
-        elif sink.role == "lse":
+        elif sink.role == Role.LSE:
             value = out(0)
-        elif sink.role == "entropy":
+        elif sink.role == Role.ENTROPY:
             value = out(2)
-        elif sink.role == "neg_entropy":
+        elif sink.role == Role.NEG_ENTROPY:
             value = e.function(operator.neg, out(2))
-        elif sink.role == "expected_z":
+        elif sink.role == Role.EXPECTED_Z:
             value = e.function(operator.sub, out(0), out(2))
         else:  # loss: -logprob on rows whose label is not ignored
             value = e.function(torch.where, valid, e.function(operator.neg, out(1)), 0.0)
@@ -204,23 +240,20 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
             value = e.method("unsqueeze", value, -1)
         sink.node.replace_all_uses_with(value)
 
-    for user, fp32_node in region.meta_users:
-        if user in region.roles:
-            continue
-        twin = twins.get(fp32_node, xv)
-        user.replace_input_with(fp32_node, twin)
-    for node in sorted(region.roles, key=order.__getitem__, reverse=True):
+
+def _erase_region(graph: Graph, region: Region, plan: _Plan) -> None:
+    """Erase the region's nodes (and the lm_head matmul, the token unsqueeze) now unused."""
+    for node in sorted(region.roles, key=plan.order.__getitem__, reverse=True):
         graph.erase_node(node)
     if region.moved_scale is not None:
         graph.erase_node(region.moved_scale)
-    if lm_head is not None:
-        for n in (*reversed(lm_head.chain), lm_head.logits, lm_head.transpose):
+    if plan.lm_head is not None:
+        for n in (*reversed(plan.lm_head.chain), plan.lm_head.logits, plan.lm_head.transpose):
             if n is not None and not n.users:
                 graph.erase_node(n)
     index = region.index
     if index is not None and not index.users and canon(index) is None and _unsqueezed(index) is not None:
         graph.erase_node(index)  # the token unsqueeze only the gather read
-    return "lm_head_fused" if lm_head is not None else why
 
 
 def _unsqueezed(index: Node) -> Node | None:

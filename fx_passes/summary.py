@@ -1,7 +1,7 @@
 """The exit summary of the launcher and the environment switch.
 
-What the passes rewrote and declined in this process (``fx_passes.report.events``
-and the ``chunked_logits`` counters), printed once at interpreter exit to stderr as
+What the passes rewrote and declined in this process (``fx_passes.session`` and
+the ``chunked_logits`` counters), printed once at interpreter exit to stderr as
 one write, so that ranks under torchrun do not interleave line by line.  By default
 only rank 0 (``RANK`` unset or 0) prints; ``ranks="all"`` makes every rank print
 (for torchrun's ``--redirects``/``--log-dir``, one log per rank), and a summary
@@ -17,14 +17,12 @@ import os
 import sys
 from typing import Any, Optional
 
+from . import env
+from .session import session
+
 __all__ = ["configure", "arm", "arm_from_env", "collect", "format_text", "rank", "write_summary"]
 
-ENV_SUMMARY = "CHUNKED_LOGITS_SUMMARY"  # auto | always | never
-ENV_RANKS = "CHUNKED_LOGITS_SUMMARY_RANKS"  # 0 | all
-ENV_DIR = "CHUNKED_LOGITS_SUMMARY_DIR"
-ENV_JSON = "CHUNKED_LOGITS_SUMMARY_JSON"
-
-MODES = ("auto", "always", "never")
+MODES = env.SUMMARY_MODES
 
 
 @dataclasses.dataclass
@@ -38,12 +36,6 @@ class _Settings:
 
 _settings = _Settings()
 _armed = False
-_installed_config = None
-
-
-def note_installed(config: Any) -> None:
-    global _installed_config
-    _installed_config = config
 
 
 def configure(mode: Optional[str] = None, ranks: Optional[str] = None, directory: Optional[str] = None,
@@ -73,52 +65,33 @@ def arm() -> None:
 
 def arm_from_env() -> None:
     if not _settings.locked:
-        mode = os.environ.get(ENV_SUMMARY, "").strip().lower() or None
-        if mode in ("1", "true", "yes", "on"):
-            mode = "always"
-        elif mode in ("0", "false", "no", "off"):
-            mode = "never"
-        configure(mode=mode if mode in MODES else None,
-                  ranks=os.environ.get(ENV_RANKS, "").strip() or None,
-                  directory=os.environ.get(ENV_DIR), json_path=os.environ.get(ENV_JSON))
+        configure(**env.summary_settings())
     arm()
 
 
 def rank() -> Optional[int]:
     """This process's rank in a multi-process job, or None outside one."""
-    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(var)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return None
+    return env.rank()
 
 
 def collect() -> dict[str, Any]:
     """Everything the summary says, as plain data (also what the JSON file holds)."""
-    report = sys.modules.get("fx_passes.report")
-    utils = sys.modules.get("torch._dynamo.utils")
-    hook = sys.modules.get("fx_passes.hook")
-    config_mod = sys.modules.get("fx_passes.config")
-    events = list(getattr(report, "events", []))
+    utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled
     counters = dict(utils.counters.get("chunked_logits", {})) if utils is not None else {}
-    installed = _installed_config is not None
-    dropped = False
-    if hook is not None and installed and hook._state.current is not None:
-        dropped = hook._present() is None
-    disabled = bool(config_mod.disabled_by_env()) if config_mod is not None else (
-        os.environ.get("CHUNKED_LOGITS_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"))
+    installed = session.installed is not None
     return {
         "rank": rank(),
         "pid": os.getpid(),
-        "disabled": disabled,
+        "disabled": env.disabled(),
         "installed": installed,
-        "pass_dropped": dropped,
-        "config": dataclasses.asdict(_installed_config) if installed else None,
-        "graphs_seen": getattr(hook, "graphs_seen", 0),
+        "pass_dropped": installed and session.pass_dropped(),
+        "config": dataclasses.asdict(session.installed) if installed else None,
+        "graphs_seen": session.graphs_seen,
         "counters": {k: int(v) for k, v in sorted(counters.items())},
         "events": [{"kind": e.kind, "where": e.where, "what": e.what,
                     "fp32_bytes_avoided": e.fp32_bytes_avoided,
-                    "reason": e.reason.name if e.reason is not None else None} for e in events],
+                    "reason": e.reason.name if e.reason is not None else None}
+                   for e in session.events],
     }
 
 

@@ -6,10 +6,10 @@ Modes (each optional, each with its options): ``train``, a training step with
 ``backend="chunked_logits"`` (forward and backward graphs); ``score``, a scoring
 function with that backend (one graph); ``pre_grad``, the scoring function with stock
 Inductor plus ``ChunkedLogitsPass`` as ``pre_grad_custom_pass``; ``installed``, the same
-under ``fx_passes.install(**options)`` (early pre-grad timing: the rewritten graph is the key).  They compile in the FX
-graph cache that TORCHINDUCTOR_CACHE_DIR names; the child prints one JSON line with, per
-mode, Inductor's cache counters, our counters and a checksum of the results, plus which
-``fx_passes`` it imported and the pre-grad pass's uuid.
+under ``fx_passes.install(**options)`` (early pre-grad timing: the rewritten graph is the
+key).  They compile in the FX graph cache that TORCHINDUCTOR_CACHE_DIR names; the child
+prints one JSON line with, per mode, Inductor's cache counters, our counters and a
+checksum of the results, plus which ``fx_passes`` it imported and the pre-grad pass's uuid.
 """
 
 from __future__ import annotations

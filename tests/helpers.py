@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 from torch._dynamo.utils import counters
 
-from fx_passes import Config
+from fx_passes import Config, env
 from fx_passes.passes import transform
 
 
@@ -26,26 +25,33 @@ def dynamo_graph(fn, *args, dynamic=False) -> torch.fx.GraphModule:
     return graphs[0]
 
 
+def rewrite_graphs(fn, *args, dynamic=False, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """(graph before, graph after) of the passes on ``fn``'s Dynamo graph."""
+    gm = dynamo_graph(fn, *args, dynamic=dynamic)
+    return gm, transform(gm, Config.from_options(options))
+
+
 def rewrite(fn, *args, dynamic=False, **options) -> tuple[str, str]:
     """(code before, code after) of the passes on ``fn``'s Dynamo graph."""
-    gm = dynamo_graph(fn, *args, dynamic=dynamic)
-    before = gm.code.strip()
-    after = transform(gm, Config.from_options(options)).code.strip()
-    return before, after
+    before, after = rewrite_graphs(fn, *args, dynamic=dynamic, **options)
+    return before.code.strip(), after.code.strip()
 
 
-def ensure_backend() -> None:
-    """Register ``backend="chunked_logits"`` when the package is importable but not
-    installed (``PYTHONPATH=.`` on a machine without ``pip install``): the name
-    normally comes from the package's entry point."""
-    from torch._dynamo.backends.registry import lookup_backend, register_backend
-    from torch._dynamo.exc import InvalidBackend
-
-    from fx_passes.backend import chunked_logits
-    try:
-        lookup_backend("chunked_logits")
-    except InvalidBackend:
-        register_backend(chunked_logits, name="chunked_logits")
+def ops(gm: torch.fx.GraphModule) -> str:
+    """The graph's calls in order, one word each: ``.float`` for a method call
+    (``x.float()``), ``log_softmax`` for a function (``torch.log_softmax``, ``F.log_softmax``)
+    or operator (``truediv`` for ``/``).  Placeholders, outputs and the names Dynamo
+    gives nodes are left out: what a graph computes, in words that stay the same
+    across torch versions (Dynamo's printing of a graph does not)."""
+    words = []
+    for n in gm.graph.nodes:
+        if n.op == "call_method":
+            words.append(f".{n.target}")
+        elif n.op == "call_function":
+            words.append(getattr(n.target, "__name__", str(n.target)))
+        elif n.op in ("call_module", "get_attr"):
+            words.append(f"{n.op}:{n.target}")
+    return " ".join(words)
 
 
 def chunked_counters() -> dict:
@@ -53,11 +59,9 @@ def chunked_counters() -> dict:
 
 
 def clean_env(**extra: str) -> dict:
-    """This process's environment without the package's switches (CHUNKED_LOGITS*), plus
-    ``extra``: what a fresh process that knows nothing of chunked-logits would see."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
-    env.update(extra)
-    return env
+    """What a fresh process that knows nothing of chunked-logits would see (see
+    ``fx_passes.env.without_ours``)."""
+    return env.without_ours(**extra)
 
 
 def last_json(stdout: str) -> dict:

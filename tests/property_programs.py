@@ -25,7 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, strategies as st
+from hypothesis import assume
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import fx_passes.lm_head

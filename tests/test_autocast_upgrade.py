@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from benchmarks.workloads import Workload
 from tests.codegen import allocations, full_fp32_buffers, step_codes
 from tests.helpers import chunked_counters, clean_env, last_json, rewrite
-from tests.workloads import Workload
 
 
 def ce_autocast(x, y):
@@ -98,7 +98,8 @@ def test_upgrade_gives_fp32_accuracy(big, fn):
         base = torch.compile(fn, backend="chunked_logits")(logits, tokens)
         assert chunked_counters() == {}, "off by default: untouched"
         torch._dynamo.reset()
-        up = torch.compile(fn, backend="chunked_logits", options={"upgrade_low_precision": True})(logits, tokens)
+        up = torch.compile(fn, backend="chunked_logits",
+                           options={"upgrade_low_precision": True})(logits, tokens)
     n_regions = logits.shape[0] if fn is bf16_logprob_per_sequence else 1
     assert counters["chunked_logits"]["rewritten"] == n_regions
     base, up = (b if isinstance(b, tuple) else (b,) for b in (base, up))
@@ -111,7 +112,8 @@ def test_upgrade_gives_fp32_accuracy(big, fn):
 def test_upgrade_allocates_no_more_than_the_bf16_graph():
     w = Workload("bf16", bf16_logprob_entropy, False, None, (0, 0))
     g = torch.Generator().manual_seed(0)
-    inputs = ((torch.randn(512, 4096, generator=g) * 3).bfloat16(), torch.randint(0, 4096, (512,), generator=g))
+    inputs = ((torch.randn(512, 4096, generator=g) * 3).bfloat16(),
+              torch.randint(0, 4096, (512,), generator=g))
 
     def total_bytes(codes):
         size = {"torch.float32": 4, "torch.bfloat16": 2, "torch.int64": 8, "torch.bool": 1}

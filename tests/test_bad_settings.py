@@ -14,8 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fx_passes import ChunkedLogitsPass, Config
-from fx_passes.config import ENV_KILL_SWITCH, disabled_by_env
+from fx_passes import ChunkedLogitsPass, Config, env
 
 NAMES = ", ".join(f.name for f in dataclasses.fields(Config))
 BOOLS = [f.name for f in dataclasses.fields(Config) if f.type == "bool"]
@@ -153,12 +152,12 @@ def test_pre_grad_pass_with_a_dict_instead_of_a_config() -> None:
 @pytest.mark.parametrize("value,off", [("1", True), ("true", True), ("YES", True), (" on ", True),
                                        ("0", False), ("", False), ("no", False), ("off", False)])
 def test_kill_switch_values(value, off, monkeypatch) -> None:
-    monkeypatch.setenv(ENV_KILL_SWITCH, value)
-    assert disabled_by_env() is off
+    monkeypatch.setenv(env.KILL_SWITCH, value)
+    assert env.disabled() is off
 
 
 def test_kill_switch_makes_the_backend_stock_inductor(monkeypatch) -> None:
-    monkeypatch.setenv(ENV_KILL_SWITCH, "1")
+    monkeypatch.setenv(env.KILL_SWITCH, "1")
     x = torch.randn(4, 9).bfloat16()
     got = torch.compile(fn, backend="chunked_logits")(x)
     assert counters["chunked_logits"].get("rewritten", 0) == 0

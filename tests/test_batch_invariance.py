@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+
 def logprob_entropy(logits, tokens):
     z = logits.float() / 0.7
     logp = torch.log_softmax(z, dim=-1)

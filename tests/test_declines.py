@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from fx_passes import Config, Reason
+from fx_passes.match import find_regions
 from fx_passes.passes import ChunkedLogitsPass
-from tests.helpers import chunked_counters, rewrite
+from fx_passes.report import Decline
+from fx_passes.rewrite import rewrite_region
+from tests.helpers import chunked_counters, dynamo_graph, rewrite
 
 V = 64
 
@@ -35,7 +38,8 @@ def lp_and(extra):
 DECLINES = {
     "fp32_logits": (lambda x, tok: lp(x.float(), tok), lambda: (torch.randn(8, V), torch.randint(0, V, (8,))),
                     Reason.NOT_LOW_PRECISION),
-    "integer_tensor": (lambda x, tok: lp(x.float(), tok), lambda: (torch.randint(0, 9, (8, V)), torch.randint(0, V, (8,))),
+    "integer_tensor": (lambda x, tok: lp(x.float(), tok),
+                       lambda: (torch.randint(0, 9, (8, V)), torch.randint(0, V, (8,))),
                        Reason.NOT_LOW_PRECISION),
     "upcast_returned": (lp_and(lambda z: z), lambda: (bf16(8, V), torch.randint(0, V, (8,))),
                         Reason.ESCAPES),
@@ -43,8 +47,8 @@ DECLINES = {
                              Reason.ESCAPES),
     "unknown_consumer": (lp_and(lambda z: torch.sigmoid(z).sum()),
                          lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.UNKNOWN_OP),
-    "vocab_of_one": (lambda x, tok: lp(x.float(), tok), lambda: (bf16(8, 1), torch.zeros(8, dtype=torch.long)),
-                     Reason.VOCAB_TOO_SMALL),
+    "vocab_of_one": (lambda x, tok: lp(x.float(), tok),
+                     lambda: (bf16(8, 1), torch.zeros(8, dtype=torch.long)), Reason.VOCAB_TOO_SMALL),
     "per_row_temperature": (lambda x, tok, t: lp(x.float() / t, tok),
                             lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.rand(8, 1) + 0.5),
                             Reason.TEMPERATURE),
@@ -81,6 +85,24 @@ def test_declined_graph_is_left_as_it_was(name):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+def test_declined_rewrite_leaves_the_graph_byte_identical():
+    """rewrite_region checks everything before it edits: a region it declines (here two
+    losses with different ignore_index, found only at rewrite time) leaves the graph as
+    it was, not with replayed views or a mask node left behind."""
+    def fn(x, labels):
+        z = x[:, :-1].float().reshape(-1, V)
+        y = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(z, y, reduction="sum"), F.cross_entropy(z, y, ignore_index=3)
+
+    graph = dynamo_graph(fn, bf16(2, 5, V), torch.randint(0, V, (2, 5))).graph
+    before = (str(graph), graph.python_code("self").src)
+    (region,) = find_regions(graph)
+    with pytest.raises(Decline) as info:
+        rewrite_region(graph, region, Config())
+    assert info.value.reason is Reason.LOSS_OPTIONS and "different ignore_index" in str(info.value)
+    assert (str(graph), graph.python_code("self").src) == before
+
+
 def test_decline_is_logged_with_reason(caplog):
     with caplog.at_level("INFO", logger="fx_passes"):
         rewrite(lp_and(lambda z: z), bf16(8, V), torch.randint(0, V, (8,)))
@@ -97,7 +119,8 @@ def test_report_only_counts_but_changes_nothing():
 
 def test_kill_switch_disables_the_backend(monkeypatch):
     monkeypatch.setenv("CHUNKED_LOGITS_DISABLE", "1")
-    torch.compile(lambda x, tok: lp(x.float(), tok), backend="chunked_logits")(bf16(8, V), torch.randint(0, V, (8,)))
+    compiled = torch.compile(lambda x, tok: lp(x.float(), tok), backend="chunked_logits")
+    compiled(bf16(8, V), torch.randint(0, V, (8,)))
     assert chunked_counters() == {}
 
 
@@ -133,8 +156,9 @@ def test_fp16_large_logits_stay_finite():
     x = torch.full((4, 1024), 60000.0, dtype=torch.float16)
     x[:, 0] = 65000.0
     tok = torch.zeros(4, dtype=torch.long)
-    fn = torch.compile(lambda x, tok: (lp(x.float(), tok), -(x.float().softmax(-1) * x.float().log_softmax(-1)).sum(-1)),
-                       backend="chunked_logits")
+    fn = torch.compile(
+        lambda x, tok: (lp(x.float(), tok), -(x.float().softmax(-1) * x.float().log_softmax(-1)).sum(-1)),
+        backend="chunked_logits")
     logprob, entropy = fn(x, tok)
     assert chunked_counters()["rewritten"] == 1
     assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
@@ -157,7 +181,8 @@ def test_uuid_changes_with_config():
 def test_backend_name_works_in_a_fresh_process_without_import():
     code = (
         "import sys, torch\n"
-        "f = torch.compile(lambda x: torch.log_softmax(x.float(), -1).amax(-1).sum(), backend='chunked_logits')\n"
+        "f = torch.compile(lambda x: torch.log_softmax(x.float(), -1).amax(-1).sum(),\n"
+        "                  backend='chunked_logits')\n"
         "x = torch.randn(4, 8, dtype=torch.bfloat16)\n"
         "torch.compile(lambda x: x.float().logsumexp(-1), backend='chunked_logits')(x)\n"
         "from torch._dynamo.utils import counters\n"

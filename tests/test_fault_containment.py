@@ -23,7 +23,7 @@ import fx_passes.ops
 import fx_passes.passes
 import fx_passes.rewrite
 from fx_passes import ChunkedLogitsPass, Config
-from fx_passes.report import events
+from fx_passes.session import Event, session
 from tests.helpers import dynamo_graph
 
 WARNING_TEXT = ("chunked_logits: the pass failed on this graph; compiling it unchanged with stock "
@@ -237,13 +237,13 @@ def test_counters_after_a_failure_claim_no_rewrite(monkeypatch) -> None:
     graphs = []
     torch.compile(two_regions, backend=lambda gm, ex: graphs.append(gm) or gm.forward)(*inputs(False))
     counters.clear()
-    n_events = len(events)
+    n_events = len(session.events)
     inject(monkeypatch, "emit_stats_second_region")
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         fx_passes.passes.transform(graphs[0], Config())
     assert dict(counters["chunked_logits"]) == {"pass_failed": 1}
-    assert [e.kind for e in events[n_events:]] == []
+    assert [e.kind for e in session.events[n_events:]] == []
 
 
 def _fails_under_aot(real):
@@ -345,3 +345,35 @@ def test_transformed_copy_keeps_what_dynamo_attached() -> None:
     assert new is not gm and "row_stats" in new.code
     assert new.meta == gm.meta and "dynamo_flat_name_to_original_fqn" in new.meta
     assert new._param_name_to_source == gm._param_name_to_source
+
+
+def test_contained_rolls_back_reports_and_lets_control_flow_through() -> None:
+    """The one containment every entry point uses (passes and backend)."""
+    from fx_passes.containment import contained
+
+    def compile_something():
+        with contained(False) as attempt:
+            counters["chunked_logits"]["rewritten"] += 1
+            session.record(Event("rewritten", "here", "a claim the failure takes back"))
+            raise RuntimeError("injected")
+        return attempt
+
+    counters["chunked_logits"]["rewritten"] += 1
+    n_events = len(session.events)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert compile_something().failed
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "pass_failed": 1}
+    assert len(session.events) == n_events
+    assert [str(w.message) for w in record] == [WARNING_TEXT]
+    assert record[0].filename == __file__  # it points at the caller of the function that failed
+
+    with contained(False) as attempt:
+        pass
+    assert not attempt.failed
+    for error, strict in [(RuntimeError("strict"), True), (KeyboardInterrupt(), False),
+                          (torch._dynamo.exc.RestartAnalysis(), False)]:
+        with pytest.raises(type(error)):
+            with contained(strict):
+                raise error
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "pass_failed": 1}

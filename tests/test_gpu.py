@@ -14,22 +14,20 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.codegen import full_fp32_buffers, step_codes
-from tests.helpers import ensure_backend
-from tests.test_lm_head import lm_logprob_entropy
-from tests.test_numerics import (
-    F32,
+from benchmarks.cases import ensure_backend
+from benchmarks.codegen import full_fp32_buffers
+from benchmarks.workloads import WORKLOADS, on_device
+from tests.cases import (
     cross_entropy,
     labels_for,
+    lm_logprob_entropy,
     logits,
     logprob,
     logprob_entropy,
-    max_err,
-    mean_err,
-    run,
     tokens_for,
 )
-from tests.workloads import WORKLOADS, on_device
+from tests.codegen import step_codes
+from tests.numerics import F32, max_err, mean_err, run
 
 pytestmark = [
     pytest.mark.gpu,

@@ -24,7 +24,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 import fx_passes
-from fx_passes import Config, hook, report
+from fx_passes import Config, env, hook
+from fx_passes.session import session
 from tests.codegen import full_fp32_buffers
 from tests.helpers import clean_env
 
@@ -72,14 +73,14 @@ class Recorder(CustomGraphPass):
 @pytest.fixture(autouse=True)
 def _clean_install():
     """No install, no user pass and no event leaks out of a test."""
-    report.events.clear()
+    session.reset()
     with inductor_config.patch(pre_grad_custom_pass=None, joint_custom_pre_pass=None,
                                post_grad_custom_post_pass=None, pre_grad_pass_timing="default"):
         try:
             yield
         finally:
             fx_passes.uninstall()
-    report.events.clear()
+    session.reset()
 
 
 def same_code(a: list[str], b: list[str]) -> bool:
@@ -112,7 +113,7 @@ def test_install_rewrites_under_stock_inductor():
     assert chunked() == {"rewritten": 1}
     assert full_fp32_buffers(codes, T, V) == []
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
-    assert [e.kind for e in report.events] == ["rewritten"]
+    assert [e.kind for e in session.events] == ["rewritten"]
     assert fx_passes.uninstall() is True
     assert inductor_config.pre_grad_custom_pass is None
     assert inductor_config.pre_grad_pass_timing == "default"
@@ -137,7 +138,7 @@ def test_install_and_backend_rewrite_each_region_once():
     torch.compile(escaping, backend="chunked_logits")(x, tok)
     # the installed pass leaves the backend's graphs alone: no second decline either
     assert chunked() == {"rewritten": 1, "declined": 1, "declined:ESCAPES": 1}
-    assert [e.kind for e in report.events] == ["rewritten", "declined"]
+    assert [e.kind for e in session.events] == ["rewritten", "declined"]
 
 
 def test_backend_options_win_over_installed_ones():
@@ -277,7 +278,7 @@ def test_uuid_follows_options_and_kill_switch(monkeypatch):
     ("strict=0,remove_div_by_one=yes", {"strict": False, "remove_div_by_one": True}),
 ])
 def test_options_from_env(text, expected):
-    assert hook.options_from_env(text) == expected
+    assert env.options(text) == expected
 
 
 # --- fresh processes: the environment switch ----------------------------------------
@@ -332,15 +333,16 @@ def test_env_switch_fresh_processes(tmp_path):
     assert off["at_start"] == [] and off["after_torch"] == [] and off["after_compile"] == []
     assert off["counters"] == {} and "chunked_logits" not in off_err
 
-    assert on["at_start"] == ["fx_passes", "fx_passes._autoinstall"]  # no torch at start
-    assert on["after_torch"] == ["fx_passes", "fx_passes._autoinstall"]  # lazy until Inductor
+    started = ["fx_passes", "fx_passes._autoinstall", "fx_passes.env"]
+    assert on["at_start"] == started  # no torch at start
+    assert on["after_torch"] == started  # lazy until Inductor
     assert "fx_passes.hook" in on["after_compile"]
     assert on["counters"] == {"rewritten": 1}
     assert on["code"] != off["code"]
     assert "chunked_logits summary" in on_err and "1 region rewritten" in on_err
 
     assert killed["counters"] == {} and killed["code"] == off["code"]
-    assert killed["after_compile"] == ["fx_passes", "fx_passes._autoinstall"]
+    assert killed["after_compile"] == started
     assert "chunked_logits summary" not in killed_err
 
     assert opts["counters"] == {"would_rewrite": 1} and opts["code"] == off["code"]
@@ -404,10 +406,10 @@ def test_options_from_env_numeric_fields():
     if not numeric:
         pytest.skip("Config has no numeric field")
     name = numeric[0].name
-    assert hook.options_from_env(f"{name}=1") == {name: type(numeric[0].default)(1)}
-    assert hook.options_from_env(f'{{"{name}": 2}}') == {name: 2}
+    assert env.options(f"{name}=1") == {name: type(numeric[0].default)(1)}
+    assert env.options(f'{{"{name}": 2}}') == {name: 2}
     with pytest.raises(ValueError, match="report_only"):
-        hook.options_from_env("report_only=maybe")
+        env.options("report_only=maybe")
 
 
 def test_install_marks_row_stats_cacheable_and_uninstall_restores():
@@ -418,3 +420,31 @@ def test_install_marks_row_stats_cacheable_and_uninstall_restores():
             assert marks["mine.op"] == "1" and "fx_passes.ops.row_stats" in marks
             assert marks["fx_passes.ops.row_stats"].startswith("chunked_logits-")
         assert inductor_config.unsafe_marked_cacheable_functions == {"mine.op": "1"}
+
+
+def test_package_and_env_module_import_no_torch():
+    """``import fx_passes`` and the environment module (read at interpreter start) stay torch-free."""
+    code = ("import sys, fx_passes, fx_passes.env, fx_passes.config; fx_passes.env.options('strict'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=clean_env(), timeout=120, check=True).stdout
+    assert out.split() == ["False"]
+
+
+def test_session_collects_what_the_summary_says_and_resets():
+    """One owner of the session's events: install notes its config, the pass records events,
+    a replaced pre_grad_custom_pass shows as dropped, and reset starts over."""
+    from fx_passes import summary
+
+    fx_passes.install(report_only=True)
+    x = torch.randn(8, 32).bfloat16()
+    torch.compile(lambda x: torch.logsumexp(x.float(), -1))(x)
+    data = summary.collect()
+    assert data["installed"] and data["config"]["report_only"] and data["graphs_seen"] == 1
+    assert [e["kind"] for e in data["events"]] == ["would_rewrite"] and not data["pass_dropped"]
+    inductor_config.pre_grad_custom_pass = None  # a user's assignment over the install
+    assert summary.collect()["pass_dropped"]
+    session.reset()
+    data = summary.collect()
+    assert (data["installed"], data["graphs_seen"], data["events"], data["pass_dropped"]) == (
+        False, 0, [], False)

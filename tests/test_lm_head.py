@@ -7,18 +7,10 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.workloads import WORKLOADS, run_step
+from tests.cases import lm_logprob_entropy
 from tests.codegen import allocations, step_codes
-from tests.test_numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
-from tests.workloads import WORKLOADS, run_step
-
-
-def lm_logprob_entropy(hidden, weight, tok, adv, up=F32):
-    logits = hidden @ weight.T
-    z = logits.to(up) / 0.7
-    logp = torch.log_softmax(z, -1)
-    entropy = -(torch.softmax(z, -1) * logp).sum(-1)
-    lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-    return -(lp * adv.to(up)).mean() - 0.01 * entropy.mean()
+from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
 
 
 def lm_ce_bias_shift(hidden, weight, bias, labels, up=F32):
@@ -52,7 +44,8 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
     w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
     if name == "logprob_entropy":
         h = torch.randn(T, H, generator=g).to(dtype)
-        return lm_logprob_entropy, (h, w, torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)), (0, 1)
+        tok = torch.randint(0, V, (T,), generator=g)
+        return lm_logprob_entropy, (h, w, tok, torch.randn(T, generator=g)), (0, 1)
     if name == "ce_bias_shift":
         h = torch.randn(3, T, H, generator=g).to(dtype)
         b = (torch.randn(V, generator=g) * 0.1).to(dtype)
@@ -62,7 +55,8 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
     if name == "softcap":
         h = torch.randn(T, H, generator=g).to(dtype)
         w3 = (w.float() * 10).to(dtype)  # logits up to about +-40: the cap matters
-        return lm_softcap, (h, w3, torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)), (0, 1)
+        tok, adv = torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)
+        return lm_softcap, (h, w3, tok, adv), (0, 1)
     if name == "scaled":
         h = torch.randn(T, H, generator=g).to(dtype)
         return lm_scaled, (h, (w.float() * 16).to(dtype), torch.randint(0, V, (T,), generator=g)), (0, 1)

@@ -13,65 +13,20 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-F32 = torch.float32
-
-
-def logprob(x, tok, up=F32):
-    logp = torch.log_softmax(x.to(up) / 0.7, dim=-1)
-    return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-
-
-def logprob_entropy(x, tok, up=F32):
-    z = x.to(up) / 0.7
-    logp = torch.log_softmax(z, dim=-1)
-    entropy = -(torch.softmax(z, -1) * logp).sum(-1)
-    return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), entropy
-
-
-def entropy_lse_form(x, up=F32):
-    z = x.to(up)
-    return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-
-
-def policy_loss(x, tok, adv, up=F32):
-    lp, ent = logprob_entropy(x, tok, up)
-    return -(lp * adv.to(up)).mean() - 0.01 * ent.mean()
-
-
-def shifted_bsv(x, tok, t, up=F32):
-    # [B, S, V] logits, next-token shift, temperature as a 0-d tensor divided in model precision
-    logp = F.log_softmax((x[:, :-1] / t).to(up), -1)
-    lp = logp.gather(-1, tok[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return -lp.sum()
-
-
-def cross_entropy(x, labels, reduction, up=F32):
-    return F.cross_entropy(x.to(up), labels, ignore_index=-100, reduction=reduction)
-
-
-def logits(T, V, dtype, mask_frac=0.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, V, generator=g) * 3
-    if mask_frac:
-        x[torch.rand(T, V, generator=g) < mask_frac] = float("-inf")
-    return x.to(dtype)
-
-
-def tokens_for(x, seed=1):
-    """Tokens that are never masked (-inf), as a sampler would give."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.isfinite(x.float()).float().reshape(-1, x.shape[-1])
-    return torch.multinomial(w, 1, generator=g).reshape(x.shape[:-1])
-
-
-def labels_for(x, ignore_frac, seed=2):
-    labels = tokens_for(x, seed)
-    g = torch.Generator().manual_seed(seed)
-    labels[torch.rand(labels.shape, generator=g) < ignore_frac] = -100
-    return labels
+from tests.cases import (
+    cross_entropy,
+    entropy_lse_form,
+    labels_for,
+    logits,
+    logprob,
+    logprob_entropy,
+    policy_loss,
+    shifted_bsv,
+    tokens_for,
+)
+from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, max_err, reference, run
 
 
 def make_case(name, dtype):
@@ -119,68 +74,6 @@ CASES = [
     "cross_entropy_mean", "cross_entropy_sum", "cross_entropy_none",
     "cross_entropy_all_ignored_mean", "cross_entropy_masked_-inf",
 ]
-# Per dtype: relative tolerance on FP32 outputs, and on gradients, which are stored in
-# the model dtype (one rounding of the two paths may land on neighbouring values).
-TOLERANCES = [
-    pytest.param(torch.bfloat16, 2e-6, 2**-8, id="bf16"),
-    pytest.param(torch.float16, 2e-6, 2**-11, id="fp16"),
-]
-
-
-def run(fn, inputs, grad_pos):
-    inputs = [t.detach().clone().requires_grad_(i in grad_pos) for i, t in enumerate(inputs)]
-    with torch.set_grad_enabled(bool(grad_pos)):
-        out = fn(*inputs)
-    outs = out if isinstance(out, tuple) else (out,)
-    grads = ()
-    if grad_pos:
-        # A non-scalar output gets a fixed, non-uniform upstream gradient.
-        w = torch.linspace(-1, 1, outs[0].numel()).reshape(outs[0].shape).to(outs[0].dtype)
-        grads = torch.autograd.grad((outs[0] * w).sum(), [inputs[i] for i in grad_pos])
-    return [o.detach() for o in outs], list(grads)
-
-
-def max_err(got, ref):
-    """Max abs error; NaN where the reference has NaN must also be NaN (same maths)."""
-    got, ref = got.double(), ref.double()
-    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN pattern differs from FP64"
-    finite = torch.isfinite(ref)
-    assert torch.equal(got[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)])
-    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
-
-
-def mean_err(got, ref):
-    finite = torch.isfinite(ref)
-    return (got.double()[finite] - ref[finite].double()).abs().mean().item() if finite.any() else 0.0
-
-
-def reference(fn, inputs, grad_pos):
-    f64 = functools.partial(fn, up=torch.float64)
-    outs, _ = run(f64, inputs, ())
-    # Gradients of the FP64 maths w.r.t. the (exact) model-precision inputs.
-    inputs64 = [t.double() if t.is_floating_point() else t for t in inputs]
-    _, grads = run(f64, inputs64, grad_pos)
-    return outs, grads
-
-
-def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol):
-    """Each (outputs, gradients) of ours is no further from FP64 than stock's, plus the
-    per-dtype tolerance; gradients land in the model dtype."""
-    for got, st, r in zip(ours[0], stock[0], ref[0]):
-        assert got.dtype == st.dtype and got.shape == st.shape
-        # Outputs are O(1) log-probs or reductions of them: a loss that averages to 0.1
-        # still carries the rounding of its O(10) terms, so the scale is at least 1.
-        scale = max(r.double().abs().nan_to_num(0, 0, 0).max().item(), 1.0)
-        assert max_err(got, r) <= max_err(st, r) + out_rtol * scale
-    for got, st, r in zip(ours[1], stock[1], ref[1]):
-        assert got.dtype == dtype and got.shape == st.shape
-        scale = r.abs().max().item() or 1.0
-        assert max_err(got, r) <= max_err(st, r) + grad_rtol * scale
-        # The max is dominated by the final rounding to the model dtype, which both
-        # paths share; a small systematic error shows in the mean instead.
-        assert mean_err(got, r) <= 1.1 * mean_err(st, r) + 1e-9
-
-
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("case", CASES)
 def test_no_less_accurate_than_stock(case, dtype, out_rtol, grad_rtol):

@@ -44,10 +44,25 @@ from fx_passes.report import Decline, Reason
 from tests.codegen import full_fp32_buffers
 from tests.property_profiles import FULL_COMPILES, PROFILE
 from tests.property_programs import (
-    KNOWN_BUGS, TWISTS, CaptureAndTransform, Case, as_reference, assert_no_worse, assert_rewritten_graph,
-    cases, compile_fn, eager_lm_head_chunks, execute, known_full_compile_bug,
+    KNOWN_BUGS,
+    TWISTS,
+    CaptureAndTransform,
+    Case,
+    as_reference,
+    assert_no_worse,
+    assert_rewritten_graph,
+    cases,
+    compile_fn,
+    eager_lm_head_chunks,
+    execute,
+    known_full_compile_bug,
     logit_scale,
-    make_inputs, make_program, normalize, pass_counters, pass_warnings, program_source,
+    make_inputs,
+    make_program,
+    normalize,
+    pass_counters,
+    pass_warnings,
+    program_source,
 )
 
 # Every supported pattern, and every neighbour (twist), once.  They run in every profile.
@@ -213,7 +228,7 @@ def check_full(case: Case) -> None:
     assert_no_worse(got, stock, ref, what, logit_scale(case, inputs), rows_of(inputs))
     if case.reason is None and not (case.dynamic and case.layout == "BSV") and case.vocab >= 8 \
             and case.rows_of_z() >= 2:
-        # (tests/codegen.py flags any FP32 buffer with two symbolic dims under dynamic shapes:
+        # (benchmarks/codegen.py flags any FP32 buffer with two symbolic dims under dynamic shapes:
         # the per-row results of [B, S, V] logits are such a buffer, so those cases skip this;
         # and at toy sizes small FP32 buffers of other kinds reach rows * V elements.)
         assert full_fp32_buffers(codes, case.rows_of_z(), case.vocab) == [], what

@@ -1,0 +1,69 @@
+"""What the passes did in this process: the one owner of the session's events.
+
+``report`` records each rewrite and decline here, the backend and the installed pass
+count the graphs they look at, ``install`` notes its config, a contained failure
+takes back what the failed run recorded, and the exit summary reads it all through
+:data:`session`.  ``session.reset()`` starts over (tests do, between cases).
+
+This module imports no torch: the launcher's summary reads it at exit, in processes
+that may never have compiled anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from .report import Reason
+
+__all__ = ["Event", "Session", "session"]
+
+
+@dataclasses.dataclass
+class Event:
+    kind: str  # "rewritten" | "declined" | "would_rewrite"
+    where: str
+    what: str
+    fp32_bytes_avoided: int = 0
+    reason: Optional[Reason] = None
+
+
+@dataclasses.dataclass
+class Session:
+    """Events, graphs seen and the installed config of one process."""
+
+    events: list[Event] = dataclasses.field(default_factory=list)
+    graphs_seen: int = 0  # graphs the passes looked at (installed pass and backend)
+    installed: Any = None  # the Config of the last install(), kept after uninstall()
+    _dropped: Optional[Callable[[], bool]] = None  # install()'s check: was its pass replaced?
+
+    def record(self, event: Event) -> None:
+        self.events.append(event)
+
+    def count_graph(self) -> None:
+        self.graphs_seen += 1
+
+    def note_installed(self, config: Any, dropped: Callable[[], bool]) -> None:
+        """``install(config)`` ran; ``dropped()`` says whether its pass was replaced since."""
+        self.installed, self._dropped = config, dropped
+
+    def pass_dropped(self) -> bool:
+        return self._dropped is not None and self._dropped()
+
+    def mark(self) -> int:
+        """A point to :meth:`rollback` to."""
+        return len(self.events)
+
+    def rollback(self, mark: int) -> None:
+        """Forget the events recorded after ``mark`` (a failed run's claims)."""
+        del self.events[mark:]
+
+    def reset(self) -> None:
+        """Start over: no events, no graphs seen, nothing installed noted."""
+        self.events.clear()
+        self.graphs_seen = 0
+        self.installed, self._dropped = None, None
+
+
+session = Session()

@@ -1,0 +1,72 @@
+"""Numerics support: run a case, its FP64 reference, and the rule that the rewritten
+path is no less accurate than stock torch.compile (test_numerics, test_lm_head)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+F32 = torch.float32
+
+# Per dtype: relative tolerance on FP32 outputs, and on gradients, which are stored in
+# the model dtype (one rounding of the two paths may land on neighbouring values).
+TOLERANCES = [
+    pytest.param(torch.bfloat16, 2e-6, 2**-8, id="bf16"),
+    pytest.param(torch.float16, 2e-6, 2**-11, id="fp16"),
+]
+
+
+def run(fn, inputs, grad_pos):
+    inputs = [t.detach().clone().requires_grad_(i in grad_pos) for i, t in enumerate(inputs)]
+    with torch.set_grad_enabled(bool(grad_pos)):
+        out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = ()
+    if grad_pos:
+        # A non-scalar output gets a fixed, non-uniform upstream gradient.
+        w = torch.linspace(-1, 1, outs[0].numel()).reshape(outs[0].shape).to(outs[0].dtype)
+        grads = torch.autograd.grad((outs[0] * w).sum(), [inputs[i] for i in grad_pos])
+    return [o.detach() for o in outs], list(grads)
+
+
+def max_err(got, ref):
+    """Max abs error; NaN where the reference has NaN must also be NaN (same maths)."""
+    got, ref = got.double(), ref.double()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN pattern differs from FP64"
+    finite = torch.isfinite(ref)
+    assert torch.equal(got[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)])
+    return (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def mean_err(got, ref):
+    finite = torch.isfinite(ref)
+    return (got.double()[finite] - ref[finite].double()).abs().mean().item() if finite.any() else 0.0
+
+
+def reference(fn, inputs, grad_pos):
+    f64 = functools.partial(fn, up=torch.float64)
+    outs, _ = run(f64, inputs, ())
+    # Gradients of the FP64 maths w.r.t. the (exact) model-precision inputs.
+    inputs64 = [t.double() if t.is_floating_point() else t for t in inputs]
+    _, grads = run(f64, inputs64, grad_pos)
+    return outs, grads
+
+
+def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol):
+    """Each (outputs, gradients) of ours is no further from FP64 than stock's, plus the
+    per-dtype tolerance; gradients land in the model dtype."""
+    for got, st, r in zip(ours[0], stock[0], ref[0]):
+        assert got.dtype == st.dtype and got.shape == st.shape
+        # Outputs are O(1) log-probs or reductions of them: a loss that averages to 0.1
+        # still carries the rounding of its O(10) terms, so the scale is at least 1.
+        scale = max(r.double().abs().nan_to_num(0, 0, 0).max().item(), 1.0)
+        assert max_err(got, r) <= max_err(st, r) + out_rtol * scale
+    for got, st, r in zip(ours[1], stock[1], ref[1]):
+        assert got.dtype == dtype and got.shape == st.shape
+        scale = r.abs().max().item() or 1.0
+        assert max_err(got, r) <= max_err(st, r) + grad_rtol * scale
+        # The max is dominated by the final rounding to the model dtype, which both
+        # paths share; a small systematic error shows in the mean instead.
+        assert mean_err(got, r) <= 1.1 * mean_err(st, r) + 1e-9
