@@ -32,7 +32,7 @@ from .graph_ops import (
     tensor_input,
 )
 from .region import SINK_ROLES, TERMINAL_ROLES, Region, Role, Sink, make_sink, region_index
-from .report import Decline, Reason
+from .report import Decline, Reason, log
 
 __all__ = ["Region", "Role", "Sink", "find_regions"]
 
@@ -374,6 +374,43 @@ def _upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
     return None
 
 
+# Ops that reduce rows over the last dim: a candidate whose FP32 tensors reach none of
+# them is not a vocabulary reduction (an attention softmax, an MoE router).
+_ROW_REDUCTIONS = {"gather", "take_along_dim", "cross_entropy", "nll_loss", "logsumexp"}
+
+
+def _reduces_rows(root: Node, depth: int = 12) -> bool:
+    """Do the tensors computed from ``root`` with its last dim (its ``[.., V]`` family)
+    reach a reduction over that dim within ``depth`` ops?  Token log-probs, entropy and
+    losses do; attention probabilities (next a matmul with the values, whose last dim
+    is the head's) and router weights (next ``topk``) do not."""
+    width = getattr(meta(root), "shape", (None,))[-1:]
+    frontier, seen = [root], {root}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                op = canon(u)
+                if op in _ROW_REDUCTIONS or (op == "sum" and last_dim(get_arg(u, "dim"), meta(n).dim())):
+                    return True
+                shape = getattr(meta(u), "shape", None)
+                if u not in seen and shape is not None and len(shape) and tuple(shape[-1:]) == tuple(width):
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _not_logits(root: Node, decline: Decline) -> bool:
+    """An op the pass does not know reads a candidate that is not a vocabulary reduction
+    at all: said at debug level, not counted as a decline (a decline means logits the
+    pass saw and could not take)."""
+    if decline.reason is not Reason.UNKNOWN_OP or _reduces_rows(root):
+        return False
+    log.debug("chunked_logits: skipped %s: not a reduction over a vocabulary (%s)", root.name, decline)
+    return True
+
+
 def find_regions(graph: Graph, temperature_after_upcast: bool = True,
                  upgrade_low_precision: bool = False) -> list[Region | tuple[Node, Decline]]:
     """Every candidate region, in graph order: a Region, or (root node, Decline)."""
@@ -397,12 +434,15 @@ def find_regions(graph: Graph, temperature_after_upcast: bool = True,
         if implicit is None and _upcast_input(root) is None:
             if is_fp32(root):
                 up = _upcast_behind(root)
-                out.append((root, Decline(Reason.UNKNOWN_OP, f"{root.name} ({root.target}) is between the "
-                                          f"upcast {up.name} and {node.name}") if up is not None else
-                            Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already")))
+                d = (Decline(Reason.UNKNOWN_OP, f"{root.name} ({root.target}) is between the upcast "
+                             f"{up.name} and {node.name}") if up is not None else
+                     Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already"))
+                if not _not_logits(root, d):
+                    out.append((root, d))
             continue
         try:
             out.append(matcher.match())
         except Decline as d:
-            out.append((root, d))
+            if not _not_logits(root, d):
+                out.append((root, d))
     return out

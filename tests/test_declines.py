@@ -206,3 +206,50 @@ def test_float_temperature_is_constant_when_static_and_input_when_dynamic():
     with torch._dynamo.config.patch(specialize_float=True):
         _, specialized = rewrite(fn, torch.randn(4), 1.0, dynamic=True)
     assert "/" not in specialized
+
+
+# ---- candidates that are not logits: not counted as declines (issue 11) ------------------------
+
+def eager_attention(q, k, v):
+    """An eager attention layer (Gemma2's): FP32 softmax over the keys, back to bf16."""
+    scores = q @ k.transpose(-2, -1) / 8.0
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
+
+
+def moe_router(hidden, gate):
+    """An MoE router (Qwen3-MoE's): FP32 softmax over the experts, then top-k."""
+    weights = F.softmax(hidden @ gate.T, dim=1, dtype=torch.float)
+    top, idx = torch.topk(weights, 2, dim=-1)
+    return top / top.sum(dim=-1, keepdim=True), idx
+
+
+NOT_LOGITS = {
+    "attention": (eager_attention, lambda: (bf16(2, 4, 16, 8), bf16(2, 4, 16, 8), bf16(2, 4, 16, 8))),
+    "router": (moe_router, lambda: (bf16(32, 16), bf16(8, 16))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_LOGITS))
+def test_not_logits_are_not_declines_and_show_at_debug(name, caplog):
+    fn, make = NOT_LOGITS[name]
+    args = make()
+    with caplog.at_level("DEBUG", logger="fx_passes"):
+        got = torch.compile(fn, backend="chunked_logits")(*args)
+    assert chunked_counters() == {}, "not logits: nothing rewritten, nothing declined"
+    assert "not a reduction over a vocabulary" in caplog.text
+    torch._dynamo.reset()
+    stock = torch.compile(fn, backend="inductor")(*args)
+    for g, s in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, stock))):
+        torch.testing.assert_close(g, s, rtol=0, atol=0)
+
+
+def test_an_unknown_op_on_logits_is_still_a_decline():
+    """The control: the same unknown-op situation on logits that are reduced per row."""
+    def fn(x, tok, mask):
+        logp = torch.log_softmax(x.float(), -1).masked_fill(mask, 0.0)
+        return logp.gather(-1, tok.unsqueeze(-1))
+
+    torch.compile(fn, backend="chunked_logits")(bf16(8, V), torch.randint(0, V, (8,)),
+                                                 torch.rand(8, V) < 0.1)
+    assert chunked_counters() == {"declined": 1, "declined:UNKNOWN_OP": 1}
