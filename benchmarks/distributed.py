@@ -50,6 +50,7 @@ def rank_child(argv: list[str]) -> None:
     peak = hwm()
     result = {"rank": rank, "peak_mib": (peak - before) / MIB, "counters": dict(counters["chunked_logits"])}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # neither rank tears gloo down while the other still measures
     dist.destroy_process_group()
 
 
