@@ -1,0 +1,83 @@
+"""The pass under DDP and FSDP2: 2 ranks on CPU with gloo, started by torchrun.
+
+Each rank (examples/distributed_step.py) runs the step with stock Inductor and with the pass and
+reports its counters and the error of loss and every gradient against the FP64
+single-process reference; the pass must fire the same way on every rank and be no
+less accurate than stock on the same setup (the rule of tests/numerics.py)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import clean_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent
+EXAMPLE = ROOT / "examples" / "distributed_step.py"
+GRAD_RTOL = 2**-8  # bf16 gradients: one rounding apart (numerics.TOLERANCES)
+LOSS_RTOL = 2e-6
+
+
+def torchrun(tmp_path: pathlib.Path, *args: str) -> list[dict]:
+    """Run the example on 2 ranks (``--standalone``: a free port) and read what each wrote."""
+    exe = shutil.which("torchrun", path=str(BIN))
+    assert exe, "torchrun is installed with torch"
+    out = tmp_path / "ranks"
+    proc = subprocess.run(
+        [exe, "--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--out", str(out), *args],
+        capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def assert_no_less_accurate(rank: dict) -> None:
+    """Loss and each gradient: ours no further from FP64 than stock, plus one rounding."""
+    ours, stock = rank["ours"], rank["stock"]
+    assert ours["loss"]["max"] <= stock["loss"]["max"] + LOSS_RTOL * max(stock["loss"]["scale"], 1.0)
+    assert ours["grads"].keys() == stock["grads"].keys()
+    for name, got in ours["grads"].items():
+        st = stock["grads"][name]
+        assert got["max"] <= st["max"] + GRAD_RTOL * st["scale"], (name, got, st)
+        assert got["mean"] <= 1.1 * st["mean"] + 1e-9, (name, got, st)
+
+
+@pytest.mark.slow
+def test_ddp_rewrites_and_fuses_on_every_rank(tmp_path):
+    ranks = torchrun(tmp_path, "--setup", "ddp", "--backend", "chunked_logits")
+    for rank in ranks:
+        assert rank["counters"] == {"rewritten": 1, "lm_head_fused": 1}, rank["events"]
+        assert_no_less_accurate(rank)
+
+
+@pytest.mark.slow
+def test_ddp_lm_head_in_its_own_bucket_with_install(tmp_path):
+    """bucket_cap_mb=1 (DDPOptimizer refuses less: its first bucket is 1 MiB) and a
+    1 MiB lm_head weight: the split falls right before the lm_head matmul, which stays
+    in one graph with its loss and is fused there."""
+    ranks = torchrun(tmp_path, "--setup", "ddp", "--backend", "install", "--bucket-cap-mb", "1",
+                     "--vocab", "4096", "--hidden", "128")
+    for rank in ranks:
+        assert rank["ddp_buckets"] == 2  # DDPOptimizer split the module at the bucket boundary
+        assert rank["counters"] == {"rewritten": 1, "lm_head_fused": 1}, rank["events"]
+        assert_no_less_accurate(rank)
+
+
+@pytest.mark.slow
+def test_fsdp2_llama_rewrites_on_every_rank(tmp_path):
+    """fully_shard per decoder layer and on the root.  FSDP2's hooks graph-break the
+    compiled model, which puts the lm_head and the loss in different graphs: the loss
+    graph receives the logits as an input, so the region is rewritten without the
+    lm_head (no lm_head counter: the pass never sees the matmul)."""
+    pytest.importorskip("transformers")
+    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits")
+    for rank in ranks:
+        c = rank["counters"]
+        assert c["rewritten"] == 1 and "declined" not in c, rank["events"]
+        assert "lm_head_fused" not in c and "lm_head_not_fused" not in c
+        assert_no_less_accurate(rank)
