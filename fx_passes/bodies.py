@@ -38,9 +38,9 @@ def compiled(fn):
     return call
 
 
-@functools.lru_cache(None)
 def parse_transforms(transforms: str) -> tuple[tuple[str, float], ...]:
-    """``"div:<c>,tanh,mul:<c>"`` (``lm_head_match.LMHead.transforms``) as (op, c) steps."""
+    """``"div:<c>,tanh,mul:<c>"`` (``lm_head_match.LMHead.transforms``) as (op, c) steps.
+    (Not cached: Dynamo traces it once per body and warns about a cache wrapper.)"""
     steps = []
     for item in filter(None, transforms.split(",")):
         op, _, const = item.partition(":")

@@ -100,7 +100,19 @@ def _op_name(node: Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
-def _unwind(x: Node) -> tuple[Optional[LMHead], str]:
+def _elementwise_on(node: Node) -> Optional[Node]:
+    """The one tensor ``node`` reads, when it maps it element by element to a tensor of
+    the same shape (``sigmoid(x)``, ``x + 1``): an unknown logit transform.  Views and
+    ops with other tensor or symbolic operands (masks, per-row scales) are not."""
+    inputs = node.all_input_nodes
+    if len(inputs) != 1:
+        return None
+    v, vin = meta(node), meta(inputs[0])
+    same = isinstance(v, torch.Tensor) and isinstance(vin, torch.Tensor) and v.shape == vin.shape
+    return inputs[0] if same and canon(node) not in ("getitem", "reshape", "flatten", "contiguous") else None
+
+
+def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
     """The lm_head behind ``x`` through known logit transforms; or None with the reason
     (empty when no matmul is near: then ``x`` is simply not an lm_head's output)."""
     chain, specs, node = [], [], x
@@ -110,20 +122,18 @@ def _unwind(x: Node) -> tuple[Optional[LMHead], str]:
             break
         step = _transform(node)
         if step is None:
-            if any(_producer(a) is not None for a in node.all_input_nodes):
+            if _elementwise_on(node) is not None and _producer(_elementwise_on(node)) is not None:
                 return None, (f"the logits pass through {_op_name(node)} ({node.name}) between the lm_head "
                               f"and the upcast; the chunk loop carries {TRANSFORMS_KNOWN}")
-            return None, ""
+            return None, ""  # a view, a masked_fill ...: x is not the lm_head's output
         chain.append(node)
         specs.append(step[1])
         node = step[0]
     else:
         return None, ""
-    for n in chain:  # each transform's result is read only by the next one (or the region)
-        if n is not x and len(n.users) != 1:
-            return None, f"the transformed logits {n.name} are also used outside the region"
-    if chain and len(head.logits.users) != 1:
-        return None, "the logits are also used outside the region; the matmul runs once in full"
+    shared = any(u not in reads for u in x.users) or any(len(n.users) != 1 for n in (head.logits, *chain[1:]))
+    if chain and shared:
+        return None, ""  # the transformed logits feed something else too: x is not the lm_head's output
     head.chain = tuple(reversed(chain))
     head.transforms = ",".join(reversed(specs))
     return head, ""
@@ -132,10 +142,10 @@ def _unwind(x: Node) -> tuple[Optional[LMHead], str]:
 def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     """The lm_head producing the region's logits, or None with the reason it stays."""
     x = region.x
-    head, why = _unwind(x) if isinstance(x, Node) else (None, "")
+    reads = set(region.roles) | ({region.moved_scale} if region.moved_scale is not None else set())
+    head, why = _unwind(x, reads) if isinstance(x, Node) else (None, "")
     if head is None:
         return None, why
-    reads = set(region.roles) | ({region.moved_scale} if region.moved_scale is not None else set())
     if any(u not in reads for u in x.users) or region.meta_users:
         return None, "the logits are also used outside the region; the matmul runs once in full"
     h, w, b = meta(head.hidden), meta(head.weight), meta(head.bias) if head.bias is not None else None

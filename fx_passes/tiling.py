@@ -27,7 +27,7 @@ def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
 def backward_tiles(budget: int, n: int, vocab: int, width: int,
                    device: torch.device) -> tuple[int, int, bool]:
     """(columns per vocabulary block, rows per row tile, FP32 GEMMs?) of a backward
-    sweep over ``n`` rows.
+    sweep over ``n`` rows (within the budget, capped for small problems as the forward's).
 
     On GPUs a block holds all rows (one model-precision matmul per block writes
     ``grad_weight[block]``, FP32 accumulation inside it): about ``budget / (8 n)``
@@ -38,8 +38,9 @@ def backward_tiles(budget: int, n: int, vocab: int, width: int,
     (per element: bf16 logits, bf16 and FP32 gradient, FP32 matmul output; plus the
     FP32 copy of the ``hidden`` rows).
     """
+    budget = _budget(budget, n, vocab)
     if not fp32_gemm(device):
-        return max(1, _budget(budget, n, vocab) // (8 * max(1, n))), max(1, n), False
+        return max(1, budget // (8 * max(1, n))), max(1, n), False
     cols = max(1, min(vocab, budget // (16 * width)))
     rows = max(1, min(n, (budget // 2) // (12 * cols + 4 * width)))
     return cols, rows, True
