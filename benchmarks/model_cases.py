@@ -29,7 +29,7 @@ from benchmarks.cases import UpcastToFp64
 from benchmarks.memory import MIB, hwm, release, reset_peak, rss
 from benchmarks.model_families import build_model, logit_transform, make_batch
 
-__all__ = ["MODES", "run_case", "reference", "errors"]
+__all__ = ["MODES", "errors", "make_step", "reference", "run_case"]
 
 MODES = ("ref", "stock", "chunked", "install", "stock_nologits", "chunked_nologits", "trainer")
 BACKEND = {"stock": "inductor", "chunked": "chunked_logits", "install": "inductor",
@@ -150,6 +150,13 @@ def train(model, vocab: int, seq_len: int, steps: int = 2) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def error_line(e: Exception) -> str:
+    """The exception's first line, and for a C++ compile error the compiler's first ``error:``."""
+    lines = f"{type(e).__name__}: {e}".splitlines()
+    compiler = next((ln.split(" error: ", 1)[1] for ln in lines if " error: " in ln), None)
+    return (lines[0] + (f" ({compiler})" if compiler else ""))[:400]
+
+
 def run_case(family: str, mode: str, vocab: int, seq_len: int, layers: int = 1, warmup: int = 2,
              ref_path: str | None = None) -> dict:
     """Everything one (family, mode) case reports; an exception becomes ``error``."""
@@ -169,9 +176,11 @@ def run_case(family: str, mode: str, vocab: int, seq_len: int, layers: int = 1, 
             if ref_path and os.path.exists(ref_path):  # a failed reference leaves no file
                 result.update(errors(model, loss, torch.load(ref_path)))
     except Exception as e:  # a case that cannot compile or run is reported, not fatal
-        result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+        result["error"] = error_line(e)
         result["traceback"] = traceback.format_exc()[-3000:]
     result["counters"] = dict(counters["chunked_logits"])
+    result["graphs"] = counters["stats"]["unique_graphs"]
+    result["graph_breaks"] = sum(counters["graph_break"].values())
     result["events"] = pass_events()
     return result
 

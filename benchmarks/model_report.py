@@ -70,26 +70,43 @@ def _pair(by_mode: dict, a: str, b: str, key: str, fmt: str) -> str:
     return f"{cell(a)} / {cell(b)}"
 
 
-def _step_row(family: str, by_mode: dict) -> str:
+def _graphs(res: dict) -> str:
+    """Graphs Dynamo compiled, and its graph breaks: a break between the lm_head and the loss
+    puts them in different graphs, where no pass can fuse them."""
+    if "graphs" not in res:
+        return "-"
+    return f"{res['graphs']}" + (f" ({res['graph_breaks']} breaks)" if res.get("graph_breaks") else "")
+
+
+def _rewritten(res: dict) -> str:
+    n = str(res.get("counters", {}).get("rewritten", 0))
+    return f"{n}, then ERROR" if "error" in res else n
+
+
+def _install(by_mode: dict) -> str:
+    install, ours = by_mode.get("install", {}), by_mode.get("chunked", {})
+    if "error" in install:
+        return "ERROR"
+    same = "same loss" if install.get("loss") == ours.get("loss") else f"loss {install.get('loss')}"
+    return f"{install['counters'].get('rewritten', 0)}, {same}"
+
+
+def _step_row(family: str, by_mode: dict, with_install: bool) -> str:
     ours = by_mode.get("chunked", {})
-    install = by_mode.get("install", {})
-    install_cell = "-" if not install else "ERROR" if "error" in install else (
-        f"{install['counters'].get('rewritten', 0)}, "
-        + ("same loss" if install.get("loss") == ours.get("loss") else f"loss {install.get('loss')}"))
-    cells = [family, ours.get("logit_transform", "-"),
-             "ERROR" if "error" in ours else str(ours.get("counters", {}).get("rewritten", 0)),
-             lm_head_state(ours), _declines(ours),
+    cells = [family, ours.get("logit_transform", "-"), _rewritten(ours), lm_head_state(ours), _declines(ours),
+             _graphs(ours),
              _pair(by_mode, "stock", "chunked", "loss_err", ".1e"),
              _pair(by_mode, "stock", "chunked", "grad_err_head", ".1e"),
              _pair(by_mode, "stock", "chunked", "grad_err_max", ".1e"),
-             _pair(by_mode, "stock", "chunked", "peak_mib", ".0f"), install_cell]
+             _pair(by_mode, "stock", "chunked", "peak_mib", ".0f")]
+    if with_install:
+        cells.append(_install(by_mode))
     return "| " + " | ".join(cells) + " |"
 
 
 def _nologits_row(family: str, by_mode: dict) -> str:
     ours = by_mode.get("chunked_nologits", {})
-    cells = [family, "ERROR" if "error" in ours else str(ours.get("counters", {}).get("rewritten", 0)),
-             lm_head_state(ours), _declines(ours),
+    cells = [family, _rewritten(ours), lm_head_state(ours), _declines(ours), _graphs(ours),
              _pair(by_mode, "stock_nologits", "chunked_nologits", "loss_err", ".1e"),
              _pair(by_mode, "stock_nologits", "chunked_nologits", "grad_err_max", ".1e"),
              _pair(by_mode, "stock_nologits", "chunked_nologits", "peak_mib", ".0f")]
@@ -134,22 +151,27 @@ def render(meta: dict, results: list[dict]) -> str:
     for res in results:
         by_family[res["family"]][res["mode"]] = res
     out = ["# The model matrix", "",
-           f"Produced by `{meta['command']}` at commit `{meta['commit']}`, torch {meta['torch']}, "
+           (f"Produced by `{meta['command']}` at commit `{meta['commit']}`, torch {meta['torch']}, "
            f"transformers {meta['transformers']}; V {meta['vocab']}, T {meta['seq_len']} (one sequence), "
            f"{meta['layers']} layer(s), hidden 64, bf16, {meta['threads']} thread(s), "
-           f"{meta['warmup']} warm-up steps before the measured one.", "",
+           f"{meta['warmup']} warm-up steps before the measured one."), "",
            "## A training step with `labels`: `torch.compile(model)`, the model returns loss and logits", "",
-           "Errors are against the same model in FP64 (eager); grad errors are max|g - g64| / max|g64|, "
-           "for the lm_head weight and the worst parameter.  Peak: extra host memory of one step "
-           "(VmHWM - VmRSS), fresh process per case.  `install`: `fx_passes.install()` + backend "
-           "`inductor`, regions rewritten and whether its loss equals the backend's.", "",
-           "| family | logit transform | rewritten | lm_head | declined | loss err stock / ours "
-           "| lm_head grad err stock / ours | max grad err stock / ours | peak MiB stock / ours | install |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    out += [_step_row(f, m) for f, m in by_family.items()]
+           ("Errors are against the same model in FP64 (eager); grad errors are max|g - g64| / max|g64|, "
+            "for the lm_head weight and the worst parameter.  Peak: extra host memory of one step "
+            "(VmHWM - VmRSS), fresh process per case.  Graphs: what Dynamo compiled under `chunked_logits`.  "
+            "`rewritten`, `lm_head`, `declined`: the `chunked_logits` case (`ERROR`: the compile failed "
+            "after the pass ran; the message is under the tables)."), ""]
+    with_install = any("install" in m for m in by_family.values())
+    header = ("| family | logit transform | rewritten | lm_head | declined | graphs | loss err stock / ours "
+              "| lm_head grad err stock / ours | max grad err stock / ours | peak MiB stock / ours |")
+    if with_install:
+        header += " install: rewritten, loss vs backend |"
+    out += [header, "| --- " * header.count(" | ") + "| --- |"]
+    out += [_step_row(f, m, with_install) for f, m in by_family.items()]
     out += ["", "## No logits returned: a compiled function calls the model and returns only the loss", "",
-            "| family | rewritten | lm_head | declined | loss err stock / ours | max grad err stock / ours "
-            "| peak MiB stock / ours |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            ("| family | rewritten | lm_head | declined | graphs | loss err stock / ours "
+             "| max grad err stock / ours | peak MiB stock / ours |"),
+            "| --- " * 8 + "|"]
     out += [_nologits_row(f, m) for f, m in by_family.items()]
     trainer = [(f, m["trainer"]) for f, m in by_family.items() if "trainer" in m]
     if trainer:
