@@ -32,11 +32,11 @@ ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_up
 test: lint
 	$(BIN)/python -m pytest -q
 ifeq ($(shell uname -m),x86_64)
-	$(AVX2_ENV) $(BIN)/python -m pytest -q $(ISA_TESTS)
+	$(AVX2_ENV) $(BIN)/python -m pytest -q $(ISA_TESTS) -k "not trl"
 endif
 
 test-avx2: setup
-	$(AVX2_ENV) $(BIN)/python -m pytest -q $(ISA_TESTS)
+	$(AVX2_ENV) $(BIN)/python -m pytest -q $(ISA_TESTS) -k "not trl"
 
 # the property suite's deep profile (minutes, not run by CI)
 test-long: setup

@@ -168,7 +168,7 @@ def limit_bytes(name: str, T: int, V: int) -> int:
     return 2 * T * V
 
 
-class _UpcastToFp64(TorchFunctionMode):
+class UpcastToFp64(TorchFunctionMode):
     """Turns the workloads' ``.float()`` upcasts into ``.double()`` (FP64 reference)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -187,7 +187,7 @@ def reference(case: Case):
             return x
         return x.detach().double().requires_grad_(x.requires_grad)
     inputs = tuple(fp64(x) for x in case.inputs)
-    with _UpcastToFp64():
+    with UpcastToFp64():
         return run_step(case.workload, case.workload.fn, inputs)
 
 

@@ -6,6 +6,7 @@ Two runs that a test compares go in parallel (the machine has 2 cores).
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -117,3 +118,42 @@ def test_demo_small(tmp_path):
     assert ours["max_err"] <= 2 * stock["max_err"] + 1e-6
     assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-3, abs=1e-4)
     assert "peak extra memory of one step" in proc.stdout and "1 region rewritten" in proc.stdout
+
+
+def test_trl_sft_under_the_launcher(tmp_path):
+    """TRL's SFTTrainer, unmodified, torch_compile=True: TRL trains through its own fused
+    lm_head (FP32 per vocabulary tile, no [T, V] logits), so the launcher finds nothing to
+    rewrite; it only drops TRL's multiplications by 1.0, and every logged number is stock's."""
+    pytest.importorskip("trl")
+    script = str(EXAMPLES / "trl_sft.py")
+    summary = tmp_path / "summary.json"
+    with_pass, stock = parallel(
+        (run, [*LAUNCHER, "--summary-json", str(summary), "--", script], tmp_path),
+        (run, [sys.executable, script], tmp_path),
+    )
+    counters = json.loads(summary.read_text())["counters"]
+    assert "rewritten" not in counters and "pass_failed" not in counters and "declined" not in counters
+    assert "no FP32 upcast of bf16/fp16 logits" in with_pass.stderr
+    ours, theirs = last_json(with_pass.stdout), last_json(stock.stdout)
+    assert len(ours["losses"]) == 2
+    for key in ("losses", "entropy", "grad_norm"):
+        assert ours[key] == theirs[key], key
+
+
+def test_trl_grpo_with_the_upgrade_by_environment(tmp_path):
+    """TRL's GRPOTrainer (generation by the model itself), with CHUNKED_LOGITS=1 and
+    upgrade_low_precision: TRL's policy log-probs come from its fused lm_head, not from a
+    bf16 log_softmax in the compiled graph, so even the upgrade has nothing to take."""
+    pytest.importorskip("trl")
+    script = str(EXAMPLES / "trl_grpo.py")
+    switch = functools.partial(run, CHUNKED_LOGITS="1", CHUNKED_LOGITS_OPTIONS="upgrade_low_precision")
+    with_pass, stock = parallel(
+        (switch, [sys.executable, script], tmp_path),
+        (run, [sys.executable, script], tmp_path),
+    )
+    ours, theirs = last_json(with_pass.stdout), last_json(stock.stdout)
+    assert "rewritten" not in ours["counters"] and "pass_failed" not in ours["counters"]
+    assert "chunked_logits summary" in with_pass.stderr and "chunked_logits" not in stock.stderr
+    assert len(ours["reward"]) == 2 and ours["reward"][0] > 0
+    for key in ("losses", "entropy", "grad_norm", "reward"):
+        assert ours[key] == theirs[key], key

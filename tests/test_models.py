@@ -1,0 +1,81 @@
+"""Model families from transformers, tiny and bf16, one training step with ``labels``: the
+model's own loss (``ForCausalLMLoss``) is rewritten and no less accurate than stock
+Inductor against FP64.  A subset of benchmarks/models.py's matrix (docs/models.md has all).
+
+What the pass declines in these models is recorded (``record_property``, shown by
+``pytest --junitxml``), not asserted: those declines are regions that are not logits
+(attention probabilities, routers), which the matcher is meant to stop reporting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+pytest.importorskip("transformers")
+
+from benchmarks.model_cases import errors, make_step, reference  # noqa: E402
+from benchmarks.model_families import build_model, make_batch  # noqa: E402
+from benchmarks.model_report import decline_reasons, lm_head_state  # noqa: E402
+
+V, T = 2048, 64
+# Per-dtype slack over stock's own error: the loss is an FP32 mean over O(10) terms (as in
+# test_numerics' out_rtol), the gradients are bf16 (one rounding may land one ulp apart).
+LOSS_RTOL, GRAD_TOL = 2e-6, 2**-8
+FAMILIES = [
+    "llama",
+    pytest.param("gemma2", marks=pytest.mark.slow),  # softcapped logits, eager attention
+    pytest.param("qwen3_moe", marks=pytest.mark.slow),  # a router softmax in every layer
+]
+
+
+def one_step(family: str, mode: str, ref: dict) -> dict:
+    """Errors vs FP64 and what the pass did, for one compiled step of ``family`` under ``mode``."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(family, V, T)
+    ids, labels = make_batch(V, T)
+    loss, _ = make_step(model, mode)(ids, labels)
+    res = errors(model, loss, ref)
+    res["counters"] = dict(counters["chunked_logits"])
+    return res
+
+
+def check_against_stock(family: str, ours_mode: str, stock_mode: str, record_property) -> dict:
+    ids, labels = make_batch(V, T)
+    ref = reference(build_model(family, V, T), ids, labels)
+    stock = one_step(family, stock_mode, ref)
+    ours = one_step(family, ours_mode, ref)
+    c = ours["counters"]
+    record_property("declined", decline_reasons(ours))
+    record_property("lm_head", lm_head_state(ours))
+    assert c.get("rewritten", 0) >= 1 and not c.get("pass_failed"), c
+    assert ours["loss_err"] <= stock["loss_err"] + LOSS_RTOL * max(abs(ref["loss"]), 1.0), (ours, stock)
+    assert ours["grad_err_max"] <= stock["grad_err_max"] + GRAD_TOL, (ours, stock)
+    return ours
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_loss_rewritten_and_as_accurate_as_stock(family, record_property):
+    """``torch.compile(model, backend="chunked_logits")``: the model also returns its logits."""
+    check_against_stock(family, "chunked", "stock", record_property)
+
+
+# Gemma2 without its logits in the output: the pass takes the softcap's `* 30` for a
+# temperature and moves it after the upcast, but tanh(x / 30) is still rounded to bf16, as
+# eager rounds it; stock Inductor fuses the whole softcap into its FP32 loss kernel, so it
+# is closer to FP64 (V 2048, T 64: 3.5e-4 vs 2.9e-4).  Issue 11 part 2 carries the softcap
+# inside the chunk loop.
+GEMMA2_SOFTCAP = pytest.mark.xfail(reason="softcap rounded to bf16 before the upcast; stock keeps it in FP32",
+                                   strict=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma2", marks=GEMMA2_SOFTCAP), "qwen3_moe"])
+def test_loss_only_step_as_accurate_as_stock(family, record_property):
+    """The model called inside a compiled function that returns only the loss: the logits do
+    not leave the graph, so the lm_head may fuse (Llama's does, with no transform between)."""
+    ours = check_against_stock(family, "chunked_nologits", "stock_nologits", record_property)
+    if family == "llama":
+        assert ours["counters"].get("lm_head_fused") == 1, ours["counters"]
