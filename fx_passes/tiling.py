@@ -70,9 +70,11 @@ def fp32_gemm(device: torch.device) -> bool:
     """Run the backward's matmuls on FP32 copies of the bf16/fp16 operands?
 
     The result is the same maths as a model-precision matmul (exact products of the
-    model-precision values, FP32 accumulation, one rounding), and on CPUs FP32 GEMM is
-    the faster kernel: measured, the backward of W4 about 1.5x faster with native bf16
-    (AVX-512 BF16), and a bf16 GEMM of W4's size about 6x slower than FP32 on a CPU with
-    AVX2 only.  GPUs keep their bf16/fp16 tensor-core matmuls.
+    model-precision values, FP32 accumulation, one rounding).  On CPUs without native
+    bf16 matmul units FP32 GEMM is the faster kernel (measured: the backward of W4 about
+    1.5x faster; a bf16 GEMM of W4's size about 6x slower than FP32 with AVX2 only).  On
+    CPUs with them (AVX-512 BF16, AMX) it is the slower one, and the step is slower than
+    stock Inductor's (README, known limits): a bf16 path for those CPUs is not built
+    yet.  GPUs keep their bf16/fp16 tensor-core matmuls.
     """
     return device.type == "cpu"
