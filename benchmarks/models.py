@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.memory import MALLOC_ENV  # noqa: E402
 from benchmarks.model_families import FAMILIES  # noqa: E402
+from benchmarks.run import parse_names  # noqa: E402
+from fx_passes.env import without_ours  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
 STEP_MODES = ("stock", "chunked", "install", "stock_nologits", "chunked_nologits")
@@ -50,27 +52,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the markdown tables here (e.g. docs/models.md)")
     p.add_argument("--from-json", default=None, help="only render the tables of a run's --json file")
     args = p.parse_args(argv)
-    args.families = _names(args.families, FAMILIES)
-    args.modes = _names(args.modes, STEP_MODES)
-    args.trainer_families = _names(args.trainer_families, FAMILIES)
+    args.families = parse_names(args.families, FAMILIES)
+    args.modes = parse_names(args.modes, STEP_MODES)
+    args.trainer_families = parse_names(args.trainer_families, FAMILIES)
     return args
-
-
-def _names(text: str, known) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in known]
-    if bad:
-        raise SystemExit(f"unknown name(s) {bad}; choose from {', '.join(known)}")
-    return names
 
 
 def child_env(threads: int) -> dict:
     """A fresh process that knows nothing of the package's switches (CHUNKED_LOGITS=1 would
     put the pass into the stock baseline), with fixed malloc thresholds (benchmarks/README.md)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKED_LOGITS")}
-    env.update(MALLOC_ENV, TORCHINDUCTOR_COMPILE_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    return env
+    return without_ours(**MALLOC_ENV, TORCHINDUCTOR_COMPILE_THREADS=str(threads),
+                        OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
 
 
 def spawn(args, family: str, mode: str, ref_path: str) -> dict:

@@ -68,9 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time", help=argparse.SUPPRESS)
     p.add_argument("--report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.workloads = _names(args.workloads, ALL_WORKLOADS)
-    args.modes = _names(args.modes, MODES) if args.modes else None
-    args.time_modes = _names(args.time_modes, MODES) if args.time_modes else None
+    args.workloads = parse_names(args.workloads, ALL_WORKLOADS)
+    args.modes = parse_names(args.modes, MODES) if args.modes else None
+    args.time_modes = parse_names(args.time_modes, MODES) if args.time_modes else None
     return args
 
 
@@ -80,7 +80,8 @@ def modes_of(args, name: str) -> tuple[list[str], list[str]]:
     return modes, args.time_modes or modes
 
 
-def _names(text: str, known) -> list[str]:
+def parse_names(text: str, known) -> list[str]:
+    """A comma list of names, each one of ``known`` (else exit naming the choices)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
     if bad:
