@@ -90,9 +90,9 @@ def errors(model, loss: torch.Tensor, ref: dict) -> dict:
 
 def pass_events() -> list[dict]:
     """What the pass logged (rewritten / declined, where and why), each distinct one once."""
-    from fx_passes import report
+    from fx_passes.session import session
     seen, out = set(), []
-    for e in report.events:
+    for e in session.events:
         key = (e.kind, e.what, e.where)
         if key not in seen:
             seen.add(key)
