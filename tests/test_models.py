@@ -72,3 +72,25 @@ def test_loss_only_step_as_accurate_as_stock(family, record_property):
     ours = check_against_stock(family, "chunked_nologits", "stock_nologits", record_property)
     if family in ("llama", "gemma2"):
         assert ours["counters"].get("lm_head_fused") == 1, ours["counters"]
+
+
+@pytest.mark.slow
+def test_matrix_command_end_to_end(tmp_path):
+    """`benchmarks/models.py` at toy size: its child processes run and the tables come out
+    (the in-process tests above do not run the children, where a stale import once hid)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from tests.helpers import clean_env
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "models.md"
+    cmd = [sys.executable, str(root / "benchmarks" / "models.py"), "--families", "llama", "--modes",
+           "stock,chunked", "--vocab", "512", "--seq-len", "16", "--trainer-families", "",
+           "--json", str(tmp_path / "models.json"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=root, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "## Errors" not in text, text
+    assert "| llama |" in text and "rewritten loss over (16, 512)" in text
