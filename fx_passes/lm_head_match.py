@@ -122,7 +122,8 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
             break
         step = _transform(node)
         if step is None:
-            if _elementwise_on(node) is not None and _producer(_elementwise_on(node)) is not None:
+            source = _elementwise_on(node)
+            if source is not None and _producer(source) is not None:
                 return None, (f"the logits pass through {_op_name(node)} ({node.name}) between the lm_head "
                               f"and the upcast; the chunk loop carries {TRANSFORMS_KNOWN}")
             return None, ""  # a view, a masked_fill ...: x is not the lm_head's output
