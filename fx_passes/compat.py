@@ -130,3 +130,12 @@ def available() -> dict[str, bool]:
         "restart_analysis": bool(CONTROL_FLOW_ERRORS),
         "auto_dispatch_below_autograd": _AUTO_DISPATCH is not None,
     }
+
+
+def is_dtensor(value: Any) -> bool:
+    """A DTensor (``torch.distributed.tensor``), fake or real; False where torch has no
+    distributed support."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(value, DTensor)

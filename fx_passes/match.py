@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
+from . import compat
 from .graph_ops import (
     canon,
     get_arg,
@@ -431,6 +432,10 @@ def find_regions(graph: Graph, temperature_after_upcast: bool = True,
         if not isinstance(root, Node) or root in seen:
             continue
         seen.add(root)
+        if compat.is_dtensor(meta(root)):
+            placements = getattr(meta(root), "placements", ())
+            out.append((root, Decline(Reason.DTENSOR, f"{root.name} has placements {tuple(placements)}")))
+            continue
         if implicit is None and _upcast_input(root) is None:
             if is_fp32(root):
                 up = _upcast_behind(root)

@@ -16,15 +16,17 @@ import pathlib
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
 
 from . import compat, env
 from .config import Config
 from .containment import contained
-from .match import Region, find_regions
+from .graph_ops import meta
+from .match import Region, _upcast_behind, _upcast_input, find_regions
 from .report import COUNTER, Decline, log, record_decline, record_rewrite
 from .rewrite import fp32_bytes, rewrite_region
 from .unit_scale import remove_div_by_one
+from .vocab_parallel import find_shard_regions, rewrite_shard_region
 
 __all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash"]
 
@@ -39,9 +41,43 @@ def _where(node: torch.fx.Node) -> str:
     return f"{node.name} ({lines[-1]})" if lines else node.name
 
 
+def _shard_regions(graph: Graph, config: Config) -> set[Node]:
+    """Vocab-parallel regions (reductions over a vocabulary shard that feed collectives):
+    rewrite each; the upcasts seen, so that the single-process matcher skips them."""
+    seen: set[Node] = set()
+    for found in find_shard_regions(graph, _upcast_input):
+        if isinstance(found, tuple):
+            seen.add(found[0])
+            record_decline(_where(found[0]), found[1])
+            continue
+        seen.add(found.upcast)
+        where, what = _where(found.upcast), found.describe()
+        numel = meta(found.upcast).numel()
+        nbytes = 4 * numel if isinstance(numel, int) else 0
+        if config.report_only or not config.rewrite:
+            record_rewrite(where, what, nbytes, report_only=True)
+            continue
+        try:
+            rewrite_shard_region(graph, found)
+        except Decline as d:  # raised before the graph is touched
+            record_decline(where, d)
+            continue
+        counters[COUNTER]["vocab_parallel"] += 1
+        record_rewrite(where, what, nbytes, report_only=False)
+    return seen
+
+
+def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
+    node = found.upcast if isinstance(found, Region) else found[0]
+    return node in upcasts or (_upcast_input(node) is None and _upcast_behind(node) in upcasts)
+
+
 def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
+    shard_upcasts = _shard_regions(graph, config)
     for found in find_regions(graph, config.temperature_after_upcast, config.upgrade_low_precision):
+        if shard_upcasts and _handled(found, shard_upcasts):
+            continue
         if isinstance(found, tuple):
             record_decline(_where(found[0]), found[1])
             continue
@@ -114,7 +150,8 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 # ``unsafe_marked_cacheable_functions``) with a value that changes with this package's
 # sources (the value is part of the cache key), so a warm start reuses the compiled
 # forward and backward and a changed package never gets stale ones.
-CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats")
+CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats",
+             "fx_passes.vocab_parallel.shard_reduce")
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:

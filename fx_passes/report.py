@@ -39,6 +39,8 @@ class Reason(str, enum.Enum):
                     "than the last, an ignore_index computed in the graph, or legacy size_average/reduce")
     SEVERAL_INDICES = "several different token / label tensors read one upcast"
     ORDER = "the token indices depend on a value the region produces, or on a side effect"
+    DTENSOR = ("the logits are a DTensor (tensor parallel): the pass takes the loss written on the "
+               "local shard with functional collectives instead (docs/distributed.md)")
 
 
 class Decline(Exception):

@@ -1,0 +1,465 @@
+"""Vocab-parallel regions: row reductions over this rank's vocabulary shard, combined
+across ranks by functional collectives.
+
+Megatron-style code (each rank holds the logits of its vocabulary shard, ``[.., V / world]``)
+computes a log-softmax in stages: the local row max, an all-reduce of it, the local
+sum of ``exp(z - max)`` and the target logit, all-reduces of those ``[rows]`` tensors,
+then ``log`` / ``-`` on ``[rows]``.  Each stage reads the FP32 upcast of the local
+logits; stock autograd keeps FP32 ``[.., V / world]`` tensors for the backward and
+writes its gradient through FP32 ``[.., V / world]`` buffers.
+
+The pass does not need to know the collectives: it takes the FP32 ``[.., V]`` part of
+the graph only (the upcast, elementwise ops on it with per-row or scalar operands, and
+the reductions over the last dim that end it) and leaves everything on ``[rows]``
+(the collectives, ``log``, the loss) as the user wrote it.  Each *stage* (the
+reductions whose per-row operands are ready at the same time) becomes one call of
+:func:`shard_reduce`, which recomputes the elementwise ops from the model-precision
+logits inside its reductions and, in the backward, writes the logits gradient in model
+precision in one pass (``torch.autograd.grad`` of the same ops on the saved
+model-precision logits).  So the result is the user's own maths, gradient semantics of
+their collectives included, with no FP32 ``[.., V / world]`` tensor anywhere; the
+backward is local (no collective is added).
+
+Before (one stage shown)::
+
+    z   = local.float() / t
+    m   = wait_tensor(all_reduce(z.detach().amax(-1), "max", group))
+    zs  = z - m.unsqueeze(-1)
+    s   = zs.exp().sum(-1)                       # -> all_reduce ...
+    tgt = zs.gather(-1, idx)                     # -> where(own, ..) -> all_reduce ...
+
+After::
+
+    amax  = shard_reduce("<key0>", False, local)[0]
+    m     = wait_tensor(all_reduce(amax, "max", group))
+    out   = shard_reduce("<key1>", True, local, m.unsqueeze(-1), idx)
+    s, tgt = out[0], out[1]
+
+A gather becomes ``where(arange(V) == idx, zs, 0).sum(-1)`` inside the call: the same
+value, and a backward that is pointwise (a gather's backward scatters into a zeros
+``[.., V]`` buffer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .graph_ops import canon, get_arg, is_fp32, last_dim, meta, tensor_input
+from .report import Decline, Reason
+
+__all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
+
+# Elementwise ops a region may apply to the FP32 shard (canonical names or Tensor methods).
+_ELEMENTWISE_FUNCTIONS = {
+    operator.truediv: "div", torch.div: "div", operator.mul: "mul", torch.mul: "mul",
+    operator.sub: "sub", torch.sub: "sub", operator.add: "add", torch.add: "add",
+    operator.neg: "neg", torch.neg: "neg", torch.exp: "exp", torch.log: "log", torch.tanh: "tanh",
+    torch.where: "where", torch.detach: "detach", torch.clamp: "clamp", torch.maximum: "maximum",
+    torch.minimum: "minimum",
+}
+_ELEMENTWISE_METHODS = {
+    "div", "__truediv__", "mul", "__mul__", "__rmul__", "sub", "__sub__", "__rsub__", "add",
+    "__add__", "__radd__", "neg", "__neg__", "exp", "log", "tanh", "detach", "clamp", "clamp_min",
+    "clamp_max", "maximum", "minimum", "float", "to", "contiguous",
+}
+# Reductions over the last dim that end a region.
+_REDUCTIONS = {"sum", "amax", "logsumexp", "gather", "mean"}
+
+
+def _elementwise(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    if node.op == "call_function":
+        try:
+            return node.target in _ELEMENTWISE_FUNCTIONS
+        except TypeError:
+            return False
+    return False
+
+
+def _reduction(node: Node) -> Optional[str]:
+    """The reduction ``node`` is ('sum', 'amax', ...) if it reduces its input's last dim."""
+    op = canon(node)
+    if op is None:
+        if node.op == "call_method" and node.target in ("amax", "mean"):
+            op = node.target
+        elif node.op == "call_function" and node.target in (torch.amax, torch.mean):
+            op = node.target.__name__
+    if op not in _REDUCTIONS:
+        return None
+    src = tensor_input(node)
+    if not isinstance(src, Node) or not isinstance(meta(src), torch.Tensor):
+        return None
+    if op == "gather":
+        dim = get_arg(node, "dim")
+    else:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if op in ("sum", "mean") and (node.kwargs.get("dtype") is not None or len(node.args) > 3):
+            return None
+    return op if last_dim(dim, meta(src).dim()) else None
+
+
+def _is_collective(node: Node) -> bool:
+    """A functional collective (``torch.ops._c10d_functional.*``: all_reduce, wait_tensor ...)."""
+    name = getattr(node.target, "_qualified_op_name", None) or str(getattr(node.target, "name", lambda: "")())
+    return node.op == "call_function" and name.startswith("_c10d_functional::")
+
+
+def _reaches_collective(nodes: list[Node], depth: int = 6) -> bool:
+    frontier, seen = list(nodes), set(nodes)
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if _is_collective(u):
+                    return True
+                if u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+class ShardRegion:
+    """The FP32 ``[.., V]`` nodes grown from one upcast, and the reductions that end them."""
+
+    def __init__(self, upcast: Node, x: Node) -> None:
+        self.upcast, self.x = upcast, x
+        self.nodes: list[Node] = []  # elementwise FP32 [.., V] nodes, the upcast first
+        self.reductions: list[Node] = []
+        self.stages: list[list[Node]] = []
+
+    def describe(self) -> str:
+        kinds = "+".join(sorted({_reduction(r) for r in self.reductions}))
+        return (f"vocab-parallel shard reductions ({kinds}) over {tuple(meta(self.upcast).shape)} "
+                f"in {len(self.stages)} stage(s)")
+
+
+def _grow(upcast: Node, x: Node) -> ShardRegion:
+    """The region from ``upcast``; Decline if an FP32 ``[.., V]`` node has a reader that is
+    neither an elementwise op nor a last-dim reduction."""
+    region = ShardRegion(upcast, x)
+    shape = tuple(meta(upcast).shape)
+    inside, stack = {upcast}, [upcast]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in inside or u in region.reductions:
+                continue
+            if _reduction(u) and tensor_input(u) is n:
+                region.reductions.append(u)
+            elif _elementwise(u) and is_fp32(u) and tuple(meta(u).shape) == shape:
+                inside.add(u)
+                stack.append(u)
+            else:
+                raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads the FP32 shard {n.name}")
+    order = {n: i for i, n in enumerate(upcast.graph.nodes)}
+    region.nodes = sorted(inside, key=order.__getitem__)
+    region.reductions.sort(key=order.__getitem__)
+    return region
+
+
+def _operands(region: ShardRegion, nodes: list[Node]) -> list[Node]:
+    """The graph values ``nodes`` read that are not the region's: per-row or scalar tensors."""
+    inside = set(region.nodes)
+    out: list[Node] = []
+    rows = tuple(meta(region.upcast).shape[:-1])
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in inside or a in out or a is region.x:
+                continue
+            v = meta(a)
+            if not isinstance(v, torch.Tensor):
+                raise Decline(Reason.UNKNOWN_OP, f"{n.name} reads {a.name}, not a tensor")
+            per_row = v.dim() == 0 or (v.shape[-1] == 1 and v.numel() <= max(1, _numel(rows)))
+            if not per_row:
+                raise Decline(Reason.UNKNOWN_OP, f"{n.name} reads {a.name} of shape {tuple(v.shape)}: "
+                              "not one value per row")
+            out.append(a)
+    return out
+
+
+def _numel(shape: tuple) -> Any:
+    out = 1
+    for d in shape:
+        out = out * d
+    return out
+
+
+def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen and a not in stop:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _cone(region: ShardRegion, reduction: Node) -> list[Node]:
+    """The region's nodes ``reduction`` is computed from, the reduction last."""
+    inside = set(region.nodes)
+    need, stack = {reduction}, [reduction]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a in inside and a not in need:
+                need.add(a)
+                stack.append(a)
+    return [n for n in region.nodes if n in need] + [reduction]
+
+
+def _stages(region: ShardRegion) -> list[list[Node]]:
+    """Group the reductions: stage k holds those whose operands depend on stage < k only."""
+    stage: dict[Node, int] = {}
+    for r in region.reductions:  # graph order: a reduction's dependencies come first
+        ops = _operands(region, _cone(region, r))
+        before = set()
+        for o in ops:
+            before |= _ancestors(o, set()) | {o}
+        deps = [stage[q] for q in region.reductions if q in before and q in stage]
+        if any(q in before for q in region.reductions if q not in stage):
+            raise Decline(Reason.ORDER, f"{r.name} reads a value computed from a later reduction")
+        stage[r] = 1 + max(deps, default=-1)
+    out: list[list[Node]] = [[] for _ in range(1 + max(stage.values(), default=-1))]
+    for r in region.reductions:
+        out[stage[r]].append(r)
+    return out
+
+
+def _requires_grad(node: Node) -> bool:
+    v = meta(node)
+    return isinstance(v, torch.Tensor) and v.requires_grad
+
+
+# --- the call a rewritten graph makes ------------------------------------------------
+
+_FUNCTIONS: dict[str, GraphModule] = {}
+
+
+def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) -> GraphModule:
+    """``fn(x, *operands) -> tuple(reductions)``: the region's ops for these reductions,
+    a gather spelled as a masked sum, values computed without grad marked detached."""
+    g = Graph()
+    env: dict[Node, Node] = {region.x: g.placeholder("x")}
+    for i, o in enumerate(operands):
+        env[o] = g.placeholder(f"operand{i}")
+    nodes: list[Node] = []
+    for r in reductions:
+        nodes += [n for n in _cone(region, r) if n not in nodes]
+    order = {n: i for i, n in enumerate(region.upcast.graph.nodes)}
+    differentiable = any(_requires_grad(r) for r in reductions)
+    outs = []
+    for n in sorted(nodes, key=order.__getitem__):
+        if _reduction(n) == "gather":
+            src, index = env[tensor_input(n)], env[get_arg(n, "index")]
+            width = meta(tensor_input(n)).shape[-1]
+            ar = g.call_function(torch.arange, (width,), {"device": meta(n).device})
+            hit = g.call_function(operator.eq, (ar, index))
+            picked = g.call_function(torch.where, (hit, src, 0.0))
+            env[n] = g.call_method("sum", (picked, -1), {"keepdim": True})
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+            no_grad = not _requires_grad(n) and _requires_grad(region.x)
+            if differentiable and n is not region.upcast and no_grad:  # computed without grad
+                env[n] = g.call_method("detach", (env[n],))
+        if n in reductions:
+            outs.append(n)
+    g.output(tuple(env[r] for r in reductions))
+    gm = GraphModule(torch.nn.Module(), g)
+    return gm
+
+
+def _register(gm: GraphModule) -> str:
+    key = hashlib.sha256(gm.code.encode()).hexdigest()[:24]
+    _FUNCTIONS.setdefault(key, gm)
+    return key
+
+
+def _body(key: str):
+    """The stage's reductions, compiled by Inductor once per key (fused kernels that read
+    the model-precision logits: no FP32 [.., V] buffer)."""
+    if key not in _COMPILED:
+        fn = _FUNCTIONS[key]
+
+        def reductions(*args):  # a plain function: Dynamo skips GraphModule.__call__ frames
+            return fn(*args)
+        _COMPILED[key] = torch.compile(reductions, dynamic=True, fullgraph=True)
+    return _COMPILED[key]
+
+
+def _backward_body(key: str, wanted: tuple[int, ...]):
+    """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``, where inputs are
+    ``(x, *operands)``: the vector-Jacobian product of the stage's reductions, compiled
+    once per key (a pointwise pass that writes the logits gradient in model precision)."""
+    if (key, wanted) not in _COMPILED:
+        fn = _FUNCTIONS[key]
+        n = sum(1 for node in fn.graph.nodes if node.op == "placeholder")
+
+        def vjp(*args):
+            inputs, grads = args[:n], args[n:]
+
+            def partial(*diff):
+                full = list(inputs)
+                for i, d in zip(wanted, diff):
+                    full[i] = d
+                return tuple(fn(*full))
+            _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
+            return pullback(tuple(grads))
+        _COMPILED[(key, wanted)] = torch.compile(vjp, dynamic=True, fullgraph=True)
+    return _COMPILED[(key, wanted)]
+
+
+_COMPILED: dict = {}
+
+
+@torch.library.custom_op("chunked_logits::shard_reduce", mutates_args=())
+def _shard_reduce(key: str, x: torch.Tensor, operands: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return list(_body(key)(x.detach(), *(o.detach() for o in operands)))
+
+
+@_shard_reduce.register_fake
+def _(key, x, operands):
+    return list(_FUNCTIONS[key](x, *operands))
+
+
+@torch.library.custom_op("chunked_logits::shard_reduce_backward", mutates_args=())
+def _shard_reduce_backward(key: str, wanted: list[int], x: torch.Tensor, operands: list[torch.Tensor],
+                           grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    inputs = (x.detach(), *(o.detach() for o in operands))
+    with torch.no_grad():
+        return list(_backward_body(key, tuple(wanted))(*inputs, *grads))
+
+
+@_shard_reduce_backward.register_fake
+def _(key, wanted, x, operands, grads):
+    inputs = (x, *operands)
+    return [torch.empty_like(inputs[i]) for i in wanted]
+
+
+def _setup(ctx, inputs, output):
+    key, x, operands = inputs
+    ctx.key = key
+    ctx.wanted = [0] + [1 + i for i, o in enumerate(operands) if o.requires_grad]
+    ctx.outputs = [(o.shape, o.dtype) for o in output]
+    ctx.save_for_backward(x, *operands)
+
+
+def _backward(ctx, grads):
+    x, *operands = ctx.saved_tensors
+    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=x.device)
+             for g, (shape, dtype) in zip(grads, ctx.outputs)]
+    got = _shard_reduce_backward(ctx.key, ctx.wanted, x, operands, grads)
+    result: list[Optional[torch.Tensor]] = [None] * (1 + len(operands))
+    for i, g in zip(ctx.wanted, got):
+        result[i] = g
+    return None, result[0], result[1:]
+
+
+_shard_reduce.register_autograd(_backward, setup_context=_setup)
+
+
+def shard_reduce(key: str, differentiable: bool, x: torch.Tensor, *operands: torch.Tensor):
+    """The reductions of one stage of a rewritten vocab-parallel region (see the module doc)."""
+    if not differentiable:
+        x, operands = x.detach(), tuple(o.detach() for o in operands)
+    return tuple(_shard_reduce(key, x, list(operands)))
+
+
+# --- finding and rewriting ---------------------------------------------------------
+
+def find_shard_regions(graph: Graph, upcast_input) -> list[ShardRegion | tuple[Node, Decline]]:
+    """Regions whose reductions feed a functional collective (vocab-parallel code)."""
+    out: list[ShardRegion | tuple[Node, Decline]] = []
+    for node in list(graph.nodes):
+        x = upcast_input(node)
+        if x is None:
+            continue
+        try:
+            region = _grow(node, x)
+        except Decline as d:
+            if _reaches_collective([node], depth=12):
+                out.append((node, d))
+            continue
+        if not region.reductions or not _reaches_collective(region.reductions):
+            continue
+        try:
+            region.stages = _stages(region)
+            grads = [i for i, s in enumerate(region.stages) if any(_requires_grad(r) for r in s)]
+            if len(grads) > 1:
+                raise Decline(Reason.UNKNOWN_OP, f"reductions in {len(grads)} dependent stages need a "
+                              "gradient (the logits gradient would be rounded once per stage); detach "
+                              "what is only a shift (the max) or compute the later sums from the earlier")
+            for s in region.stages:
+                if {_requires_grad(r) for r in s} == {True, False}:
+                    raise Decline(Reason.UNKNOWN_OP, "a stage mixes reductions with and without grad")
+            _check_no_mode_change(region)
+        except Decline as d:
+            out.append((node, d))
+            continue
+        out.append(region)
+    return out
+
+
+def _check_no_mode_change(region: ShardRegion) -> None:
+    """Nothing between the upcast and the last reduction may mutate a tensor or switch
+    grad mode / autocast: the rewrite computes where the first reduction of a stage was."""
+    inside = False
+    last = region.reductions[-1]
+    for n in region.upcast.graph.nodes:
+        if n is region.upcast:
+            inside = True
+        elif inside and _mutates_or_switches_mode(n):
+            raise Decline(Reason.ORDER, f"{n.name} ({n.target}) runs inside the region")
+        if n is last:
+            return
+
+
+def _mutates_or_switches_mode(n: Node) -> bool:
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("__")
+    if n.op != "call_function" or _is_collective(n):
+        return False
+    name = getattr(n.target, "__name__", "")
+    return n.is_impure() or name.startswith("_set_grad") or "autocast" in name
+
+
+def rewrite_shard_region(graph: Graph, region: ShardRegion) -> None:
+    """One :func:`shard_reduce` call per stage; the FP32 ``[.., V]`` nodes erased.
+    Plans every stage (Decline) before it edits the graph."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    plans = []
+    for reductions in region.stages:
+        anchor = reductions[0]
+        operands = _operands(region, [n for r in reductions for n in _cone(region, r)])
+        late: set[Node] = set()
+        for o in operands:
+            if order[o] > order[anchor]:
+                late |= {a for a in _ancestors(o, set()) if order[a] > order[anchor]} | {o}
+        for n in late:
+            if n in region.nodes or n in region.reductions or _is_collective(n) or \
+                    _mutates_or_switches_mode(n):
+                raise Decline(Reason.ORDER, f"operand {n.name} is computed after the first reduction")
+        differentiable = any(_requires_grad(r) for r in reductions)
+        plans.append((anchor, operands, sorted(late, key=order.__getitem__), differentiable,
+                      _build(region, reductions, operands), reductions))
+    for anchor, operands, late, differentiable, gm, reductions in plans:
+        for n in late:
+            anchor.prepend(n)
+        key = _register(gm)
+        with graph.inserting_before(anchor):
+            call = graph.call_function(shard_reduce, (key, differentiable, region.x, *operands))
+            for i, r in enumerate(reductions):
+                item = graph.call_function(operator.getitem, (call, i))
+                item.meta.update(r.meta)
+                r.replace_all_uses_with(item)
+    for n in reversed(list(graph.nodes)):
+        if (n in region.reductions or n in region.nodes) and not n.users:
+            graph.erase_node(n)
