@@ -263,7 +263,10 @@ def test_full_compile_generated(case: Case) -> None:
 
 def test_examples_cover_every_reason_and_pattern() -> None:
     reasons = {c.reason for c in EXAMPLES.values()} - {None}
-    assert reasons == set(Reason), f"no example declines with {set(Reason) - reasons}"
+    # DTENSOR needs a process group and a device mesh: its docs/declines.md example
+    # (test_declines_doc_example_is_declined_as_documented) is the test of it.
+    want = set(Reason) - {Reason.DTENSOR}
+    assert reasons == want, f"no example declines with {want - reasons}"
     heads = {h for c in EXAMPLES.values() for h in c.heads}
     assert heads == {"logprob", "take_along", "ce", "nll", "ent_plogp", "ent_lse", "ent_exp", "lse"}
     for field, values in {"temp": {"none", "const", "one", "float_arg", "tensor0d", "per_row"},
