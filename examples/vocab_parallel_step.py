@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --out out/
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --heads entropy,ce --out out/
 
-(tests/test_vocab_parallel.py and benchmarks/vocab_parallel.py run it too.)
+(tests/test_vocab_parallel.py runs it; benchmarks/vocab_parallel.py measures its step.)
 
 Every rank holds the same hidden states ``h`` (``[T, H]``, bf16) and its own shard of the
 lm_head weight (``[V / world, H]``); its logits are ``[T, V / world]``.  The loss is
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -161,17 +160,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--rows", type=int, default=96)
-    p.add_argument("--measure", action="store_true",
-                   help="peak extra host memory and time of one step, after a warm-up")
     p.add_argument("--out", type=pathlib.Path, required=True)
     return p.parse_args(argv)
-
-
-def vm(field: str) -> int:
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def main() -> None:
@@ -195,24 +185,14 @@ def main() -> None:
             torch._dynamo.reset()
             counters.clear()
             session.reset()
-            if args.measure:  # warm-up (compiles), then one measured step
-                step(head, backend, h, w_local, tok, old_logp, adv, lo)
-                base = vm("VmRSS")
-                pathlib.Path("/proc/self/clear_refs").write_text("5")
-                t0 = time.perf_counter()
             loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo)
-            entry: dict = {}
-            if args.measure:
-                entry["seconds"] = time.perf_counter() - t0
-                entry["peak_extra_bytes"] = vm("VmHWM") - base
             dist.all_reduce(gh)  # h is replicated: its gradient is the sum of the ranks'
-            entry.update({
+            report[head][backend] = {
                 "counters": dict(counters["chunked_logits"]),
                 "events": [e.what for e in session.events],
                 "loss": errors(loss, ref_loss),
                 "grads": {"lm_head_shard": errors(gw, ref_w[lo:lo + shard]), "hidden": errors(gh, ref_h)},
-            })
-            report[head][backend] = entry
+            }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()

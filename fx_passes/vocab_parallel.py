@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import types
 from typing import Any, Optional
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from . import compat
 from .graph_ops import canon, get_arg, is_fp32, last_dim, meta, tensor_input
 from .report import Decline, Reason
 
@@ -282,15 +284,28 @@ def _register(gm: GraphModule) -> str:
     return key
 
 
+def _own_code(fn, name: str):
+    """``fn`` with a code object of its own: Dynamo keeps its compiled graphs and guards
+    per code object, so each stage's body gets its own cache (one closure shared by all
+    stages would recompile from one to the next and hit the recompile limit)."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
+                              fn.__closure__)
+
+
 def _body(key: str):
     """The stage's reductions, compiled by Inductor once per key (fused kernels that read
     the model-precision logits: no FP32 [.., V] buffer)."""
     if key not in _COMPILED:
         fn = _FUNCTIONS[key]
 
-        def reductions(*args):  # a plain function: Dynamo skips GraphModule.__call__ frames
+        def reductions(*args):
             return fn(*args)
-        _COMPILED[key] = torch.compile(reductions, dynamic=True, fullgraph=True)
+        body = torch.compile(_own_code(reductions, f"shard_reduce_{key}"), dynamic=True, fullgraph=True)
+
+        def call(*args):  # one dispatch-key set and grad mode on every call (Dynamo guards on them)
+            with compat.below_autograd_no_grad():
+                return body(*(a.detach() for a in args))
+        _COMPILED[key] = call
     return _COMPILED[key]
 
 
@@ -312,7 +327,13 @@ def _backward_body(key: str, wanted: tuple[int, ...]):
                 return tuple(fn(*full))
             _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
             return pullback(tuple(grads))
-        _COMPILED[(key, wanted)] = torch.compile(vjp, dynamic=True, fullgraph=True)
+        name = f"shard_reduce_backward_{key}_{'_'.join(map(str, wanted))}"
+        body = torch.compile(_own_code(vjp, name), dynamic=True, fullgraph=True)
+
+        def call(*args):
+            with torch.no_grad():
+                return body(*(a.detach() for a in args))
+        _COMPILED[(key, wanted)] = call
     return _COMPILED[(key, wanted)]
 
 
@@ -321,8 +342,7 @@ _COMPILED: dict = {}
 
 @torch.library.custom_op("chunked_logits::shard_reduce", mutates_args=())
 def _shard_reduce(key: str, x: torch.Tensor, operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return list(_body(key)(x.detach(), *(o.detach() for o in operands)))
+    return list(_body(key)(x, *operands))
 
 
 @_shard_reduce.register_fake
@@ -333,9 +353,7 @@ def _(key, x, operands):
 @torch.library.custom_op("chunked_logits::shard_reduce_backward", mutates_args=())
 def _shard_reduce_backward(key: str, wanted: list[int], x: torch.Tensor, operands: list[torch.Tensor],
                            grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    inputs = (x.detach(), *(o.detach() for o in operands))
-    with torch.no_grad():
-        return list(_backward_body(key, tuple(wanted))(*inputs, *grads))
+    return list(_backward_body(key, tuple(wanted))(x, *operands, *grads))
 
 
 @_shard_reduce_backward.register_fake

@@ -1,0 +1,139 @@
+"""Per-rank peak memory and step time of a vocab-parallel step (2 ranks, gloo, CPU).
+
+    .venv/bin/python benchmarks/vocab_parallel.py                    # W3-style: T 2048, V 32768
+    .venv/bin/python benchmarks/vocab_parallel.py --rows 4096 --hidden 1024   # W4-style
+
+Each rank holds the hidden states ``[T, H]`` and its lm_head shard ``[V / 2, H]`` (bf16) and
+runs examples/vocab_parallel_step.py's GRPO-style loss (``--head``): the Megatron-style
+code on the local shard, eager, under stock Inductor and under ``chunked_logits``; and,
+for ``--head ce``, what DTensor users write without us: eager ``F.cross_entropy`` under
+``loss_parallel()`` (``loss_parallel_eager``).  Every backend runs in a fresh
+``torchrun`` job: one warm-up step (compiles), then VmRSS, VmHWM reset, the measured
+step, VmHWM (benchmarks/memory.py), and the step's wall time.  The limit per rank is
+what the step must hold: the bf16 logits shard and its bf16 gradient, ``2 x 2 T V / 2``
+bytes, plus the weight shard's gradient.  Times are ratios to stock Inductor from the
+same run (the machine is shared and noisy: read them as a rough guide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.memory import MALLOC_ENV, MIB, hwm, release, reset_peak, rss  # noqa: E402
+from fx_passes.env import without_ours  # noqa: E402
+
+BACKENDS = ("eager", "inductor", "chunked_logits")
+
+
+def rank_child(argv: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from examples import vocab_parallel_step as vp
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend")
+    p.add_argument("--head")
+    p.add_argument("--rows", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--out", type=pathlib.Path)
+    args = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    h, w, tok, old_logp, adv = vp.inputs(args, args.head)
+    shard = args.vocab // world
+    lo = rank * shard
+    if args.backend == "loss_parallel_eager":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+        head = torch.nn.Linear(args.hidden, args.vocab, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            head.weight.copy_(w)
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+
+        def run():
+            hh = h.clone().requires_grad_()
+            with loss_parallel():
+                F.cross_entropy(head(hh).float() / vp.TEMPERATURE, tok, ignore_index=vp.IGNORE).backward()
+            head.weight.grad = None
+    else:
+        def run():
+            vp.step(args.head, args.backend, h, w[lo:lo + shard], tok, old_logp, adv, lo)
+    run()
+    release()
+    dist.barrier()
+    before = rss()
+    reset_peak()
+    t0 = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - t0
+    peak = hwm()
+    result = {"rank": rank, "peak_mib": (peak - before) / MIB, "seconds": seconds,
+              "counters": dict(counters["chunked_logits"])}
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_case(backend: str, sizes: list[str]) -> list[dict]:
+    exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [exe, "--standalone", "--nproc-per-node", "2", __file__, "--rank-child", "--backend", backend,
+               "--out", out, *sizes]
+        env = without_ours(OMP_NUM_THREADS="1", **MALLOC_ENV)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if proc.returncode:
+            raise SystemExit(f"{backend} failed:\n{proc.stderr[-3000:]}")
+        return [json.loads((pathlib.Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def main() -> None:
+    if "--rank-child" in sys.argv:
+        return rank_child([a for a in sys.argv[1:] if a != "--rank-child"])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", default="logprob", choices=["logprob", "entropy", "ce"])
+    p.add_argument("--rows", default="2048")
+    p.add_argument("--vocab", default="32768")
+    p.add_argument("--hidden", default="64")
+    p.add_argument("--backends", default=None, help="default: eager,inductor,chunked_logits "
+                   "(+ loss_parallel_eager for --head ce)")
+    args = p.parse_args()
+    backends = args.backends.split(",") if args.backends else [
+        *BACKENDS, *(["loss_parallel_eager"] if args.head == "ce" else [])]
+    sizes = ["--head", args.head, "--rows", args.rows, "--vocab", args.vocab, "--hidden", args.hidden]
+    T, V, H = int(args.rows), int(args.vocab), int(args.hidden)
+    limit = (2 * 2 * T * V // 2 + 2 * V // 2 * H) / MIB
+    print(f"2 ranks, gloo, CPU, 1 thread each; head {args.head}; T {T}, V {V} ({V // 2} per rank), H {H}, "
+          f"bf16; limit per rank {limit:.1f} MiB (bf16 logits shard + its gradient + weight-shard gradient)")
+    print(f"{'backend':<22}{'peak r0':>9}{'peak r1':>9}{'x limit':>9}{'time s':>9}{'vs stock':>10}"
+          "  counters (rank 0)")
+    stock = None
+    for backend in backends:
+        ranks = run_case(backend, sizes)
+        peak = max(r["peak_mib"] for r in ranks)
+        sec = max(r["seconds"] for r in ranks)
+        if backend == "inductor":
+            stock = sec
+        ratio = f"{sec / stock:>9.2f}x" if stock else f"{'':>10}"
+        print(f"{backend:<22}{ranks[0]['peak_mib']:>9.1f}{ranks[1]['peak_mib']:>9.1f}{peak / limit:>8.2f}x"
+              f"{sec:>9.2f}{ratio}  {ranks[0]['counters']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
