@@ -36,6 +36,7 @@ def rank_child(argv: list[str]) -> None:
     from examples import distributed_step as ds
 
     args = ds.parse_args(argv)
+    (args.head,) = args.head  # one head per measured job
     dist.init_process_group("gloo")
     rank, args.world = dist.get_rank(), dist.get_world_size()
     model, compiled = ds.compiled_model(args, args.backend)
