@@ -75,14 +75,22 @@ def llama(vocab: int, hidden: int):
 
 
 class HFStep(torch.nn.Module):
-    """The Llama's logits and the trainer's loss on them, so the loss is in the compiled graph."""
+    """The Llama's logits and the trainer's loss on them, so the loss is in the compiled graph.
 
-    def __init__(self, model, head: str) -> None:
+    ``lm_head_in="model"`` takes ``.logits`` from the model's forward; ``"loss"`` takes the
+    last hidden state from ``model.model`` and applies ``model.lm_head`` here, next to the
+    loss, so that a graph break inside the model cannot separate the two."""
+
+    def __init__(self, model, head: str, lm_head_in: str = "model") -> None:
         super().__init__()
-        self.model, self.head = model, head
+        self.model, self.head, self.lm_head_in = model, head, lm_head_in
 
     def forward(self, ids: torch.Tensor, tok: torch.Tensor, up=torch.float32) -> torch.Tensor:
-        return token_loss(self.model(input_ids=ids).logits, tok, self.head, up)
+        if self.lm_head_in == "loss":
+            logits = self.model.lm_head(self.model.model(input_ids=ids).last_hidden_state)
+        else:
+            logits = self.model(input_ids=ids).logits
+        return token_loss(logits, tok, self.head, up)
 
 
 def build(args) -> torch.nn.Module:
@@ -90,7 +98,7 @@ def build(args) -> torch.nn.Module:
     torch.manual_seed(0)
     if args.setup == "ddp":
         return TinyLM(args.vocab, args.hidden, args.head).to(torch.bfloat16)
-    return HFStep(llama(args.vocab, args.hidden), args.head).to(torch.bfloat16)
+    return HFStep(llama(args.vocab, args.hidden), args.head, args.lm_head_in).to(torch.bfloat16)
 
 
 def wrap(model: torch.nn.Module, args) -> torch.nn.Module:
@@ -191,6 +199,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one or more loss heads, each run in turn in this process")
     p.add_argument("--backend", choices=["chunked_logits", "install", "inductor"], default="chunked_logits",
                    help="the pass's backend, or fx_passes.install() + inductor (stock: benchmark only)")
+    p.add_argument("--lm-head-in", choices=["model", "loss"], default="model",
+                   help="fsdp2: the lm_head run by the HF model's forward, or by the step next to its loss")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=64)

@@ -80,14 +80,29 @@ def test_ddp_lm_head_in_its_own_bucket_with_install(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_llama_rewrites_on_every_rank(tmp_path):
-    """fully_shard per decoder layer and on the root.  FSDP2's hooks graph-break the
-    compiled model, which puts the lm_head and the loss in different graphs: the loss
-    graph receives the logits as an input, so the region is rewritten without the
-    lm_head (no lm_head counter: the pass never sees the matmul)."""
+    """fully_shard per decoder layer and on the root, the loss on the model's ``.logits``.
+    FSDP2's hooks are ``torch._dynamo.disable``d, so the compiled model breaks around each
+    sharded module; the lm_head (end of LlamaForCausalLM.forward) and the loss land in
+    different graphs, the loss graph receives the logits as an input, and the region is
+    rewritten without the lm_head (no lm_head counter: the pass never sees the matmul)."""
     pytest.importorskip("transformers")
-    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits", "--head", *HEADS)
-    for head in heads(ranks, HEADS):
+    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits")
+    for head in heads(ranks, ("logprob",)):
         c = head["counters"]
         assert c["rewritten"] == 1 and "declined" not in c, head["events"]
         assert "lm_head_fused" not in c and "lm_head_not_fused" not in c
+        assert_no_less_accurate(head)
+
+
+@pytest.mark.slow
+def test_fsdp2_llama_fuses_with_the_lm_head_next_to_the_loss(tmp_path):
+    """The same, with the step applying ``model.lm_head`` to ``model.model``'s last hidden
+    state itself (docs/distributed.md): the lm_head and the loss share a graph after the
+    last break and are fused, for each head."""
+    pytest.importorskip("transformers")
+    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits", "--lm-head-in", "loss",
+                     "--head", *HEADS)
+    for head in heads(ranks, HEADS):
+        c = head["counters"]
+        assert c["rewritten"] == 1 and c["lm_head_fused"] == 1 and "declined" not in c, head["events"]
         assert_no_less_accurate(head)
