@@ -1,8 +1,9 @@
 """One rank of a distributed training step (DDP or FSDP2, gloo on CPU) under torchrun:
 
     torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup ddp --out out/
-    torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup fsdp2 --out out/ \
-        --head logprob entropy ce
+    torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup fsdp2 --out out/
+    torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup fsdp2 --out out/ \\
+        --lm-head-in loss --head logprob entropy ce
 
 (tests/test_distributed.py and benchmarks/distributed.py run it too.)
 
