@@ -2,14 +2,17 @@
 
     torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup ddp --out out/
     torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup fsdp2 --out out/
+    torchrun --standalone --nproc-per-node 2 examples/distributed_step.py --setup fsdp2 --out out/ \\
+        --lm-head-in loss --head logprob entropy ce
 
 (tests/test_distributed.py and benchmarks/distributed.py run it too.)
 
 Each rank trains the same bf16 model on its own shard of the batch, once with stock
-Inductor and once with the pass, and writes ``rank<r>.json``: the pass's counters and
-events, and for loss and every gradient the error of both against an FP64 reference
-computed in this process from the same bf16 weights (what one process would compute
-for the whole batch, so the comparison is against the single-process answer).
+Inductor and once with the pass, for each loss head asked for, and writes
+``rank<r>.json``: per head, the pass's counters and events, and for loss and every
+gradient the error of both against an FP64 reference computed in this process from the
+same bf16 weights (what one process would compute for the whole batch, so the
+comparison is against the single-process answer).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import fx_passes
 from fx_passes.session import session
 
 TEMPERATURE = 0.7
+HEADS = ("logprob", "entropy", "ce")
 
 
 def token_loss(logits: torch.Tensor, tok: torch.Tensor, head: str, up=torch.float32) -> torch.Tensor:
@@ -72,14 +76,22 @@ def llama(vocab: int, hidden: int):
 
 
 class HFStep(torch.nn.Module):
-    """The Llama's logits and the trainer's loss on them, so the loss is in the compiled graph."""
+    """The Llama's logits and the trainer's loss on them, so the loss is in the compiled graph.
 
-    def __init__(self, model, head: str) -> None:
+    ``lm_head_in="model"`` takes ``.logits`` from the model's forward; ``"loss"`` takes the
+    last hidden state from ``model.model`` and applies ``model.lm_head`` here, next to the
+    loss, so that a graph break inside the model cannot separate the two."""
+
+    def __init__(self, model, head: str, lm_head_in: str = "model") -> None:
         super().__init__()
-        self.model, self.head = model, head
+        self.model, self.head, self.lm_head_in = model, head, lm_head_in
 
     def forward(self, ids: torch.Tensor, tok: torch.Tensor, up=torch.float32) -> torch.Tensor:
-        return token_loss(self.model(input_ids=ids).logits, tok, self.head, up)
+        if self.lm_head_in == "loss":
+            logits = self.model.lm_head(self.model.model(input_ids=ids).last_hidden_state)
+        else:
+            logits = self.model(input_ids=ids).logits
+        return token_loss(logits, tok, self.head, up)
 
 
 def build(args) -> torch.nn.Module:
@@ -87,7 +99,7 @@ def build(args) -> torch.nn.Module:
     torch.manual_seed(0)
     if args.setup == "ddp":
         return TinyLM(args.vocab, args.hidden, args.head).to(torch.bfloat16)
-    return HFStep(llama(args.vocab, args.hidden), args.head).to(torch.bfloat16)
+    return HFStep(llama(args.vocab, args.hidden), args.head, args.lm_head_in).to(torch.bfloat16)
 
 
 def wrap(model: torch.nn.Module, args) -> torch.nn.Module:
@@ -184,9 +196,12 @@ def compare(loss, grads, ref_loss: float, ref_grads) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", choices=["ddp", "fsdp2"], required=True)
-    p.add_argument("--head", choices=["logprob", "entropy", "ce"], default="logprob")
+    p.add_argument("--head", choices=HEADS, nargs="+", default=["logprob"],
+                   help="one or more loss heads, each run in turn in this process")
     p.add_argument("--backend", choices=["chunked_logits", "install", "inductor"], default="chunked_logits",
                    help="the pass's backend, or fx_passes.install() + inductor (stock: benchmark only)")
+    p.add_argument("--lm-head-in", choices=["model", "loss"], default="model",
+                   help="fsdp2: the lm_head run by the HF model's forward, or by the step next to its loss")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=64)
@@ -196,26 +211,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
-    rank, args.world = dist.get_rank(), dist.get_world_size()
-    buckets = BucketCount()
+def run_head(args, rank: int, head: str) -> dict:
+    """Stock, then the pass, then the FP64 reference, for one loss head."""
+    args = argparse.Namespace(**{**vars(args), "head": head})
     stock_loss, stock_grads = step(args, rank, "inductor")
     counters.clear()
     session.reset()
     with ours(args.backend) as backend:
         loss, grads = step(args, rank, backend)
     ref_losses, ref_grads = reference(args)
-    result = {"rank": rank, "world": args.world, "counters": dict(counters["chunked_logits"]),
-              "ddp_buckets": buckets.buckets,
-              "events": [f"{e.kind}: {e.what}" for e in session.events],
-              "stock": compare(stock_loss, stock_grads, ref_losses[rank], ref_grads),
-              "ours": compare(loss, grads, ref_losses[rank], ref_grads)}
+    return {"counters": dict(counters["chunked_logits"]),
+            "events": [f"{e.kind}: {e.what}" for e in session.events],
+            "stock": compare(stock_loss, stock_grads, ref_losses[rank], ref_grads),
+            "ours": compare(loss, grads, ref_losses[rank], ref_grads)}
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, args.world = dist.get_rank(), dist.get_world_size()
+    buckets = BucketCount()
+    heads = {head: run_head(args, rank, head) for head in args.head}
+    result = {"rank": rank, "world": args.world, "ddp_buckets": buckets.buckets, "heads": heads}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

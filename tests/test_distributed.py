@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from examples.distributed_step import HEADS
 from tests.helpers import clean_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,9 +37,9 @@ def torchrun(tmp_path: pathlib.Path, *args: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def assert_no_less_accurate(rank: dict) -> None:
+def assert_no_less_accurate(head: dict) -> None:
     """Loss and each gradient: ours no further from FP64 than stock, plus one rounding."""
-    ours, stock = rank["ours"], rank["stock"]
+    ours, stock = head["ours"], head["stock"]
     assert ours["loss"]["max"] <= stock["loss"]["max"] + LOSS_RTOL * max(stock["loss"]["scale"], 1.0)
     assert ours["grads"].keys() == stock["grads"].keys()
     for name, got in ours["grads"].items():
@@ -47,12 +48,20 @@ def assert_no_less_accurate(rank: dict) -> None:
         assert got["mean"] <= 1.1 * st["mean"] + 1e-9, (name, got, st)
 
 
+def heads(ranks: list[dict], expected: tuple[str, ...]):
+    """Each rank's result per head, after checking every rank ran every head asked for."""
+    for rank in ranks:
+        assert tuple(rank["heads"]) == expected
+        yield from rank["heads"].values()
+
+
 @pytest.mark.slow
 def test_ddp_rewrites_and_fuses_on_every_rank(tmp_path):
-    ranks = torchrun(tmp_path, "--setup", "ddp", "--backend", "chunked_logits")
-    for rank in ranks:
-        assert rank["counters"] == {"rewritten": 1, "lm_head_fused": 1}, rank["events"]
-        assert_no_less_accurate(rank)
+    """Log-prob, entropy and cross-entropy heads in one job (one torchrun start)."""
+    ranks = torchrun(tmp_path, "--setup", "ddp", "--backend", "chunked_logits", "--head", *HEADS)
+    for head in heads(ranks, HEADS):
+        assert head["counters"] == {"rewritten": 1, "lm_head_fused": 1}, head["events"]
+        assert_no_less_accurate(head)
 
 
 @pytest.mark.slow
@@ -64,20 +73,36 @@ def test_ddp_lm_head_in_its_own_bucket_with_install(tmp_path):
                      "--vocab", "4096", "--hidden", "128")
     for rank in ranks:
         assert rank["ddp_buckets"] == 2  # DDPOptimizer split the module at the bucket boundary
-        assert rank["counters"] == {"rewritten": 1, "lm_head_fused": 1}, rank["events"]
-        assert_no_less_accurate(rank)
+    for head in heads(ranks, ("logprob",)):
+        assert head["counters"] == {"rewritten": 1, "lm_head_fused": 1}, head["events"]
+        assert_no_less_accurate(head)
 
 
 @pytest.mark.slow
 def test_fsdp2_llama_rewrites_on_every_rank(tmp_path):
-    """fully_shard per decoder layer and on the root.  FSDP2's hooks graph-break the
-    compiled model, which puts the lm_head and the loss in different graphs: the loss
-    graph receives the logits as an input, so the region is rewritten without the
-    lm_head (no lm_head counter: the pass never sees the matmul)."""
+    """fully_shard per decoder layer and on the root, the loss on the model's ``.logits``.
+    FSDP2's hooks are ``torch._dynamo.disable``d, so the compiled model breaks around each
+    sharded module; the lm_head (end of LlamaForCausalLM.forward) and the loss land in
+    different graphs, the loss graph receives the logits as an input, and the region is
+    rewritten without the lm_head (no lm_head counter: the pass never sees the matmul)."""
     pytest.importorskip("transformers")
     ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits")
-    for rank in ranks:
-        c = rank["counters"]
-        assert c["rewritten"] == 1 and "declined" not in c, rank["events"]
+    for head in heads(ranks, ("logprob",)):
+        c = head["counters"]
+        assert c["rewritten"] == 1 and "declined" not in c, head["events"]
         assert "lm_head_fused" not in c and "lm_head_not_fused" not in c
-        assert_no_less_accurate(rank)
+        assert_no_less_accurate(head)
+
+
+@pytest.mark.slow
+def test_fsdp2_llama_fuses_with_the_lm_head_next_to_the_loss(tmp_path):
+    """The same, with the step applying ``model.lm_head`` to ``model.model``'s last hidden
+    state itself (docs/distributed.md): the lm_head and the loss share a graph after the
+    last break and are fused, for each head."""
+    pytest.importorskip("transformers")
+    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits", "--lm-head-in", "loss",
+                     "--head", *HEADS)
+    for head in heads(ranks, HEADS):
+        c = head["counters"]
+        assert c["rewritten"] == 1 and c["lm_head_fused"] == 1 and "declined" not in c, head["events"]
+        assert_no_less_accurate(head)
