@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --out out/
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --heads entropy,ce --out out/
+    torchrun --standalone --nproc-per-node 4 examples/vocab_parallel_step.py --dp 2 --out out/   # TP + FSDP2
 
 (tests/test_vocab_parallel.py runs it; benchmarks/vocab_parallel.py measures its step.)
 
@@ -37,6 +38,13 @@ from fx_passes.session import session
 TEMPERATURE = 0.7
 CLIP = 0.2
 IGNORE = -100
+# The ranks that share one row's vocabulary (the tensor-parallel group): all of them,
+# unless --dp splits the world into data-parallel replicas of a tensor-parallel group.
+TP_GROUP = None
+
+
+def tp_group():
+    return TP_GROUP if TP_GROUP is not None else dist.group.WORLD
 
 
 def all_reduce(v: torch.Tensor, op: str) -> torch.Tensor:
@@ -44,7 +52,7 @@ def all_reduce(v: torch.Tensor, op: str) -> torch.Tensor:
     region), in plain torch: the loss is the same on every rank, so each rank's gradient
     is its own shard's.  (``funcol.all_reduce`` alone sums the gradients of every
     rank's copy of the loss in the backward: world_size times too large here.)"""
-    return funcol.all_reduce(v.detach(), op, dist.group.WORLD) + (v - v.detach())
+    return funcol.all_reduce(v.detach(), op, tp_group()) + (v - v.detach())
 
 
 def token_stats(local: torch.Tensor, tok: torch.Tensor, lo: int, head: str, up=torch.float32):
@@ -52,7 +60,7 @@ def token_stats(local: torch.Tensor, tok: torch.Tensor, lo: int, head: str, up=t
     vocabulary, from this rank's shard ``local`` (``[T, V / world]``, vocabulary ids
     ``lo .. lo + V / world``): local reductions, all-reduces of ``[T]`` tensors."""
     z = local.to(up) / TEMPERATURE
-    m = funcol.all_reduce(z.detach().amax(-1), "max", dist.group.WORLD)  # a shift: no gradient
+    m = funcol.all_reduce(z.detach().amax(-1), "max", tp_group())  # a shift: no gradient
     z = z - m.unsqueeze(-1)
     e = z.exp()
     s = all_reduce(e.sum(-1), "sum")
@@ -65,8 +73,9 @@ def token_stats(local: torch.Tensor, tok: torch.Tensor, lo: int, head: str, up=t
 
 def loss_fn(h, w_local, tok, old_logp, adv, lo: int, head: str, up=torch.float32):
     """A GRPO-style loss (clipped ratio; ``head="entropy"``: an entropy bonus;
-    ``head="ce"``: cross-entropy with ignored labels) from the local lm_head shard."""
-    local = h @ w_local.t()
+    ``head="ce"``: cross-entropy with ignored labels) from the local lm_head shard
+    (a weight, or the FSDP2-wrapped ``Linear`` that holds it)."""
+    local = w_local(h) if isinstance(w_local, torch.nn.Module) else h @ w_local.t()
     if head == "entropy":
         return -token_stats(local, tok, lo, head, up).mean()
     if head == "ce":
@@ -112,13 +121,23 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"max": d.max().item(), "mean": d.mean().item(), "scale": ref.abs().max().item()}
 
 
-def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int):
+def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int, dp_mesh=None):
+    """One step; with ``dp_mesh`` the shard is an ``nn.Linear`` under FSDP2 over it."""
     h = h.clone().requires_grad_()
-    w_local = w_local.clone().requires_grad_()
+    if dp_mesh is None:
+        shard = w_local = w_local.clone().requires_grad_()
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        shard = torch.nn.Linear(w_local.shape[1], w_local.shape[0], bias=False, dtype=w_local.dtype)
+        with torch.no_grad():
+            shard.weight.copy_(w_local)
+        fully_shard(shard, mesh=dp_mesh)
     fn = loss_fn if backend == "eager" else torch.compile(loss_fn, backend=backend)
-    loss = fn(h, w_local, tok, old_logp, adv, lo, head)
+    loss = fn(h, shard, tok, old_logp, adv, lo, head)
     loss.backward()
-    return loss.detach(), h.grad, w_local.grad
+    grad = shard.grad if dp_mesh is None else shard.weight.grad.full_tensor()
+    return loss.detach(), h.grad, grad
 
 
 def try_loss_parallel(args, h, w, tok) -> dict:
@@ -159,7 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backends", default="inductor,chunked_logits")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--rows", type=int, default=96)
+    p.add_argument("--rows", type=int, default=96, help="rows per data-parallel replica")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas (TP + FSDP2: world = dp x tp, the shard under fully_shard)")
     p.add_argument("--out", type=pathlib.Path, required=True)
     return p.parse_args(argv)
 
@@ -168,25 +189,44 @@ def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.vocab % world:
-        raise SystemExit(f"--vocab {args.vocab} is not divisible by the world size {world}")
-    shard = args.vocab // world
-    lo = rank * shard
-    report: dict = {"rank": rank, "world": world}
+    tp, dp_rank, tp_rank, dp_mesh = world, 0, rank, None
+    if args.dp > 1:
+        global TP_GROUP
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if world % args.dp:
+            raise SystemExit(f"--dp {args.dp} does not divide the world size {world}")
+        tp = world // args.dp
+        mesh = init_device_mesh("cpu", (args.dp, tp), mesh_dim_names=("dp", "tp"))
+        TP_GROUP, dp_mesh = mesh.get_group("tp"), mesh["dp"]
+        dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    if args.vocab % tp:
+        raise SystemExit(f"--vocab {args.vocab} is not divisible by the tensor-parallel size {tp}")
+    shard = args.vocab // tp
+    lo = tp_rank * shard
+    report: dict = {"rank": rank, "world": world, "dp": args.dp, "tp": tp}
     for head in args.heads.split(","):
-        h, w, tok, old_logp, adv = inputs(args, head)
+        # every replica draws all replicas' rows, keeps its own (the reference needs them all)
+        full = argparse.Namespace(**{**vars(args), "rows": args.rows * args.dp})
+        h, w, tok, old_logp, adv = inputs(full, head)
         if args.spelling == "loss_parallel":
             report[head] = try_loss_parallel(args, h, w, tok.clamp(min=0))
             continue
+        refs = [reference(*(t[d * args.rows:(d + 1) * args.rows] for t in (h,)), w,
+                          *(t[d * args.rows:(d + 1) * args.rows] for t in (tok, old_logp, adv)), head)
+                for d in range(args.dp)]
+        ref_loss, ref_h = refs[dp_rank][0], refs[dp_rank][1]
+        ref_w = sum(r[2] for r in refs) / args.dp  # FSDP2 averages the replicas' gradients
+        rows = slice(dp_rank * args.rows, (dp_rank + 1) * args.rows)
+        h, tok, old_logp, adv = h[rows], tok[rows], old_logp[rows], adv[rows]
         w_local = w[lo:lo + shard]
-        ref_loss, ref_h, ref_w = reference(h, w, tok, old_logp, adv, head)
         report[head] = {}
         for backend in args.backends.split(","):
             torch._dynamo.reset()
             counters.clear()
             session.reset()
-            loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo)
-            dist.all_reduce(gh)  # h is replicated: its gradient is the sum of the ranks'
+            loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo, dp_mesh)
+            dist.all_reduce(gh, group=tp_group())  # h is replicated: its gradient sums the shards'
             report[head][backend] = {
                 "counters": dict(counters["chunked_logits"]),
                 "events": [e.what for e in session.events],

@@ -160,18 +160,20 @@ def test_shard_over_rows_is_not_taken():
 
 
 @pytest.mark.slow
-def test_two_ranks_every_head(tmp_path):
-    """examples/vocab_parallel_step.py on 2 ranks: each head rewritten on every rank, loss
-    and gradients (the rank's weight shard, and h's summed over ranks) no further from
-    the FP64 single-process reference than stock Inductor on the same ranks."""
+@pytest.mark.parametrize("ranks,dp", [(2, 1), (4, 2)], ids=["tp2", "tp2_fsdp2_dp2"])
+def test_every_rank_every_head(tmp_path, ranks, dp):
+    """examples/vocab_parallel_step.py: 2 tensor-parallel ranks; and 2 data-parallel
+    replicas of them with the lm_head shard under FSDP2 (4 ranks).  Each head rewritten on
+    every rank, loss and gradients (the weight shard's, and h's summed over the shards)
+    no further from the FP64 single-process reference than stock Inductor on the same ranks."""
     exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
-    out = tmp_path / "ranks"
+    out, example = tmp_path / "ranks", ROOT / "examples" / "vocab_parallel_step.py"
     proc = subprocess.run(
-        [exe, "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "vocab_parallel_step.py"),
-         "--heads", "logprob,entropy,ce", "--out", str(out)],
+        [exe, "--standalone", "--nproc-per-node", str(ranks), str(example),
+         "--heads", "logprob,entropy,ce", "--dp", str(dp), "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for r in (0, 1):
+    for r in range(ranks):
         rank = json.loads((out / f"rank{r}.json").read_text())
         for head in ("logprob", "entropy", "ce"):
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
