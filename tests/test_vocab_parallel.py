@@ -170,7 +170,7 @@ def test_every_rank_every_head(tmp_path, ranks, dp):
     out, example = tmp_path / "ranks", ROOT / "examples" / "vocab_parallel_step.py"
     proc = subprocess.run(
         [exe, "--standalone", "--nproc-per-node", str(ranks), str(example),
-         "--heads", "logprob,entropy,ce", "--dp", str(dp), "--out", str(out)],
+         "--head", "logprob", "entropy", "ce", "--dp", str(dp), "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for r in range(ranks):
