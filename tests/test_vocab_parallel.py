@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
 
 from benchmarks.codegen import full_fp32_buffers
-from tests.helpers import chunked_counters, clean_env
+from tests.helpers import chunked_counters, clean_env, ops, rewrite_graphs
 from tests.numerics import TOLERANCES, assert_no_less_accurate, reference, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -182,3 +182,17 @@ def test_every_rank_every_head(tmp_path, ranks, dp):
             for name, got in ours["grads"].items():
                 st = stock["grads"][name]
                 assert got["max"] <= st["max"] + 2**-8 * st["scale"], (head, name, got, st)
+
+
+def test_graph_before_and_after():
+    """The FP32 part becomes one call per stage; the collectives and the [T] maths stay
+    as written (the index computation moves before the second stage's call)."""
+    before, after = rewrite_graphs(logprob, *inputs(torch.bfloat16))
+    assert ops(before) == (
+        ".to truediv .detach .amax all_reduce wait_tensor .unsqueeze sub .exp .sum .detach all_reduce "
+        "wait_tensor .detach sub add ge lt and_ sub where .unsqueeze .gather .squeeze where .detach "
+        "all_reduce wait_tensor .detach sub add .log sub")
+    assert ops(after) == (
+        "shard_reduce getitem all_reduce wait_tensor .unsqueeze ge lt and_ sub where .unsqueeze shard_reduce "
+        "getitem getitem .detach all_reduce wait_tensor .detach sub add .squeeze where .detach all_reduce "
+        "wait_tensor .detach sub add .log sub")
