@@ -87,11 +87,14 @@ def rank_child(argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def run_case(setup: str, backend: str, sizes: list[str], timeout: float = 600) -> list[dict]:
+def torchrun_ranks(script: str, argv: list[str], label: str, timeout: float = 600,
+                   ranks: int = 2) -> list[dict]:
+    """``script --rank-child *argv --out DIR`` on ``ranks`` ranks (a fresh ``torchrun``
+    job, 1 thread each, benchmarks/memory.py's malloc settings): what each rank wrote."""
     exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
     with tempfile.TemporaryDirectory() as out:
-        cmd = [exe, "--standalone", "--nproc-per-node", "2", __file__, "--rank-child", "--setup", setup,
-               "--backend", backend, "--out", out, *sizes]
+        cmd = [exe, "--standalone", "--nproc-per-node", str(ranks), script, "--rank-child", *argv,
+               "--out", out]
         env = without_ours(OMP_NUM_THREADS="1", **MALLOC_ENV)
         # A session of its own, so a hung job goes down with both ranks.
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -101,10 +104,15 @@ def run_case(setup: str, backend: str, sizes: list[str], timeout: float = 600) -
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, err = proc.communicate()
-                raise SystemExit(f"{setup}/{backend} did not finish in {timeout:.0f} s:\n{err[-3000:]}")
+                raise SystemExit(f"{label} did not finish in {timeout:.0f} s:\n{err[-3000:]}")
         if proc.returncode:
-            raise SystemExit(f"{setup}/{backend} failed:\n{err[-3000:]}")
-        return [json.loads((pathlib.Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
+            raise SystemExit(f"{label} failed:\n{err[-3000:]}")
+        return [json.loads((pathlib.Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def run_case(setup: str, backend: str, sizes: list[str], timeout: float = 600) -> list[dict]:
+    return torchrun_ranks(__file__, ["--setup", setup, "--backend", backend, *sizes], f"{setup}/{backend}",
+                          timeout)
 
 
 def main() -> None:

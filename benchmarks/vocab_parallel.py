@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.memory import MALLOC_ENV, MIB, hwm, release, reset_peak, rss  # noqa: E402
-from fx_passes.env import without_ours  # noqa: E402
+from benchmarks.distributed import torchrun_ranks  # noqa: E402
+from benchmarks.memory import MIB, hwm, release, reset_peak, rss  # noqa: E402
 
 BACKENDS = ("inductor", "eager", "chunked_logits")  # stock first: the others print a ratio to it
 
@@ -91,18 +88,6 @@ def rank_child(argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def run_case(backend: str, sizes: list[str]) -> list[dict]:
-    exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [exe, "--standalone", "--nproc-per-node", "2", __file__, "--rank-child", "--backend", backend,
-               "--out", out, *sizes]
-        env = without_ours(OMP_NUM_THREADS="1", **MALLOC_ENV)
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode:
-            raise SystemExit(f"{backend} failed:\n{proc.stderr[-3000:]}")
-        return [json.loads((pathlib.Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
 def main() -> None:
     if "--rank-child" in sys.argv:
         return rank_child([a for a in sys.argv[1:] if a != "--rank-child"])
@@ -125,7 +110,7 @@ def main() -> None:
           "  counters (rank 0)")
     stock = None
     for backend in backends:
-        ranks = run_case(backend, sizes)
+        ranks = torchrun_ranks(__file__, ["--backend", backend, *sizes], backend)
         peak = max(r["peak_mib"] for r in ranks)
         sec = max(r["seconds"] for r in ranks)
         if backend == "inductor":
