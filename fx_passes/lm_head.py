@@ -213,6 +213,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, bias, tokens, scale, lse, entropy if want_entropy else None)
     ctx.has_tokens, ctx.scale_is_div, ctx.budget = tokens is not None, scale_is_div, budget_bytes
     ctx.transforms = transforms
+    ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
 
 
 def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
@@ -227,6 +228,8 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     g_entropy = g_entropy if (g_entropy is not None and entropy is not None) else zeros
     if tokens is None:
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
+        g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
                                         g_entropy, scale, ctx.scale_is_div, ctx.budget, ctx.transforms,
                                         g_logits)

@@ -12,10 +12,10 @@ loop (``LMHead.transforms``, applied per chunk exactly as the model rounds them)
 other op there keeps the matmul whole, and the reason names the op.
 
 When the graph also returns the logits (Hugging Face models do), the loop writes them
-as a fourth result (``LMHead.returned``): the lm_head still fuses when the logits are
-the matmul's own output (no transform between) and the graph output is their only
-reader besides the region.  The backward then adds the returned logits' gradient per
-tile instead of forming the region's whole ``[T, V]`` gradient.
+as a fourth result (``LMHead.returned``): the lm_head still fuses when the graph output
+is their only reader besides the region, and the region reads every row of them.  The
+backward then adds the returned logits' gradient per tile instead of forming the
+region's whole ``[T, V]`` gradient.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
         node = step[0]
     else:
         return None, ""
-    # (the graph output may read the transformed logits too: match_lm_head says why that keeps the matmul)
+    # (the graph output may read the transformed logits too: then the loop writes them)
     shared = any(u not in reads and u.op != "output" for u in x.users) or any(
         len(n.users) != 1 for n in (head.logits, *chain[1:]))
     if chain and shared:
@@ -159,9 +159,6 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     outside = [u for u in x.users if u not in reads]
     if region.meta_users or any(u.op != "output" for u in outside):
         return None, "the logits are also used outside the region; the matmul runs once in full"
-    if outside and head.chain:
-        return None, ("the graph returns the logits after a logit transform; the loop writes only "
-                      "untransformed logits, so the matmul runs once in full")
     head.returned = bool(outside)
     h, w, b = meta(head.hidden), meta(head.weight), meta(head.bias) if head.bias is not None else None
     ok = (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and h.dim() >= 1

@@ -194,10 +194,21 @@ def lm_ce_returns_logits(hidden, weight, labels, up=F32):
     return loss, logits
 
 
-def _returns_logits_inputs(dtype, B=2, S=37, H=32, V=50257):
+def lm_softcap_returns_logits(hidden, weight, labels, up=F32):
+    # Gemma2: the softcapped logits are returned, and the loss reads them
+    logits = torch.tanh(F.linear(hidden, weight) / 30.0) * 30.0
+    loss = F.cross_entropy(logits.to(up).reshape(-1, weight.shape[0]), labels.reshape(-1), ignore_index=-100)
+    return loss, logits
+
+
+RETURNS_LOGITS = [lm_ce_returns_logits, lm_softcap_returns_logits]
+
+
+def _returns_logits_inputs(dtype, B=2, S=37, H=32, V=50257, fn=lm_ce_returns_logits):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(B, S, H, generator=g).to(dtype)
-    w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+    spread = 10 if fn is lm_softcap_returns_logits else 1  # logits up to about +-40: the cap matters
+    w = (torch.randn(V, H, generator=g) / H**0.5 * spread).to(dtype)
     labels = torch.randint(0, V, (B, S), generator=g)
     labels[:, ::5] = -100
     return h, w, labels
@@ -212,22 +223,23 @@ def _step_using_logits(fn, inputs, up=None):
     return [loss.detach(), logits.detach()], list(torch.autograd.grad(total, (h, w)))
 
 
-def _fused(**options):
+def _fused(fn=lm_ce_returns_logits, **options):
     torch._dynamo.reset()
     counters.clear()
-    return torch.compile(lm_ce_returns_logits, backend="chunked_logits",
+    return torch.compile(fn, backend="chunked_logits",
                          options={"chunk_budget_mib": 1, **options})
 
 
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-def test_returned_logits_fused_and_no_less_accurate(dtype, out_rtol, grad_rtol):
+@pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
+def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol):
     """Only the loss's gradient is used (the logits' is the autograd engine's zeros): the
-    lm_head fuses, the returned logits are stock's bit for bit, and the gradients are no
-    further from FP64 than stock's."""
-    inputs, grad_pos = _returns_logits_inputs(dtype), (0, 1)
-    ref = reference(lm_ce_returns_logits, inputs, grad_pos)
-    stock = run(torch.compile(lm_ce_returns_logits, backend="inductor"), inputs, grad_pos)
-    ours = run(_fused(), inputs, grad_pos)
+    lm_head fuses, the returned logits (softcapped too) are stock's bit for bit, and the
+    loss and gradients are no further from FP64 than stock's."""
+    inputs, grad_pos = _returns_logits_inputs(dtype, fn=fn), (0, 1)
+    ref = reference(fn, inputs, grad_pos)
+    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    ours = run(_fused(fn), inputs, grad_pos)
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     assert torch.equal(ours[0][1], stock[0][1]), "the returned logits differ from stock's"
@@ -235,17 +247,18 @@ def test_returned_logits_fused_and_no_less_accurate(dtype, out_rtol, grad_rtol):
 
 
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-def test_returned_logits_gradient_used_stays_correct(dtype, out_rtol, grad_rtol):
+@pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
+def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol):
     """The caller differentiates through the returned logits too: the backward adds their
     gradient per tile, and the gradients are no further from FP64 than stock's."""
-    inputs = _returns_logits_inputs(dtype)
-    ref = _step_using_logits(lm_ce_returns_logits, [t.double() if t.is_floating_point() else t
-                                                    for t in inputs], up=torch.float64)
-    stock = _step_using_logits(torch.compile(lm_ce_returns_logits, backend="inductor"), inputs)
-    ours = _step_using_logits(_fused(), inputs)
+    inputs = _returns_logits_inputs(dtype, fn=fn)
+    ref = _step_using_logits(fn, [t.double() if t.is_floating_point() else t for t in inputs],
+                             up=torch.float64)
+    stock = _step_using_logits(torch.compile(fn, backend="inductor"), inputs)
+    ours = _step_using_logits(_fused(fn), inputs)
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     # positive control: the logits' gradient moves the result (a test that drops it fails)
-    loss_only = run(torch.compile(lm_ce_returns_logits, backend="inductor"), inputs, (0, 1))
+    loss_only = run(torch.compile(fn, backend="inductor"), inputs, (0, 1))
     assert max_err(loss_only[1][1], ref[1][1]) > 10 * max_err(stock[1][1], ref[1][1])
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
@@ -271,25 +284,16 @@ def test_returned_logits_no_logits_sized_gradient_in_generated_code():
     assert logits_sized(ours) == [], logits_sized(ours)
 
 
-def test_returned_logits_not_fused_when_sliced_or_transformed(caplog):
+def test_returned_logits_not_fused_when_the_region_reads_a_slice(caplog):
     def sliced(hidden, weight, labels):  # the region reads logits[:, :-1]; the graph returns all rows
         logits = F.linear(hidden, weight)
         return F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten()), logits
 
-    def capped(hidden, weight, labels):  # the returned logits are transformed (Gemma2's softcap)
-        logits = torch.tanh(F.linear(hidden, weight) / 30.0) * 30.0
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()), logits
-
     h, w, labels = _returns_logits_inputs(torch.bfloat16, S=8, V=64)
-    for fn, why in ((sliced, "reads a slice of them"), (capped, "after a logit transform")):
-        torch._dynamo.reset()
-        counters.clear()
-        caplog.clear()
-        with caplog.at_level("INFO", logger="fx_passes"):
-            torch.compile(fn, backend="chunked_logits")(h, w, labels)
-        c = dict(counters["chunked_logits"])
-        assert c == {"rewritten": 1, "lm_head_not_fused": 1}, (fn.__name__, c)
-        assert why in caplog.text, caplog.text
+    with caplog.at_level("INFO", logger="fx_passes"):
+        torch.compile(sliced, backend="chunked_logits")(h, w, labels)
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "lm_head_not_fused": 1}
+    assert "reads a slice of them" in caplog.text, caplog.text
 
 
 def test_returned_logits_dynamic_lengths_one_outer_graph():
