@@ -309,3 +309,38 @@ def test_returned_logits_dynamic_lengths_one_outer_graph():
         graphs = graphs or counters["stats"]["unique_graphs"]
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_aot_autograd_passes_zeros_for_an_unused_logits_gradient():
+    """What docs/models.md says of stock torch: a returned output's gradient is a [T, V]
+    tangent input of the compiled backward, and when only the loss is differentiated the
+    autograd engine passes zeros (so that buffer exists whatever the pass does).  If torch
+    starts passing None here, the fused loop could skip it: this test says when."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def bw_compiler(gm, _):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        inner = make_boxed_func(gm.forward)
+
+        def call(args):
+            seen.extend(a for name, a in zip(names, args) if name.startswith("tangents"))
+            return inner(args)
+        call._boxed_call = True
+        return call
+
+    T, V = 8, 64
+    h, w, labels = _returns_logits_inputs(torch.bfloat16, B=1, S=T, V=V)
+    def fw_compiler(gm, _):
+        return make_boxed_func(gm.forward)
+
+    fn = torch.compile(lm_ce_returns_logits, backend=aot_autograd(fw_compiler=fw_compiler,
+                                                                 bw_compiler=bw_compiler))
+    loss, logits = fn(h.requires_grad_(), w.requires_grad_(), labels)
+    assert logits.requires_grad
+    loss.backward()
+    grads = [t for t in seen if t is not None and t.dim() and t.shape[-1] == V]
+    assert len(grads) == 1 and grads[0].numel() == T * V and grads[0].dtype == torch.bfloat16
+    assert not grads[0].any(), "the logits' unused gradient is zeros"
