@@ -13,6 +13,10 @@ reads them (:mod:`fx_passes.lm_head_match`), the rewrite calls
   group of rows at a time and stored once: neither an FP32 ``[V, H]`` nor an FP32
   ``[T, H]`` buffer exists, and nothing is accumulated in bf16.
 
+When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
+same loop and also writes each chunk's logits into the returned tensor; its backward
+adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
+
 Sizes come from :mod:`fx_passes.tiling`; the per-chunk bodies are compiled by
 Inductor (:mod:`fx_passes.bodies`).  The loops run in Python, which is why the op is
 opaque to the outer graph.
