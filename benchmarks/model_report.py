@@ -17,6 +17,8 @@ NOT_FUSED = "lm_head not fused: "
 def lm_head_state(res: dict) -> str:
     """fused / not fused (why) / none seen: what the pass did with the lm_head matmul."""
     c = res.get("counters", {})
+    if c.get("lm_head_returns_logits"):
+        return "fused, the loop also writes the returned logits"
     if c.get("lm_head_fused"):
         return "fused"
     reasons = sorted({e["what"].split(NOT_FUSED, 1)[1] for e in res.get("events", [])

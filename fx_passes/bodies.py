@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from . import compat
 from .ops import grad_of_logits, stats_of_logits
 
-__all__ = ["compiled", "forward_chunk", "backward_block", "parse_transforms"]
+__all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms"]
 
 
 @functools.lru_cache(None)
@@ -81,15 +81,32 @@ def forward_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, tran
     return stats_of_logits(_logits(h, w, b, h.dtype, transforms)[0], tokens, scale, is_div, want_entropy)
 
 
+def forward_chunk_logits(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
+    """``forward_chunk``'s results and the chunk's logits in model precision (the graph
+    returns them).  Transformed logits are rounded to the model dtype once, as stock
+    Inductor stores the returned tensor, and the reductions read those rounded values,
+    as stock's loss then reads the stored tensor."""
+    x = _logits(h, w, b, h.dtype, transforms)[0].to(h.dtype)
+    return (*stats_of_logits(x, tokens, scale, is_div, want_entropy), x)
+
+
 def backward_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool,
-                   dtype: torch.dtype, transforms: str):
+                   dtype: torch.dtype, transforms: str, g_x=None):
     """Model-precision gradient of this block's matmul output (through the transforms).
 
     ``h``/``w``/``b`` may be FP32 copies of the model-precision operands (see
     ``tiling.fp32_gemm``): the logits are rounded to ``dtype`` as the forward's were.
+    ``g_x``: the block of the returned logits' gradient (zeros when nothing reads it).  As
+    stock Inductor's fused backward does it: the region's gradient is formed in FP32 from
+    the returned (rounded) logits, ``g_x`` is added in FP32, the transforms' gradients
+    follow in FP32 from their unrounded outputs, and the sum is rounded once.
     """
     x, outs = _logits(h, w, b, dtype, transforms)
+    if g_x is not None:
+        x = x.to(dtype).float()  # the returned values, in FP32: no rounding of the gradient yet
     grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
+    if g_x is not None:
+        grad = grad + g_x.float()
     for (op, c), out in zip(reversed(parse_transforms(transforms)), reversed(outs)):
         grad = _transform_grad(grad, out, op, c)
     return grad.to(dtype)

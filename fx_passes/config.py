@@ -30,7 +30,10 @@ class Config:
             by default.
         fuse_lm_head: when the logits are ``hidden @ weight.T`` in the same graph and
             nothing else reads them, compute them chunk by chunk inside the region
-            (``lm_head.py``) so even the model-precision ``[T, V]`` logits never exist.
+            (``lm_head.py``) so even the model-precision ``[T, V]`` logits never exist
+            (when the graph returns them, the loop writes them and the backward forms
+            no ``[T, V]`` gradient).  The gradients are no less accurate than stock's,
+            not always its bits; False keeps the matmul whole.
         chunk_budget_mib: working-set budget of one chunk of that loop: rows per
             forward chunk are ``budget / (4 V)``, vocabulary columns per backward
             block ``budget / (8 T)``.

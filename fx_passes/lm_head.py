@@ -13,6 +13,10 @@ reads them (:mod:`fx_passes.lm_head_match`), the rewrite calls
   group of rows at a time and stored once: neither an FP32 ``[V, H]`` nor an FP32
   ``[T, H]`` buffer exists, and nothing is accumulated in bf16.
 
+When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
+same loop and also writes each chunk's logits into the returned tensor; its backward
+adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
+
 Sizes come from :mod:`fx_passes.tiling`; the per-chunk bodies are compiled by
 Inductor (:mod:`fx_passes.bodies`).  The loops run in Python, which is why the op is
 opaque to the outer graph.
@@ -25,10 +29,35 @@ from typing import Optional
 
 import torch
 
-from .bodies import backward_block, compiled, forward_chunk
+from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
 from .tiling import accumulator_rows, backward_tiles, even_splits, forward_rows
 
-__all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_backward", "lm_head_grads"]
+__all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",
+           "lm_head_grads"]
+
+
+def _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
+                  budget_bytes: int, transforms: str, logits: Optional[torch.Tensor] = None):
+    """The forward's loop over row chunks: per-row (lse, logprob, entropy); with
+    ``logits`` given (a model-precision ``[N, V]`` buffer) each chunk's logits are
+    written there too, the same values the chunk's reductions read."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
+    rows = forward_rows(budget_bytes, n, vocab)
+    body = compiled(forward_chunk if logits is None else forward_chunk_logits)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        tok = tokens[r0:r1] if tokens is not None else None
+        out = body(hidden[r0:r1], weight, bias, tok, scale, scale_is_div, want_entropy, transforms)
+        c_lse, c_lp, c_ent = out[:3]
+        lse[r0:r1] = c_lse
+        if c_lp is not None:
+            logprob[r0:r1] = c_lp
+        if c_ent is not None:
+            entropy[r0:r1] = c_ent
+        if logits is not None:
+            logits[r0:r1] = out[3]
+    return lse, logprob, entropy
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats", mutates_args=())
@@ -36,27 +65,34 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                   tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                   want_entropy: bool, budget_bytes: int,
                   transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, vocab = hidden.shape[0], weight.shape[0]
-    lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
-    rows = forward_rows(budget_bytes, n, vocab)
-    body = compiled(forward_chunk)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        tok = tokens[r0:r1] if tokens is not None else None
-        c_lse, c_lp, c_ent = body(hidden[r0:r1], weight, bias, tok, scale, scale_is_div, want_entropy,
-                                  transforms)
-        lse[r0:r1] = c_lse
-        if c_lp is not None:
-            logprob[r0:r1] = c_lp
-        if c_ent is not None:
-            entropy[r0:r1] = c_ent
-    return lse, logprob, entropy
+    return _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes,
+                         transforms)
 
 
 @lm_head_stats.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms):
     n = hidden.shape[0]
     return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("chunked_logits::lm_head_stats_logits", mutates_args=())
+def lm_head_stats_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
+                         want_entropy: bool, budget_bytes: int,
+                         transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lm_head_stats`` that also returns the model-precision logits ``[N, V]`` (the
+    graph returns them): written chunk by chunk, and never an input of the backward."""
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    stats = _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes,
+                          transforms, logits)
+    return (*stats, logits)
+
+
+@lm_head_stats_logits.register_fake
+def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms):
+    n = hidden.shape[0]
+    return (*(hidden.new_empty(n, dtype=torch.float32) for _ in range(3)),
+            hidden.new_empty(n, weight.shape[0]))
 
 
 @dataclasses.dataclass
@@ -76,13 +112,15 @@ class _Backward:
     scale_is_div: bool
     budget: int
     transforms: str
+    g_logits: Optional[torch.Tensor] = None  # the returned logits' gradient [N, V], if they are returned
 
-    def grad_of_tile(self, body, h, w, b, v0: int, t0: int, t1: int) -> torch.Tensor:
-        """Model-precision gradient of the logits ``[t0:t1, block]`` (block from ``v0``)."""
+    def grad_of_tile(self, body, h, w, b, v0: int, v1: int, t0: int, t1: int) -> torch.Tensor:
+        """Model-precision gradient of the logits ``[t0:t1, v0:v1]``."""
         entropy = self.entropy[t0:t1] if self.entropy is not None else None
+        g_x = self.g_logits[t0:t1, v0:v1] if self.g_logits is not None else None
         return body(h, w, b, self.tokens[t0:t1] - v0, self.lse[t0:t1], entropy, self.g_lse[t0:t1],
                     self.g_logprob[t0:t1], self.g_entropy[t0:t1], self.scale, self.scale_is_div,
-                    self.hidden.dtype, self.transforms)
+                    self.hidden.dtype, self.transforms, g_x)
 
     def sweep(self, r0: int, r1: int, acc: torch.Tensor, grad_weight: Optional[torch.Tensor],
               grad_bias: Optional[torch.Tensor]) -> None:
@@ -107,7 +145,7 @@ class _Backward:
             for t0, t1 in even_splits(last - first, rows):
                 t0, t1 = t0 + first, t1 + first
                 h_in = hidden[t0:t1].float() if fp32 else hidden[t0:t1]
-                g = self.grad_of_tile(body, h_in, w_in, b_in, v0, t0, t1)
+                g = self.grad_of_tile(body, h_in, w_in, b_in, v0, v1, t0, t1)
                 g32 = g.float()
                 if gw is not None:
                     gw.addmm_(g32.t(), h_in)
@@ -125,8 +163,8 @@ class _Backward:
 
 
 def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                  scale_is_div: bool, budget_bytes: int,
-                  transforms: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale_is_div: bool, budget_bytes: int, transforms: str = "",
+                  g_logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden``, ``weight`` and ``bias``, with no FP32 ``[T, H]`` buffer.
 
     ``grad_weight[block]`` needs every row and ``grad_hidden[rows]`` every block; each
@@ -143,7 +181,7 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
     grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=weight.dtype,
                             device=weight.device)
     bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                    scale_is_div, budget_bytes, transforms)
+                    scale_is_div, budget_bytes, transforms, g_logits)
     acc = torch.empty(accumulator_rows(budget_bytes, n, width), width, dtype=torch.float32,
                       device=hidden.device)
     for r0, r1 in even_splits(n, acc.shape[0]):
@@ -160,27 +198,33 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            tokens: torch.Tensor, lse: torch.Tensor, entropy: Optional[torch.Tensor],
                            g_lse: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
                            scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
-                           transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           transforms: str, g_logits: Optional[torch.Tensor] = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                         scale_is_div, budget_bytes, transforms)
+                         scale_is_div, budget_bytes, transforms, g_logits)
 
 
 @lm_head_stats_backward.register_fake
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-      budget_bytes, transforms):
+      budget_bytes, transforms, g_logits=None):
     return (torch.empty_like(hidden), torch.empty_like(weight),
             weight.new_empty(weight.shape[0] if bias is not None else 0))
 
 
 def _setup(ctx, inputs, output):
     hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms = inputs
-    lse, _, entropy = output
+    lse, _, entropy = output[:3]  # (not the returned logits: the backward recomputes them)
     ctx.save_for_backward(hidden, weight, bias, tokens, scale, lse, entropy if want_entropy else None)
     ctx.has_tokens, ctx.scale_is_div, ctx.budget = tokens is not None, scale_is_div, budget_bytes
     ctx.transforms = transforms
+    ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
 
 
-def _backward(ctx, g_lse, g_logprob, g_entropy):
+def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
+    """``g_logits``: the gradient of the returned logits (``lm_head_stats_logits``), added
+    per tile.  Under AOTAutograd it is always a tensor: when nothing reads the logits'
+    gradient the autograd engine passes zeros (``[T, V]``, allocated before the compiled
+    backward runs), and adding them changes no bit of the result."""
     hidden, weight, bias, tokens, scale, lse, entropy = ctx.saved_tensors
     zeros = lse.new_zeros(lse.shape)
     g_lse = g_lse if g_lse is not None else zeros
@@ -188,27 +232,38 @@ def _backward(ctx, g_lse, g_logprob, g_entropy):
     g_entropy = g_entropy if (g_entropy is not None and entropy is not None) else zeros
     if tokens is None:
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
+        g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
-                                        g_entropy, scale, ctx.scale_is_div, ctx.budget, ctx.transforms)
+                                        g_entropy, scale, ctx.scale_is_div, ctx.budget, ctx.transforms,
+                                        g_logits)
     return gh, gw, (gb if bias is not None else None), None, None, None, None, None, None
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup)
+lm_head_stats_logits.register_autograd(_backward, setup_context=_setup)
 
 
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
-                      budget_bytes: int, transforms: str = ""):
+                      budget_bytes: int, transforms: str = "", returned_like=None):
     """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after
     the logit ``transforms`` (``lm_head_match.LMHead.transforms``).
 
     ``hidden`` is ``[.., H]``; results have ``hidden``'s shape without the last dim.
+    With ``returned_like`` (the lm_head's hidden states before the region's row views,
+    which keep every row) a fourth result is the model-precision logits of that shape
+    ``[.., V]``: the graph returns them, and the same loop writes them.
     """
     rows_shape = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])
     tok2 = tokens.reshape(-1) if tokens is not None else None
     if scale is not None and not isinstance(scale, torch.Tensor):
         scale = torch.scalar_tensor(scale, dtype=torch.float32, device=hidden.device)
-    lse, logprob, entropy = lm_head_stats(h2, weight, bias, tok2, scale, scale_is_div, want_entropy,
-                                          budget_bytes, transforms)
-    return (lse.reshape(rows_shape), logprob.reshape(rows_shape) if tokens is not None else None,
-            entropy.reshape(rows_shape) if want_entropy else None)
+    op = lm_head_stats_logits if returned_like is not None else lm_head_stats
+    lse, logprob, entropy, *logits = op(h2, weight, bias, tok2, scale, scale_is_div, want_entropy,
+                                        budget_bytes, transforms)
+    stats = (lse.reshape(rows_shape), logprob.reshape(rows_shape) if tokens is not None else None,
+             entropy.reshape(rows_shape) if want_entropy else None)
+    if returned_like is None:
+        return stats
+    return (*stats, logits[0].reshape(*returned_like.shape[:-1], weight.shape[0]))

@@ -10,6 +10,12 @@ model precision: Gemma2 softcaps them (``tanh(x / c) * c``), Granite divides the
 divisions and multiplications by constants and ``tanh`` is carried into the chunk
 loop (``LMHead.transforms``, applied per chunk exactly as the model rounds them); any
 other op there keeps the matmul whole, and the reason names the op.
+
+When the graph also returns the logits (Hugging Face models do), the loop writes them
+as a fourth result (``LMHead.returned``): the lm_head still fuses when the graph output
+is their only reader besides the region, and the region reads every row of them.  The
+backward then adds the returned logits' gradient per tile instead of forming the
+region's whole ``[T, V]`` gradient.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class LMHead:
     transpose: Optional[Node]  # the weight.T node of a matmul form, erased if unused
     chain: tuple[Node, ...] = ()  # the logit transforms' nodes, matmul side first, erased too
     transforms: str = ""  # their encoding for the op: "div:<c>,tanh,mul:<c>" (float.hex)
+    returned: bool = False  # the graph returns the logits too: the loop writes them
 
 
 _SWAPS = ((0, 1), (1, 0), (-1, -2), (-2, -1))  # transpose(a, b) of a 2-D weight
@@ -132,7 +139,9 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
         node = step[0]
     else:
         return None, ""
-    shared = any(u not in reads for u in x.users) or any(len(n.users) != 1 for n in (head.logits, *chain[1:]))
+    # (the graph output may read the transformed logits too: then the loop writes them)
+    shared = any(u not in reads and u.op != "output" for u in x.users) or any(
+        len(n.users) != 1 for n in (head.logits, *chain[1:]))
     if chain and shared:
         return None, ""  # the transformed logits feed something else too: x is not the lm_head's output
     head.chain = tuple(reversed(chain))
@@ -147,8 +156,10 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     head, why = _unwind(x, reads) if isinstance(x, Node) else (None, "")
     if head is None:
         return None, why
-    if any(u not in reads for u in x.users) or region.meta_users:
+    outside = [u for u in x.users if u not in reads]
+    if region.meta_users or any(u.op != "output" for u in outside):
         return None, "the logits are also used outside the region; the matmul runs once in full"
+    head.returned = bool(outside)
     h, w, b = meta(head.hidden), meta(head.weight), meta(head.bias) if head.bias is not None else None
     ok = (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and h.dim() >= 1
           and is_low_precision(head.hidden) and h.dtype == w.dtype == meta(x).dtype
@@ -159,4 +170,7 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     for view in region.views:
         if canon(view) in ("reshape", "flatten") and meta(view).dim() != 2:
             return None, f"the row view {view.name} is not a flatten to [N, V]"
+        if head.returned and canon(view) == "getitem":
+            return None, (f"the graph returns the logits and the region reads a slice of them "
+                          f"({view.name}); the matmul runs once in full")
     return head, ""

@@ -94,9 +94,12 @@ def run_passes(graph: Graph, config: Config) -> None:
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue
-        if how == "lm_head_fused":
+        if how in ("lm_head_fused", "lm_head_fused_returned"):
             counters[COUNTER]["lm_head_fused"] += 1
             what += ", lm_head matmul fused into the chunk loop"
+            if how == "lm_head_fused_returned":
+                counters[COUNTER]["lm_head_returns_logits"] += 1
+                what += ", which also writes the logits the graph returns"
         elif how:
             counters[COUNTER]["lm_head_not_fused"] += 1
             what += f", lm_head not fused: {how}"

@@ -134,9 +134,10 @@ def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, confi
     """The node computing ``(lse, logprob, entropy)`` for the region's rows: from the
     model-precision logits ``xv``, or from the lm_head's hidden states ``xv``."""
     if lm_head is not None:
+        returned = (lm_head.hidden,) if lm_head.returned else ()  # the logits' shape: the 4th result's
         return e.function(lm_head_row_stats, xv, lm_head.weight, lm_head.bias, tokens, region.scale,
                           region.scale_is_div, region.want_entropy, config.chunk_budget_bytes,
-                          lm_head.transforms)
+                          lm_head.transforms, *returned)
     return e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
 
 
@@ -193,11 +194,17 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
     tokens, valid = _emit_tokens(e, region, plan)
     stats = emit_stats(e, region, xv, tokens, config, lm_head)
     _replace_sinks(e, region, stats, valid)
+    if lm_head is not None and lm_head.returned:  # the graph output reads the loop's logits
+        logits = e.function(operator.getitem, stats, 3)
+        for user in [u for u in region.x.users if u.op == "output"]:
+            user.replace_input_with(region.x, logits)
     for user, fp32_node in region.meta_users:
         if user not in region.roles:
             user.replace_input_with(fp32_node, twins.get(fp32_node, xv))
     _erase_region(graph, region, plan)
-    return "lm_head_fused" if lm_head is not None else plan.why
+    if lm_head is not None:
+        return "lm_head_fused_returned" if lm_head.returned else "lm_head_fused"
+    return plan.why
 
 
 def _emit_tokens(e: _Emitter, region: Region, plan: _Plan) -> tuple[Node | None, Node | None]:

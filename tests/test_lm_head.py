@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
-from tests.codegen import allocations, step_codes
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
+from tests.codegen import allocations, compiled_codes, step_codes
+from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, max_err, reference, run
 
 
 def lm_ce_bias_shift(hidden, weight, bias, labels, up=F32):
@@ -183,3 +183,164 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
     for got, want in ((gh, grad_x @ weight.double()), (gw, grad_x.T @ hidden.double())):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+
+
+# --- the graph also returns the logits (Hugging Face models do) -------------------------------
+
+def lm_ce_returns_logits(hidden, weight, labels, up=F32):
+    # [B, S, H] hidden states; HF's ForCausalLMLoss flattens the upcast logits and returns them too
+    logits = F.linear(hidden, weight)
+    loss = F.cross_entropy(logits.to(up).reshape(-1, weight.shape[0]), labels.reshape(-1), ignore_index=-100)
+    return loss, logits
+
+
+def lm_softcap_returns_logits(hidden, weight, labels, up=F32):
+    # Gemma2: the softcapped logits are returned, and the loss reads them
+    logits = torch.tanh(F.linear(hidden, weight) / 30.0) * 30.0
+    loss = F.cross_entropy(logits.to(up).reshape(-1, weight.shape[0]), labels.reshape(-1), ignore_index=-100)
+    return loss, logits
+
+
+RETURNS_LOGITS = [lm_ce_returns_logits, lm_softcap_returns_logits]
+
+
+def _returns_logits_inputs(dtype, B=2, S=37, H=32, V=50257, fn=lm_ce_returns_logits):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(B, S, H, generator=g).to(dtype)
+    spread = 10 if fn is lm_softcap_returns_logits else 1  # logits up to about +-40: the cap matters
+    w = (torch.randn(V, H, generator=g) / H**0.5 * spread).to(dtype)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[:, ::5] = -100
+    return h, w, labels
+
+
+def _step_using_logits(fn, inputs, up=None):
+    """loss + sum(logits * c) outside the graph: the returned logits' gradient is used."""
+    h, w, labels = (t.detach().clone().requires_grad_(i < 2) for i, t in enumerate(inputs))
+    loss, logits = fn(h, w, labels) if up is None else fn(h, w, labels, up=up)
+    c = torch.linspace(-1, 1, logits.shape[-1], dtype=torch.float64)
+    total = loss.double() + (logits.double() * c).sum() * 1e-3
+    return [loss.detach(), logits.detach()], list(torch.autograd.grad(total, (h, w)))
+
+
+def _fused(fn=lm_ce_returns_logits, **options):
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(fn, backend="chunked_logits",
+                         options={"chunk_budget_mib": 1, **options})
+
+
+@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+@pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
+def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol):
+    """Only the loss's gradient is used (the logits' is the autograd engine's zeros): the
+    lm_head fuses, the returned logits (softcapped too) are stock's bit for bit, and the
+    loss and gradients are no further from FP64 than stock's."""
+    inputs, grad_pos = _returns_logits_inputs(dtype, fn=fn), (0, 1)
+    ref = reference(fn, inputs, grad_pos)
+    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    ours = run(_fused(fn), inputs, grad_pos)
+    assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
+    assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
+    assert torch.equal(ours[0][1], stock[0][1]), "the returned logits differ from stock's"
+    assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+
+
+@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+@pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
+def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol):
+    """The caller differentiates through the returned logits too: the backward adds their
+    gradient per tile, and the gradients are no further from FP64 than stock's."""
+    inputs = _returns_logits_inputs(dtype, fn=fn)
+    ref = _step_using_logits(fn, [t.double() if t.is_floating_point() else t for t in inputs],
+                             up=torch.float64)
+    stock = _step_using_logits(torch.compile(fn, backend="inductor"), inputs)
+    ours = _step_using_logits(_fused(fn), inputs)
+    assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
+    # positive control: the logits' gradient moves the result (a test that drops it fails)
+    loss_only = run(torch.compile(fn, backend="inductor"), inputs, (0, 1))
+    assert max_err(loss_only[1][1], ref[1][1]) > 10 * max_err(stock[1][1], ref[1][1])
+    assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+
+
+def test_returned_logits_no_logits_sized_gradient_in_generated_code():
+    """Stock's backward allocates the logits' [T, V] gradient (the engine's zeros tangent
+    plus the loss's gradient); the fused backward allocates nothing of that size (the
+    zeros come from the autograd engine, outside the generated code)."""
+    T, V = 96, 4096
+    h, w, labels = _returns_logits_inputs(torch.bfloat16, B=1, S=T, V=V)
+
+    def codes(fn):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        return compiled_codes(lambda: fn(hh, ww, labels)[0].backward())[1]
+
+    def logits_sized(cs):
+        return [a for c in cs for a in allocations(c) if a[0] in ((str(T), str(V)), ("1", str(T), str(V)))]
+
+    stock = codes(torch.compile(lm_ce_returns_logits, backend="inductor"))
+    ours = codes(_fused(chunk_budget_mib=32))
+    assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
+    assert logits_sized(stock), "positive control: stock allocates [T, V] buffers"
+    assert logits_sized(ours) == [], logits_sized(ours)
+
+
+def test_returned_logits_not_fused_when_the_region_reads_a_slice(caplog):
+    def sliced(hidden, weight, labels):  # the region reads logits[:, :-1]; the graph returns all rows
+        logits = F.linear(hidden, weight)
+        return F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten()), logits
+
+    h, w, labels = _returns_logits_inputs(torch.bfloat16, S=8, V=64)
+    with caplog.at_level("INFO", logger="fx_passes"):
+        torch.compile(sliced, backend="chunked_logits")(h, w, labels)
+    assert dict(counters["chunked_logits"]) == {"rewritten": 1, "lm_head_not_fused": 1}
+    assert "reads a slice of them" in caplog.text, caplog.text
+
+
+def test_returned_logits_dynamic_lengths_one_outer_graph():
+    """dynamic=True: the returned logits' shape is symbolic; one outer graph for every length,
+    the logits stock's bit for bit."""
+    fn = torch.compile(lm_ce_returns_logits, backend="chunked_logits", dynamic=True)
+    stock = torch.compile(lm_ce_returns_logits, backend="inductor", dynamic=True)
+    graphs = None
+    for S in (37, 50, 23):
+        inputs = _returns_logits_inputs(torch.bfloat16, S=S, V=5000)
+        ours, st = run(fn, inputs, (0, 1)), run(stock, inputs, (0, 1))
+        assert torch.equal(ours[0][1], st[0][1])
+        graphs = graphs or counters["stats"]["unique_graphs"]
+    assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_aot_autograd_passes_zeros_for_an_unused_logits_gradient():
+    """What docs/models.md says of stock torch: a returned output's gradient is a [T, V]
+    tangent input of the compiled backward, and when only the loss is differentiated the
+    autograd engine passes zeros (so that buffer exists whatever the pass does).  If torch
+    starts passing None here, the fused loop could skip it: this test says when."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def bw_compiler(gm, _):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        inner = make_boxed_func(gm.forward)
+
+        def call(args):
+            seen.extend(a for name, a in zip(names, args) if name.startswith("tangents"))
+            return inner(args)
+        call._boxed_call = True
+        return call
+
+    T, V = 8, 64
+    h, w, labels = _returns_logits_inputs(torch.bfloat16, B=1, S=T, V=V)
+    def fw_compiler(gm, _):
+        return make_boxed_func(gm.forward)
+
+    fn = torch.compile(lm_ce_returns_logits, backend=aot_autograd(fw_compiler=fw_compiler,
+                                                                 bw_compiler=bw_compiler))
+    loss, logits = fn(h.requires_grad_(), w.requires_grad_(), labels)
+    assert logits.requires_grad
+    loss.backward()
+    grads = [t for t in seen if t is not None and t.dim() and t.shape[-1] == V]
+    assert len(grads) == 1 and grads[0].numel() == T * V and grads[0].dtype == torch.bfloat16
+    assert not grads[0].any(), "the logits' unused gradient is zeros"
