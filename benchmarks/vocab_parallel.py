@@ -5,14 +5,14 @@
 
 Each rank holds the hidden states ``[T, H]`` and its lm_head shard ``[V / 2, H]`` (bf16) and
 runs examples/vocab_parallel_step.py's GRPO-style loss (``--head``): the Megatron-style
-code on the local shard, eager, under stock Inductor and under ``chunked_logits``; and,
+code on the local shard, under stock Inductor, eager, and under ``chunked_logits``; and,
 for ``--head ce``, what DTensor users write without us: eager ``F.cross_entropy`` under
-``loss_parallel()`` (``loss_parallel_eager``).  Every backend runs in a fresh
-``torchrun`` job: one warm-up step (compiles), then VmRSS, VmHWM reset, the measured
-step, VmHWM (benchmarks/memory.py), and the step's wall time.  The limit per rank is
-what the step must hold: the bf16 logits shard and its bf16 gradient, ``2 x 2 T V / 2``
-bytes, plus the weight shard's gradient.  Times are ratios to stock Inductor from the
-same run (the machine is shared and noisy: read them as a rough guide).
+``loss_parallel()`` (``loss_parallel_eager``).  Every backend runs in a fresh ``torchrun``
+job: one warm-up step (compiles); VmRSS, VmHWM reset, the measured step, VmHWM
+(benchmarks/memory.py); then ``--steps`` timed steps (the median, of the slower rank).
+The limit per rank is what the step must hold: the bf16 logits shard and its bf16
+gradient, ``2 x 2 T V / 2`` bytes, plus the weight shard's gradient.  Times are ratios to
+stock Inductor from the same run (the machine is shared and noisy: a rough guide).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -46,6 +47,7 @@ def rank_child(argv: list[str]) -> None:
     p.add_argument("--rows", type=int)
     p.add_argument("--vocab", type=int)
     p.add_argument("--hidden", type=int)
+    p.add_argument("--steps", type=int)
     p.add_argument("--out", type=pathlib.Path)
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
@@ -77,10 +79,15 @@ def rank_child(argv: list[str]) -> None:
     dist.barrier()
     before = rss()
     reset_peak()
-    t0 = time.perf_counter()
     run()
-    seconds = time.perf_counter() - t0
     peak = hwm()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
     result = {"rank": rank, "peak_mib": (peak - before) / MIB, "seconds": seconds,
               "counters": dict(counters["chunked_logits"])}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -96,12 +103,14 @@ def main() -> None:
     p.add_argument("--rows", default="2048")
     p.add_argument("--vocab", default="32768")
     p.add_argument("--hidden", default="64")
+    p.add_argument("--steps", default="3", help="timed steps after the measured one (median, slower rank)")
     p.add_argument("--backends", default=None, help="default: inductor,eager,chunked_logits "
                    "(+ loss_parallel_eager for --head ce)")
     args = p.parse_args()
     backends = args.backends.split(",") if args.backends else [
         *BACKENDS, *(["loss_parallel_eager"] if args.head == "ce" else [])]
-    sizes = ["--head", args.head, "--rows", args.rows, "--vocab", args.vocab, "--hidden", args.hidden]
+    sizes = ["--head", args.head, "--rows", args.rows, "--vocab", args.vocab, "--hidden", args.hidden,
+             "--steps", args.steps]
     T, V, H = int(args.rows), int(args.vocab), int(args.hidden)
     limit = (2 * 2 * T * V // 2 + 2 * V // 2 * H) / MIB
     print(f"2 ranks, gloo, CPU, 1 thread each; head {args.head}; T {T}, V {V} ({V // 2} per rank), H {H}, "
