@@ -112,7 +112,10 @@ def _is_collective(node: Node) -> bool:
     return node.op == "call_function" and name.startswith("_c10d_functional::")
 
 
-def _reaches_collective(nodes: list[Node], depth: int = 6) -> bool:
+def _reaches_collective(nodes: list[Node], rows: Any, depth: int = 6) -> bool:
+    """Does a per-row result (``rows`` values) of ``nodes`` reach a functional collective
+    while it is still per-row?  A vocabulary shard's statistics do; a loss all-reduced
+    for logging (one value) does not make its region vocab-parallel."""
     frontier, seen = list(nodes), set(nodes)
     for _ in range(depth):
         nxt = []
@@ -120,7 +123,8 @@ def _reaches_collective(nodes: list[Node], depth: int = 6) -> bool:
             for u in n.users:
                 if _is_collective(u):
                     return True
-                if u not in seen:
+                v = meta(u)
+                if u not in seen and isinstance(v, torch.Tensor) and v.numel() == rows:
                     seen.add(u)
                     nxt.append(u)
         frontier = nxt
@@ -402,11 +406,10 @@ def find_shard_regions(graph: Graph, upcast_input) -> list[ShardRegion | tuple[N
             continue
         try:
             region = _grow(node, x)
-        except Decline as d:
-            if _reaches_collective([node], depth=12):
-                out.append((node, d))
-            continue
-        if not region.reductions or not _reaches_collective(region.reductions):
+        except Decline:
+            continue  # not the shape of a shard region: the single-process matcher's to judge
+        rows = _numel(tuple(meta(node).shape[:-1]))
+        if not region.reductions or not _reaches_collective(region.reductions, rows):
             continue
         try:
             region.stages = _stages(region)

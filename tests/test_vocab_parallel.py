@@ -146,8 +146,8 @@ def test_no_gradient_needed_is_rewritten_in_stages():
 
 
 def test_shard_over_rows_is_not_taken():
-    """Reductions over the rows (dim 0), all-reduced: not a vocabulary shard; declined
-    with the op named, and results as stock."""
+    """Reductions over the rows (dim 0), all-reduced: not a vocabulary shard; nothing
+    rewritten, results as stock."""
     def head(local):
         z = local.float() / 0.7
         return funcol.all_reduce(z.exp().sum(0), "sum", dist.group.WORLD).log()
@@ -155,8 +155,27 @@ def test_shard_over_rows_is_not_taken():
     torch._dynamo.reset()
     counters.clear()
     got = torch.compile(head, backend="chunked_logits")(x)
-    assert chunked_counters() == {"declined": 1, "declined:UNKNOWN_OP": 1}
+    assert "rewritten" not in chunked_counters() and "vocab_parallel" not in chunked_counters()
     torch.testing.assert_close(got, torch.compile(head, backend="inductor")(x))
+
+
+@pytest.mark.parametrize("spelling", ["cross_entropy", "log_softmax_gather"])
+def test_a_loss_all_reduced_for_logging_stays_single_process(spelling):
+    """Was a bug: a loss whose value is all-reduced for logging made its region look
+    vocab-parallel (declined, or taken by the shard path without the single-process
+    rewrite).  Only per-row results reaching a collective count."""
+    def step(logits, tok):
+        z = logits.float() / 0.7
+        if spelling == "cross_entropy":
+            loss = torch.nn.functional.cross_entropy(z, tok)
+        else:
+            loss = -torch.log_softmax(z, -1).gather(-1, tok.unsqueeze(-1)).mean()
+        return loss, funcol.all_reduce(loss.detach(), "avg", dist.group.WORLD)
+    x, tok = inputs(torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(step, backend="chunked_logits")(x.requires_grad_(), tok.clamp(min=0))[0].backward()
+    assert chunked_counters() == {"rewritten": 1}
 
 
 @pytest.mark.slow
