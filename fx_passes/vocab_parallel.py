@@ -430,17 +430,49 @@ def find_shard_regions(graph: Graph, upcast_input) -> list[ShardRegion | tuple[N
 
 
 def _check_no_mode_change(region: ShardRegion) -> None:
-    """Nothing between the upcast and the last reduction may mutate a tensor or switch
-    grad mode / autocast: the rewrite computes where the first reduction of a stage was."""
-    inside = False
+    """The rewrite reads the logits and each stage's per-row operands where the stage's
+    first reduction was.  Between the upcast and the last reduction nothing may switch
+    grad mode / autocast or mutate the logits, and an in-place op must not fall between
+    a region node that reads a per-row operand and its stage's first reduction (it could
+    change that operand).  In-place ops elsewhere are fine: ``dist.all_reduce(m)`` on a
+    reduction's result (Dynamo's ``m.copy_(wait_tensor(...))``) before the next stage."""
+    order = {n: i for i, n in enumerate(region.upcast.graph.nodes)}
+    spans = []  # (first operand read, stage anchor) per stage
+    inside = set(region.nodes)
+    for stage in region.stages:
+        reads = [n for r in stage for n in _cone(region, r)
+                 if any(a not in inside and a is not region.x for a in n.all_input_nodes)]
+        if reads:
+            spans.append((min(order[n] for n in reads), order[stage[0]]))
     last = region.reductions[-1]
     for n in region.upcast.graph.nodes:
-        if n is region.upcast:
-            inside = True
-        elif inside and _mutates_or_switches_mode(n):
+        if order[n] <= order[region.upcast] or not _mutates_or_switches_mode(n):
+            if n is last:
+                return
+            continue
+        target = n.args[0] if n.args else None
+        in_place = (n.op == "call_method" and isinstance(target, Node) and target not in inside
+                    and not _view_of(target, region.x))
+        if not in_place or any(lo < order[n] < hi for lo, hi in spans):
             raise Decline(Reason.ORDER, f"{n.name} ({n.target}) runs inside the region")
         if n is last:
             return
+
+
+_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand", "flatten",
+          "narrow", "select", "detach", "as_strided", "view_as", "contiguous", "__getitem__"}
+
+
+def _view_of(node: Node, x: Node) -> bool:
+    """Is ``node`` ``x`` or a view of it (it may share ``x``'s storage)?"""
+    while isinstance(node, Node):
+        if node is x:
+            return True
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if name not in _VIEWS and name != "getitem":
+            return False
+        node = node.args[0] if node.args else None
+    return False
 
 
 def _mutates_or_switches_mode(n: Node) -> bool:

@@ -69,7 +69,18 @@ def cross_entropy(local, tok, up=torch.float32):
     return -torch.where(valid, lp, 0.0).sum() / valid.sum()
 
 
-HEADS = [logprob, entropy, cross_entropy]
+def logprob_inplace(local, tok, up=torch.float32):
+    """Megatron's own spelling: in-place ``dist.all_reduce`` (Dynamo: ``m.copy_(...)``)."""
+    z = local.to(up) / 0.7
+    m = z.detach().amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    z = z - m.unsqueeze(-1)
+    s = z.exp().sum(-1)
+    dist.all_reduce(s)
+    return z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - s.log()
+
+
+HEADS = [logprob, entropy, cross_entropy, logprob_inplace]
 
 
 def inputs(dtype):
@@ -143,6 +154,19 @@ def test_no_gradient_needed_is_rewritten_in_stages():
         got = torch.compile(head, backend="chunked_logits")(x)
     assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1}
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_logits_changed_in_place_inside_the_region_is_declined():
+    def head(local, tok):
+        z = local.float()
+        m = funcol.all_reduce(z.detach().amax(-1), "max", dist.group.WORLD)
+        local.mul_(2)  # the stage after the max would read the changed logits
+        return ((z - m.unsqueeze(-1)).exp().sum(-1)).log()
+    x, tok = inputs(torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(head, backend="chunked_logits")(x.clone(), tok)
+    assert chunked_counters() == {"declined": 1, "declined:ORDER": 1}
 
 
 def test_shard_over_rows_is_not_taken():
