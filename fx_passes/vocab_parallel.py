@@ -48,11 +48,12 @@ import types
 from typing import Any, Optional
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from . import compat
 from .graph_ops import canon, get_arg, is_fp32, last_dim, meta, tensor_input
-from .report import Decline, Reason
+from .report import COUNTER, Decline, Reason, log
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
 
@@ -296,6 +297,29 @@ def _own_code(fn, name: str):
                               fn.__closure__)
 
 
+def _compile(fn):
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _fallback(compiled, eager, what: str):
+    """``compiled``, or ``eager`` from the first time ``compiled`` raises (a compile
+    failure inside a training step must not end it): the same maths without Inductor's
+    fused kernels, so FP32 ``[.., V]`` temporaries exist again; said once in the log."""
+    state = {"fn": compiled}
+
+    def call(*args):
+        if state["fn"] is compiled:
+            try:
+                return compiled(*args)
+            except Exception:  # noqa: BLE001 - any compile failure: fall back, say so
+                log.warning("chunked_logits: compiling the vocab-parallel body %s failed; it runs "
+                            "eagerly from now on (same results, FP32 temporaries)", what, exc_info=True)
+                counters[COUNTER]["shard_body_eager"] += 1
+                state["fn"] = eager
+        return state["fn"](*args)
+    return call
+
+
 def _body(key: str):
     """The stage's reductions, compiled by Inductor once per key (fused kernels that read
     the model-precision logits: no FP32 [.., V] buffer)."""
@@ -304,7 +328,7 @@ def _body(key: str):
 
         def reductions(*args):
             return fn(*args)
-        body = torch.compile(_own_code(reductions, f"shard_reduce_{key}"), dynamic=True, fullgraph=True)
+        body = _fallback(_compile(_own_code(reductions, f"shard_reduce_{key}")), reductions, key)
 
         def call(*args):  # one dispatch-key set and grad mode on every call (Dynamo guards on them)
             with compat.below_autograd_no_grad():
@@ -332,7 +356,7 @@ def _backward_body(key: str, wanted: tuple[int, ...]):
             _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
             return pullback(tuple(grads))
         name = f"shard_reduce_backward_{key}_{'_'.join(map(str, wanted))}"
-        body = torch.compile(_own_code(vjp, name), dynamic=True, fullgraph=True)
+        body = _fallback(_compile(_own_code(vjp, name)), vjp, name)
 
         def call(*args):
             with torch.no_grad():
