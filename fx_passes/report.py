@@ -1,8 +1,9 @@
 """What the passes rewrote, what they declined and why: counters, logs, a summary.
 
 Counters live in ``torch._dynamo.utils.counters["chunked_logits"]``:
-``rewritten``, ``declined``, ``div_by_one_removed``, ``pass_failed`` and one
-``declined:<reason>`` per reason; each event also goes to ``session.session`` (for
+``rewritten``, ``declined``, ``div_by_one_removed``, ``pass_failed``, one
+``declined:<reason>`` per reason, and the lm_head / vocab-parallel ones
+(docs/how-it-works.md, section 7); each event also goes to ``session.session`` (for
 the exit summary).  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
 decline, ``TORCH_LOGS="+fx_passes"`` adds the graphs before and after.
 """
