@@ -22,6 +22,7 @@ import os
 import tempfile
 
 import torch
+from tiny_hf import TRAINER_SETTINGS
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 
@@ -57,17 +58,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         training_args = TrainingArguments(
             output_dir=tmp,
-            torch_compile=True,  # backend "inductor", the Trainer's default
             max_steps=args.steps,
             per_device_train_batch_size=args.batch,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-            seed=0,
+            **TRAINER_SETTINGS,
         )
         trainer = Trainer(model=model, args=training_args,
                           train_dataset=RandomTokens(args.steps * args.batch, args.seq_len, args.vocab))

@@ -14,6 +14,20 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 
+# What every example's Trainer run shares: compiled (the Trainer's default backend,
+# "inductor"), on CPU, one log line per step, nothing saved or reported, seeded.
+TRAINER_SETTINGS = dict(
+    torch_compile=True,
+    learning_rate=1e-3,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+    seed=0,
+)
+
 
 def build_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     words = SPECIALS + [f"t{i}" for i in range(vocab - len(SPECIALS))]

@@ -28,7 +28,7 @@ import os
 import tempfile
 
 from datasets import Dataset
-from tiny_hf import build_model, build_tokenizer, random_texts
+from tiny_hf import TRAINER_SETTINGS, build_model, build_tokenizer, random_texts
 from torch._dynamo.utils import counters
 from trl import GRPOConfig, GRPOTrainer
 
@@ -52,19 +52,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
             output_dir=tmp,
-            torch_compile=True,  # backend "inductor", the Trainer's default
             max_steps=args.steps,
             per_device_train_batch_size=4,
             num_generations=2,
             max_completion_length=args.completion_tokens,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-            seed=0,
+            **TRAINER_SETTINGS,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=completion_length, args=config,
                               train_dataset=prompts, processing_class=tokenizer)

@@ -23,7 +23,7 @@ import os
 import tempfile
 
 from datasets import Dataset
-from tiny_hf import build_model, build_tokenizer, random_texts
+from tiny_hf import TRAINER_SETTINGS, build_model, build_tokenizer, random_texts
 from torch._dynamo.utils import counters
 from trl import SFTConfig, SFTTrainer
 
@@ -43,18 +43,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = SFTConfig(
             output_dir=tmp,
-            torch_compile=True,  # backend "inductor", the Trainer's default
             max_steps=args.steps,
             per_device_train_batch_size=args.batch,
             max_length=args.words + 8,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-            seed=0,
+            **TRAINER_SETTINGS,
         )
         trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         trainer.train()
