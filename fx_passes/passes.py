@@ -21,7 +21,6 @@ from torch.fx import Graph, GraphModule, Node
 from . import compat, env
 from .config import Config
 from .containment import contained
-from .graph_ops import meta
 from .match import Region, _upcast_behind, _upcast_input, find_regions
 from .report import COUNTER, Decline, log, record_decline, record_rewrite
 from .rewrite import fp32_bytes, rewrite_region
@@ -45,15 +44,13 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
     """Vocab-parallel regions (reductions over a vocabulary shard that feed collectives):
     rewrite each; the upcasts seen, so that the single-process matcher skips them."""
     seen: set[Node] = set()
-    for found in find_shard_regions(graph, _upcast_input):
+    for found in find_shard_regions(graph):
         if isinstance(found, tuple):
             seen.add(found[0])
             record_decline(_where(found[0]), found[1])
             continue
         seen.add(found.upcast)
-        where, what = _where(found.upcast), found.describe()
-        numel = meta(found.upcast).numel()
-        nbytes = 4 * numel if isinstance(numel, int) else 0
+        where, what, nbytes = _where(found.upcast), found.describe(), fp32_bytes(found.upcast)
         if config.report_only or not config.rewrite:
             record_rewrite(where, what, nbytes, report_only=True)
             continue
@@ -82,7 +79,7 @@ def run_passes(graph: Graph, config: Config) -> None:
             record_decline(_where(found[0]), found[1])
             continue
         region: Region = found
-        where, what, nbytes = _where(region.upcast), region.describe(), fp32_bytes(region)
+        where, what, nbytes = _where(region.upcast), region.describe(), fp32_bytes(region.z)
         if config.report_only or not config.rewrite:
             record_rewrite(where, what, nbytes, report_only=True)
             continue

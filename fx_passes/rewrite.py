@@ -39,9 +39,9 @@ from .report import Decline, Reason
 __all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes"]
 
 
-def fp32_bytes(region: Region) -> int:
-    """Bytes of the FP32 [.., V] tensor the region no longer materialises (0 if symbolic)."""
-    numel = meta(region.z).numel()
+def fp32_bytes(node: Node) -> int:
+    """Bytes of the FP32 tensor of ``node``'s shape a rewrite no longer materialises (0 if symbolic)."""
+    numel = meta(node).numel()
     return 4 * numel if isinstance(numel, int) else 0
 
 

@@ -53,6 +53,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import compat
 from .graph_ops import canon, get_arg, is_fp32, last_dim, meta, tensor_input
+from .match import _upcast_input
 from .report import COUNTER, Decline, Reason, log
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
@@ -109,8 +110,9 @@ def _reduction(node: Node) -> Optional[str]:
 
 def _is_collective(node: Node) -> bool:
     """A functional collective (``torch.ops._c10d_functional.*``: all_reduce, wait_tensor ...)."""
-    name = getattr(node.target, "_qualified_op_name", None) or str(getattr(node.target, "name", lambda: "")())
-    return node.op == "call_function" and name.startswith("_c10d_functional::")
+    ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    return (node.op == "call_function" and isinstance(node.target, ops)
+            and str(node.target).startswith("_c10d_functional."))
 
 
 def _reaches_collective(nodes: list[Node], rows: Any, depth: int = 6) -> bool:
@@ -262,7 +264,6 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
         nodes += [n for n in _cone(region, r) if n not in nodes]
     order = {n: i for i, n in enumerate(region.upcast.graph.nodes)}
     differentiable = any(_requires_grad(r) for r in reductions)
-    outs = []
     for n in sorted(nodes, key=order.__getitem__):
         if _reduction(n) == "gather":
             src, index = env[tensor_input(n)], env[get_arg(n, "index")]
@@ -276,11 +277,8 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
             no_grad = not _requires_grad(n) and _requires_grad(region.x)
             if differentiable and n is not region.upcast and no_grad:  # computed without grad
                 env[n] = g.call_method("detach", (env[n],))
-        if n in reductions:
-            outs.append(n)
     g.output(tuple(env[r] for r in reductions))
-    gm = GraphModule(torch.nn.Module(), g)
-    return gm
+    return GraphModule(torch.nn.Module(), g)
 
 
 def _register(gm: GraphModule) -> str:
@@ -421,11 +419,11 @@ def shard_reduce(key: str, differentiable: bool, x: torch.Tensor, *operands: tor
 
 # --- finding and rewriting ---------------------------------------------------------
 
-def find_shard_regions(graph: Graph, upcast_input) -> list[ShardRegion | tuple[Node, Decline]]:
+def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]:
     """Regions whose reductions feed a functional collective (vocab-parallel code)."""
     out: list[ShardRegion | tuple[Node, Decline]] = []
     for node in list(graph.nodes):
-        x = upcast_input(node)
+        x = _upcast_input(node)
         if x is None:
             continue
         try:
@@ -445,7 +443,7 @@ def find_shard_regions(graph: Graph, upcast_input) -> list[ShardRegion | tuple[N
             for s in region.stages:
                 if {_requires_grad(r) for r in s} == {True, False}:
                     raise Decline(Reason.UNKNOWN_OP, "a stage mixes reductions with and without grad")
-            _check_no_mode_change(region)
+            _check_order(region)
         except Decline as d:
             out.append((node, d))
             continue
@@ -453,7 +451,7 @@ def find_shard_regions(graph: Graph, upcast_input) -> list[ShardRegion | tuple[N
     return out
 
 
-def _check_no_mode_change(region: ShardRegion) -> None:
+def _check_order(region: ShardRegion) -> None:
     """The rewrite reads the logits and each stage's per-row operands where the stage's
     first reduction was.  Between the upcast and the last reduction nothing may switch
     grad mode / autocast or mutate the logits, and an in-place op must not fall between
