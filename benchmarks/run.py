@@ -153,6 +153,8 @@ def time_child(args) -> dict:
             continue
         cases.append(case)
     result = _interleave(args, cases)
+    if args.time in LM_HEAD_WORKLOADS:
+        result["gemm_ms"] = gemm_ms(inputs)
     if args.report:
         for case in cases:
             result[case.mode].update(compiled[case.mode], **errors(case, *case.step()))
@@ -162,11 +164,23 @@ def time_child(args) -> dict:
 def native_bf16_matmul() -> bool:
     """Does this CPU multiply bf16 matrices in hardware (AVX-512 BF16 or AMX)?  Without
     it a bf16 GEMM runs several times slower than an FP32 one."""
-    try:
-        flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return True  # not Linux: assume it does (the timing is then at full size)
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    import torch
+
+    from fx_passes import compat
+    return compat.cpu_matmul_in_hardware(torch.bfloat16)
+
+
+def gemm_ms(inputs, steps: int = 3) -> float:
+    """Median time of one ``hidden @ weight.T`` of an lm_head workload (its two first
+    inputs): the unit of the lm_head rows' time floor (see run_time)."""
+    hidden, weight = inputs[0].detach(), inputs[1].detach()
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        hidden @ weight.T
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
 
 
 def time_rows_div(args, name: str) -> int:
@@ -185,7 +199,8 @@ def cpu_line() -> str:
             f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}), Inductor vector ISA "
             f"{type(isa).__name__ if isa else 'none'} "
             f"(TORCHINDUCTOR_CPP_MARCH={os.environ.get('TORCHINDUCTOR_CPP_MARCH', 'unset')}), "
-            f"native bf16 matmul: {'yes' if native_bf16_matmul() else 'no'}")
+            f"native bf16 matmul: {'yes' if native_bf16_matmul() else 'no'} "
+            f"(lm_head backward plan: {_plan()})")
 
 
 def child_main(args) -> None:
@@ -241,12 +256,37 @@ def run_time(args, name: str, rows: dict) -> None:
     res = spawn(args, extra + (["--report"] if args.skip_memory else []))
     if "error" in res and len(res) == 1:
         res = {m: dict(res) for m in time_modes}
+    gemm = res.pop("gemm_ms", None)
     stock = res.get(STOCK, {}).get("t_median_ms")
+    floor = time_floor_line(name, gemm, stock) if gemm and stock else None
+    if floor:
+        print(floor, flush=True)
     for mode, r in res.items():
         if stock and "t_median_ms" in r:
             r["t_ratio_vs_stock"] = r["t_median_ms"] / stock
         rows[(name, mode)].update(r, time_T=sizes(name, args.scale)[0] // time_rows_div(args, name))
     print(f"  time   {name} all modes interleaved  ({time.time() - t0:.0f} s)", flush=True)
+
+
+def time_floor_line(name: str, gemm: float, stock: float) -> str | None:
+    """What the lm_head rows' time ratio cannot go below on a CPU with bf16 units.
+    Stock runs three ``[T, H] x [H, V]`` bf16 GEMMs (logits, grad_hidden, grad_weight).
+    A backward that never stores the logits computes them again, and with bf16 GEMMs
+    (each rounds its own output, so each must hold whole sums) it needs one pass whose
+    GEMMs hold whole rows and one whose GEMMs hold whole vocabulary blocks: five in all
+    (``tiling.backward_plan``).  Elsewhere (FP32 GEMMs) no floor is printed."""
+    if _plan() != "two_sweeps":
+        return None
+    return (f"  floor  {name}: one [T, H] x [H, V] bf16 GEMM {gemm:.0f} ms, stock's step {stock:.0f} ms "
+            f"(3 GEMMs + {stock - 3 * gemm:.0f} ms); two_sweeps runs 5: "
+            f"time vs stock >= {5 * gemm / stock:.2f}x with its other work free")
+
+
+def _plan() -> str:
+    import torch
+
+    from fx_passes.tiling import backward_plan
+    return backward_plan(torch.device("cpu"), torch.bfloat16)
 
 
 def source_version() -> str:

@@ -23,6 +23,9 @@ lists in ``pre_grad_custom_pass`` (install)                  own pre-grad pass: 
 (containment: a restart is not a failure)
 Dynamo's ``_dynamo*`` node attributes, e.g.          all      nothing to copy
 placeholders' ``_dynamo_source`` (passes._copy)
+``torch.cpu._is_avx512_bf16_supported``,            all      the lm_head backward runs FP32
+``_is_amx_tile_supported``,                                  GEMMs on every CPU (slower where
+``_is_amx_fp16_supported`` (tiling.backward_plan)            the CPU multiplies bf16 in hardware)
 ``torch._C._AutoDispatchBelowADInplaceOrView``      all      the lm_head loop bodies run under
 (lm_head loop bodies: one dispatch-key set)                  no_grad only (may compile again
                                                              when the op is called with other
@@ -33,6 +36,7 @@ placeholders' ``_dynamo_source`` (passes._copy)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Iterator
 
@@ -43,7 +47,7 @@ import torch._inductor.custom_graph_pass as custom_graph_pass
 
 __all__ = ["TELEMETRY_FUNCTIONS", "CACHEABLE_MARKS", "PRE_GRAD_PASS_TIMING", "PASS_LISTS",
            "CONTROL_FLOW_ERRORS", "custom_graph_passes", "dynamo_node_attributes",
-           "below_autograd_no_grad", "available"]
+           "below_autograd_no_grad", "cpu_matmul_in_hardware", "available"]
 
 log = logging.getLogger("fx_passes")
 
@@ -120,6 +124,24 @@ def below_autograd_no_grad() -> Iterator[None]:
         yield
 
 
+# CPU features torch reads itself (``torch.cpu._is_*_supported``), for the lm_head
+# backward's plan (``tiling.backward_plan``).  oneDNN picks its bf16 kernels from the CPU,
+# not from ATEN_CPU_CAPABILITY, so that setting does not change the answer.
+_CPU_FEATURES = {
+    torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+    torch.float16: ("_is_amx_fp16_supported",),
+}
+
+
+@functools.lru_cache(None)
+def cpu_matmul_in_hardware(dtype: torch.dtype) -> bool:
+    """Does this CPU multiply ``dtype`` matrices in hardware (bf16: AVX-512 BF16 or AMX;
+    fp16: AMX-FP16)?  Without it a model-precision GEMM runs several times slower than
+    an FP32 one.  False where this torch cannot tell."""
+    checks = [getattr(torch.cpu, name, None) for name in _CPU_FEATURES.get(dtype, ())]
+    return any(check() for check in checks if check is not None)
+
+
 def available() -> dict[str, bool]:
     """Each check's answer on this torch (what the table above says is missing where)."""
     return {
@@ -129,6 +151,8 @@ def available() -> dict[str, bool]:
         "pre_grad_pass_lists": PASS_LISTS,
         "restart_analysis": bool(CONTROL_FLOW_ERRORS),
         "auto_dispatch_below_autograd": _AUTO_DISPATCH is not None,
+        "cpu_matmul_features": all(hasattr(torch.cpu, name) for names in _CPU_FEATURES.values()
+                                   for name in names),
     }
 
 

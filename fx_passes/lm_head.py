@@ -6,12 +6,16 @@ reads them (:mod:`fx_passes.lm_head_match`), the rewrite calls
 
 * forward: a loop over row chunks; per chunk the logits chunk is computed in model
   precision, upcast, scaled in FP32 and reduced; only per-row results are kept.
-* backward: sweeps over vocabulary blocks; per block the logits of the sweep's rows
-  are recomputed and the pointwise gradient is formed from the saved lse (and
-  entropy).  ``grad_weight[block]`` is accumulated in FP32 over all rows and stored
-  in model precision once, and ``grad_hidden`` is accumulated in FP32 for a bounded
-  group of rows at a time and stored once: neither an FP32 ``[V, H]`` nor an FP32
-  ``[T, H]`` buffer exists, and nothing is accumulated in bf16.
+* backward: the logits are recomputed tile by tile and the pointwise gradient is
+  formed from the saved lse (and entropy).  Each element of ``grad_weight`` and of
+  ``grad_hidden`` is accumulated in FP32 and stored in model precision once: no FP32
+  ``[V, H]`` or ``[T, H]`` buffer exists, and nothing is accumulated in bf16.  How
+  the tiles are ordered depends on the CPU or GPU (``tiling.backward_plan``): on a CPU
+  with bf16 units, a sweep over row chunks (whole vocabulary) writes ``grad_hidden``
+  and a sweep over vocabulary blocks (all rows) writes ``grad_weight``, with
+  model-precision matmuls only; elsewhere one sweep over vocabulary blocks writes
+  ``grad_weight[block]`` and accumulates ``grad_hidden`` for a bounded group of rows.
+  A gradient nothing asks for (a frozen lm_head weight) is not computed.
 
 When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
 same loop and also writes each chunk's logits into the returned tensor; its backward
@@ -30,7 +34,7 @@ from typing import Optional
 import torch
 
 from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
-from .tiling import accumulator_rows, backward_tiles, even_splits, forward_rows
+from .tiling import accumulator_rows, backward_plan, backward_tiles, even_splits, forward_rows, sweep_sizes
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",
            "lm_head_grads"]
@@ -122,11 +126,11 @@ class _Backward:
                     self.g_logprob[t0:t1], self.g_entropy[t0:t1], self.scale, self.scale_is_div,
                     self.hidden.dtype, self.transforms, g_x)
 
-    def sweep(self, r0: int, r1: int, acc: torch.Tensor, grad_weight: Optional[torch.Tensor],
+    def sweep(self, r0: int, r1: int, acc: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
               grad_bias: Optional[torch.Tensor]) -> None:
         """One sweep over the vocabulary blocks: adds the rows ``[r0, r1)``'s
-        ``grad_hidden`` into ``acc`` (FP32 ``[r1 - r0, H]``); with ``grad_weight`` (and
-        ``grad_bias``) given, it reads every row and writes those too."""
+        ``grad_hidden`` into ``acc`` (FP32 ``[r1 - r0, H]``, or None); with
+        ``grad_weight`` (and ``grad_bias``) given, it reads every row and writes those too."""
         hidden, weight, bias = self.hidden, self.weight, self.bias
         (vocab, width), body = weight.shape, compiled(backward_block)
         first, last = (0, hidden.shape[0]) if grad_weight is not None else (r0, r1)
@@ -154,41 +158,77 @@ class _Backward:
                 if gb is not None:
                     gb += g32.sum(0)
                 a0, a1 = max(t0, r0), min(t1, r1)  # the tile's rows this sweep accumulates
-                if a0 < a1:
+                if acc is not None and a0 < a1:
                     acc[a0 - r0:a1 - r0].addmm_(g32[a0 - t0:a1 - t0], w32)
             if gw is not None:
                 grad_weight[v0:v1] = gw
             if gb is not None:
                 grad_bias[v0:v1] = gb
 
+    def rows_sweep(self, grad_hidden: torch.Tensor) -> None:
+        """``grad_hidden``, a chunk of rows at a time: the chunk's gradient over the whole
+        vocabulary, then one model-precision matmul (its whole sum inside it)."""
+        n, vocab = self.hidden.shape[0], self.weight.shape[0]
+        rows, _ = sweep_sizes(self.budget, n, vocab)
+        body = compiled(backward_block)
+        for t0, t1 in even_splits(n, rows):
+            g = self.grad_of_tile(body, self.hidden[t0:t1], self.weight, self.bias, 0, vocab, t0, t1)
+            torch.mm(g, self.weight, out=grad_hidden[t0:t1])
+
+    def blocks_sweep(self, grad_weight: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
+        """``grad_weight`` (and ``grad_bias``), a vocabulary block at a time: the block's
+        gradient over all rows, then one model-precision matmul (its whole sum inside it)."""
+        n, vocab = self.hidden.shape[0], self.weight.shape[0]
+        _, cols = sweep_sizes(self.budget, n, vocab)
+        body = compiled(backward_block)
+        for v0, v1 in even_splits(vocab, cols):
+            b_blk = self.bias[v0:v1] if self.bias is not None else None
+            g = self.grad_of_tile(body, self.hidden, self.weight[v0:v1], b_blk, v0, v1, 0, n)
+            torch.mm(g.t(), self.hidden, out=grad_weight[v0:v1])
+            if grad_bias is not None:
+                grad_bias[v0:v1] = g.sum(0, dtype=torch.float32)
+
 
 def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
                   scale_is_div: bool, budget_bytes: int, transforms: str = "",
-                  g_logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``hidden``, ``weight`` and ``bias``, with no FP32 ``[T, H]`` buffer.
+                  g_logits: Optional[torch.Tensor] = None, need_hidden: bool = True,
+                  need_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``hidden``, ``weight`` and ``bias`` (an empty tensor for one not
+    needed: ``need_weight`` covers the bias), with no FP32 ``[T, H]`` buffer.
 
     ``grad_weight[block]`` needs every row and ``grad_hidden[rows]`` every block; each
-    is accumulated in FP32 and rounded once.  The first sweep over the vocabulary
-    blocks reads all rows: it writes ``grad_weight`` and ``grad_bias`` and accumulates
-    the first group of rows' ``grad_hidden`` in an FP32 ``[S, H]`` buffer (``S`` from
-    the budget: all rows when ``4 T H`` bytes fit in half of it, so W4-sized problems
-    take one sweep).  Each further group of ``S`` rows takes a sweep of its own, which
-    recomputes those rows' logits: at long T the backward trades that extra matmul
-    for an accumulator bounded by the budget instead of growing with T.
+    is accumulated in FP32 and rounded once.  ``"two_sweeps"`` (``tiling.backward_plan``)
+    runs one sweep for each.  Otherwise the first sweep over the vocabulary blocks reads
+    all rows: it writes ``grad_weight`` and ``grad_bias`` and accumulates the first group
+    of rows' ``grad_hidden`` in an FP32 ``[S, H]`` buffer (``S`` from the budget: all
+    rows when ``4 T H`` bytes fit in half of it, so W4-sized problems take one sweep).
+    Each further group of ``S`` rows takes a sweep of its own, which recomputes those
+    rows' logits: at long T the backward trades that extra matmul for an accumulator
+    bounded by the budget instead of growing with T.
     """
     n, width = hidden.shape
-    grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
-    grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=weight.dtype,
+    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+    grad_bias = torch.zeros(weight.shape[0] if bias is not None and need_weight else 0, dtype=weight.dtype,
                             device=weight.device)
+    with_bias = grad_bias if bias is not None and need_weight else None
     bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
                     scale_is_div, budget_bytes, transforms, g_logits)
+    if backward_plan(hidden.device, hidden.dtype) == "two_sweeps":
+        if need_hidden:
+            bwd.rows_sweep(grad_hidden)
+        if need_weight:
+            bwd.blocks_sweep(grad_weight, with_bias)
+        return grad_hidden, grad_weight, grad_bias
+    if not need_hidden:
+        bwd.sweep(0, 0, None, grad_weight, with_bias)
+        return grad_hidden, grad_weight, grad_bias
     acc = torch.empty(accumulator_rows(budget_bytes, n, width), width, dtype=torch.float32,
                       device=hidden.device)
     for r0, r1 in even_splits(n, acc.shape[0]):
         group = acc[:r1 - r0].zero_()
-        first = r0 == 0
-        bwd.sweep(r0, r1, group, grad_weight if first else None,
-                  grad_bias if first and bias is not None else None)
+        first = r0 == 0 and need_weight
+        bwd.sweep(r0, r1, group, grad_weight if first else None, with_bias if first else None)
         grad_hidden[r0:r1] = group
     return grad_hidden, grad_weight, grad_bias
 
@@ -199,16 +239,18 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            g_lse: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
                            scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
                            transforms: str, g_logits: Optional[torch.Tensor] = None,
+                           need_hidden: bool = True, need_weight: bool = True,
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                         scale_is_div, budget_bytes, transforms, g_logits)
+                         scale_is_div, budget_bytes, transforms, g_logits, need_hidden, need_weight)
 
 
 @lm_head_stats_backward.register_fake
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-      budget_bytes, transforms, g_logits=None):
-    return (torch.empty_like(hidden), torch.empty_like(weight),
-            weight.new_empty(weight.shape[0] if bias is not None else 0))
+      budget_bytes, transforms, g_logits=None, need_hidden=True, need_weight=True):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
 
 
 def _setup(ctx, inputs, output):
@@ -234,10 +276,12 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
         g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
                                         g_entropy, scale, ctx.scale_is_div, ctx.budget, ctx.transforms,
-                                        g_logits)
-    return gh, gw, (gb if bias is not None else None), None, None, None, None, None, None
+                                        g_logits, need_hidden, need_weight or need_bias)
+    return (gh if need_hidden else None, gw if need_weight else None,
+            gb if bias is not None and need_bias else None, None, None, None, None, None, None)
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["forward_rows", "backward_tiles", "accumulator_rows", "even_splits", "fp32_gemm"]
+from . import compat
+
+__all__ = ["forward_rows", "backward_tiles", "sweep_sizes", "accumulator_rows", "even_splits", "fp32_gemm",
+           "backward_plan"]
 
 
 def _budget(budget_bytes: int, n: int, vocab: int) -> int:
@@ -46,6 +49,14 @@ def backward_tiles(budget: int, n: int, vocab: int, width: int,
     return cols, rows, True
 
 
+def sweep_sizes(budget: int, n: int, vocab: int) -> tuple[int, int]:
+    """(rows per row chunk, columns per vocabulary block) of the ``two_sweeps`` backward:
+    a chunk's or a block's model-precision logits and gradient (4 bytes an element) fill
+    the budget (capped for small problems as the forward's)."""
+    budget = _budget(budget, n, vocab)
+    return max(1, budget // (4 * vocab)), max(1, budget // (4 * max(1, n)))
+
+
 def accumulator_rows(budget: int, n: int, width: int) -> int:
     """Rows whose ``grad_hidden`` one backward sweep accumulates in FP32: an FP32
     ``[rows, H]`` buffer of at most half the budget, so never one of ``[T, H]``
@@ -66,6 +77,30 @@ def even_splits(total: int, most: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def backward_plan(device: torch.device, dtype: torch.dtype) -> str:
+    """How the lm_head backward computes ``grad_hidden`` and ``grad_weight``.
+
+    Each gradient element is one sum (``grad_hidden[t]`` over the vocabulary,
+    ``grad_weight[v]`` over the rows), accumulated in FP32 and rounded to the model dtype
+    once, as stock's matmuls do.  A model-precision matmul rounds its own output, so a
+    sum that spans several matmul calls must run on FP32 copies, unless each sum fits in
+    one call:
+
+    * ``"two_sweeps"`` (CPUs that multiply ``dtype`` in hardware, AVX-512 BF16 / AMX):
+      model-precision matmuls only, each holding a whole sum: row chunks over the whole
+      vocabulary write ``grad_hidden``, vocabulary blocks over all rows write
+      ``grad_weight``.  The logits are recomputed once in each sweep.
+    * ``"fp32_tiles"`` (other CPUs, where FP32 GEMM is the faster kernel): one sweep over
+      vocabulary blocks x row tiles on FP32 copies (``fp32_gemm``), ``grad_hidden``
+      accumulated in FP32 for a bounded group of rows at a time.
+    * ``"blocks"`` (GPUs): vocabulary blocks over all rows, ``grad_weight[block]`` in one
+      model-precision matmul, ``grad_hidden`` accumulated in FP32 per group of rows.
+    """
+    if device.type != "cpu":
+        return "blocks"
+    return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"
+
+
 def fp32_gemm(device: torch.device) -> bool:
     """Run the backward's matmuls on FP32 copies of the bf16/fp16 operands?
 
@@ -73,8 +108,7 @@ def fp32_gemm(device: torch.device) -> bool:
     model-precision values, FP32 accumulation, one rounding).  On CPUs without native
     bf16 matmul units FP32 GEMM is the faster kernel (measured: the backward of W4 about
     1.5x faster; a bf16 GEMM of W4's size about 6x slower than FP32 with AVX2 only).  On
-    CPUs with them (AVX-512 BF16, AMX) it is the slower one, and the step is slower than
-    stock Inductor's (README, known limits): a bf16 path for those CPUs is not built
-    yet.  GPUs keep their bf16/fp16 tensor-core matmuls.
+    CPUs with them (AVX-512 BF16, AMX) it is the slower one: ``backward_plan`` takes
+    ``"two_sweeps"`` there.  GPUs keep their bf16/fp16 tensor-core matmuls.
     """
     return device.type == "cpu"

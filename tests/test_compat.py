@@ -24,9 +24,21 @@ def test_each_check_answers_on_this_torch():
         "pre_grad_pass_lists": VERSION >= (2, 13),
         "restart_analysis": True,
         "auto_dispatch_below_autograd": True,
+        "cpu_matmul_features": True,
     }
     assert compat.TELEMETRY_FUNCTIONS == (torch._C._log_api_usage_once,)
     assert compat.CONTROL_FLOW_ERRORS == (torch._dynamo.exc.RestartAnalysis,)
+
+
+def test_cpu_matmul_in_hardware_reads_the_cpu_flags():
+    """The answer torch's own checks give, which on Linux are the CPU's flags."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert compat.cpu_matmul_in_hardware(torch.bfloat16) == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert compat.cpu_matmul_in_hardware(torch.float16) == ("amx_fp16" in flags)
+    assert not compat.cpu_matmul_in_hardware(torch.float32)
 
 
 def test_custom_graph_passes_reads_every_form():

@@ -66,9 +66,21 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
     raise KeyError(name)
 
 
+# The CPU backward plans (tiling.backward_plan), each run whatever this CPU would pick.
+CPU_PLANS = ["two_sweeps", "fp32_tiles"]
+
+
+@pytest.fixture
+def plan(request, monkeypatch):
+    import fx_passes.lm_head as lm_head
+    monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("name", ["logprob_entropy", "ce_bias_shift", "tied", "softcap", "scaled"])
-def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
+def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol, plan):
     fn, inputs, grad_pos = _inputs(name, dtype)
     ref_outs, ref_grads = reference(fn, inputs, grad_pos)
     stock_outs, stock_grads = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
@@ -158,6 +170,16 @@ def _backward_inputs(T, H, V, seed=0):
     return hidden, weight, tokens, lse, g_rows
 
 
+def _grads64(hidden, weight, tokens, g_lse, g_lp):
+    """FP64 maths on the model-precision values: (grad_hidden, grad_weight)."""
+    x = (hidden.double() @ weight.double().T)
+    p = torch.softmax(x, -1)
+    onehot = torch.nn.functional.one_hot(tokens, weight.shape[0]).double()
+    grad_x = p * (g_lse - g_lp).double()[:, None] + onehot * g_lp.double()[:, None]
+    grad_x = grad_x.bfloat16().double()  # the op hands the logits' gradient on in bf16
+    return grad_x @ weight.double(), grad_x.T @ hidden.double()
+
+
 @pytest.mark.parametrize("budget", [2**20, 48 * 2**10])  # one sweep; several (T rows in groups of 96)
 def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
     """Was a gap (issue 10): grad_hidden was accumulated in an FP32 [T, H] buffer.  Now
@@ -165,6 +187,7 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
     gradients are the same with one sweep or several."""
     import fx_passes.lm_head as lm_head
     monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)  # eager bodies: every op is seen
+    monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: "fp32_tiles")
     T, H, V = 300, 64, 512
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
     with _LargestFP32() as mode:
@@ -175,14 +198,70 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
     if groups > 1:
         assert mode.largest < T * H, "an FP32 buffer as large as [T, H]"
     # the same gradients as FP64 maths on the model-precision values, to FP32 accuracy
-    x = (hidden.double() @ weight.double().T)
-    p = torch.softmax(x, -1)
-    onehot = torch.nn.functional.one_hot(tokens, V).double()
-    grad_x = p * (g_lse - g_lp).double()[:, None] + onehot * g_lp.double()[:, None]
-    grad_x = grad_x.bfloat16().double()  # the op hands the logits' gradient on in bf16
-    for got, want in ((gh, grad_x @ weight.double()), (gw, grad_x.T @ hidden.double())):
+    for got, want in zip((gh, gw), _grads64(hidden, weight, tokens, g_lse, g_lp)):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+
+
+class _Matmuls(TorchDispatchMode):
+    """(input dtypes, output shape) of every matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            mats = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+            self.calls.append(({m.dtype for m in mats}, tuple(out.shape)))
+        return out
+
+
+def test_two_sweeps_model_precision_matmuls_each_a_whole_sum(monkeypatch):
+    """On a CPU with bf16 units (issue 10): no FP32 matmul and no FP32 buffer of [T, H];
+    every matmul writing a gradient covers its whole sum (all V for a row chunk of
+    grad_hidden, all T for a block of grad_weight), so each element is rounded once."""
+    import fx_passes.lm_head as lm_head
+    monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)
+    monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: "two_sweeps")
+    T, H, V = 300, 64, 512
+    budget = 48 * 2**10  # several row chunks and several blocks
+    hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
+    with _Matmuls() as mm, _LargestFP32() as big:
+        gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
+                                          None, False, budget)
+    rows, cols = lm_head.sweep_sizes(budget, T, V)
+    assert 1 < rows < T and 1 < cols < V
+    assert all(dtypes == {torch.bfloat16} for dtypes, _ in mm.calls), mm.calls
+    writes_h = [shape for _, shape in mm.calls if shape[1] == H and shape[0] <= rows]
+    writes_w = [shape for _, shape in mm.calls if shape[1] == H and shape[0] > rows]
+    assert sum(s[0] for s in writes_h) == T and sum(s[0] for s in writes_w) == V
+    assert big.largest < T * H
+    for got, want in zip((gh, gw), _grads64(hidden, weight, tokens, g_lse, g_lp)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
+def test_frozen_weight_computes_no_weight_gradient(plan, monkeypatch):
+    """A frozen lm_head (LoRA, a frozen head): the backward skips grad_weight's matmuls,
+    and grad_hidden is the same bits as with the weight trainable."""
+    import fx_passes.lm_head as lm_head
+    fn, inputs, _ = _inputs("logprob_entropy", torch.bfloat16)
+    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1})
+    _, (gh_all, _) = run(fused, inputs, (0, 1))
+    calls = []
+    for name in ("blocks_sweep", "sweep"):
+        real = getattr(lm_head._Backward, name)
+        monkeypatch.setattr(lm_head._Backward, name,
+                            lambda self, *a, _real=real, **k: (calls.append(a), _real(self, *a, **k))[1])
+    _, (gh,) = run(fused, inputs, (0,))
+    assert torch.equal(gh, gh_all)
+    if plan == "two_sweeps":
+        assert calls == []
+    else:  # each sweep accumulates grad_hidden only
+        assert calls and all(a[3] is None for a in calls), calls  # (r0, r1, acc, grad_weight, ..)
 
 
 # --- the graph also returns the logits (Hugging Face models do) -------------------------------
@@ -230,9 +309,10 @@ def _fused(fn=lm_ce_returns_logits, **options):
                          options={"chunk_budget_mib": 1, **options})
 
 
+@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
-def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol):
+def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol, plan):
     """Only the loss's gradient is used (the logits' is the autograd engine's zeros): the
     lm_head fuses, the returned logits (softcapped too) are stock's bit for bit, and the
     loss and gradients are no further from FP64 than stock's."""
@@ -246,9 +326,10 @@ def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rt
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
+@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
-def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol):
+def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol, plan):
     """The caller differentiates through the returned logits too: the backward adds their
     gradient per tile, and the gradients are no further from FP64 than stock's."""
     inputs = _returns_logits_inputs(dtype, fn=fn)
