@@ -10,9 +10,13 @@ for ``--head ce``, what DTensor users write without us: eager ``F.cross_entropy`
 ``loss_parallel()`` (``loss_parallel_eager``).  Every backend runs in a fresh ``torchrun``
 job: one warm-up step (compiles); VmRSS, VmHWM reset, the measured step, VmHWM
 (benchmarks/memory.py); then ``--steps`` timed steps (the median, of the slower rank).
-The limit per rank is what the step must hold: the bf16 logits shard and its bf16
-gradient, ``2 x 2 T V / 2`` bytes, plus the weight shard's gradient.  Times are ratios to
-stock Inductor from the same run (the machine is shared and noisy: a rough guide).
+The limit per rank is the issue's: what the step must hold when the logits shard never
+exists whole, the bf16 gradients of the rank's weight shard and of ``h``, plus one chunk
+of the loop (the default budget, 32 MiB), plus the copies of ``h`` and of the weight shard
+that the example's step makes (its inputs).  With the lm_head matmul in the compiled
+loss (``h @ w_shard.T``, as here) the pass computes the logits per chunk
+(:mod:`fx_passes.shard_lm_head`).  Times are ratios to stock Inductor from the same run
+(the machine is shared and noisy: a rough guide).
 """
 
 from __future__ import annotations
@@ -95,6 +99,14 @@ def rank_child(argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
+BUDGET_MIB = 32  # Config.chunk_budget_mib's default
+
+
+def limit_mib(rows: int, shard: int, hidden: int) -> float:
+    """See the module doc: 2 bytes per gradient and per input copy, plus the budget."""
+    return 2 * 2 * (shard * hidden + rows * hidden) / MIB + BUDGET_MIB
+
+
 def main() -> None:
     if "--rank-child" in sys.argv:
         return rank_child([a for a in sys.argv[1:] if a != "--rank-child"])
@@ -112,9 +124,10 @@ def main() -> None:
     sizes = ["--head", args.head, "--rows", args.rows, "--vocab", args.vocab, "--hidden", args.hidden,
              "--steps", args.steps]
     T, V, H = int(args.rows), int(args.vocab), int(args.hidden)
-    limit = (2 * 2 * T * V // 2 + 2 * V // 2 * H) / MIB
+    limit = limit_mib(T, V // 2, H)
     print(f"2 ranks, gloo, CPU, 1 thread each; head {args.head}; T {T}, V {V} ({V // 2} per rank), H {H}, "
-          f"bf16; limit per rank {limit:.1f} MiB (bf16 logits shard + its gradient + weight-shard gradient)")
+          f"bf16; limit per rank {limit:.1f} MiB (bf16 gradients of the weight shard and of h, one "
+          f"{BUDGET_MIB} MiB chunk, the step's copies of h and the weight shard)")
     print(f"{'backend':<22}{'peak r0':>9}{'peak r1':>9}{'x limit':>9}{'time s':>9}{'vs stock':>10}"
           "  counters (rank 0)")
     stock = None

@@ -174,6 +174,7 @@ class _Backward:
         for t0, t1 in even_splits(n, rows):
             g = self.grad_of_tile(body, self.hidden[t0:t1], self.weight, self.bias, 0, vocab, t0, t1)
             torch.mm(g, self.weight, out=grad_hidden[t0:t1])
+            del g  # (before the next tile's logits exist: one tile at a time)
 
     def blocks_sweep(self, grad_weight: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
         """``grad_weight`` (and ``grad_bias``), a vocabulary block at a time: the block's
@@ -187,6 +188,7 @@ class _Backward:
             torch.mm(g.t(), self.hidden, out=grad_weight[v0:v1])
             if grad_bias is not None:
                 grad_bias[v0:v1] = g.sum(0, dtype=torch.float32)
+            del g
 
 
 def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,

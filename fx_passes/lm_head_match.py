@@ -30,7 +30,7 @@ from torch.fx import Node
 
 from .graph_ops import canon, get_arg, is_low_precision, meta, tensor_input
 
-__all__ = ["LMHead", "match_lm_head", "TRANSFORMS_KNOWN"]
+__all__ = ["LMHead", "match_lm_head", "producer", "TRANSFORMS_KNOWN"]
 
 TRANSFORMS_KNOWN = "x / c, x * c and tanh(x), c a constant"
 _MAX_TRANSFORMS = 8  # how far back from the upcast the logit transforms are followed
@@ -67,7 +67,8 @@ def _weight_of_transpose(node) -> Optional[Node]:
     return src if isinstance(src, Node) and isinstance(v, torch.Tensor) and v.dim() == 2 else None
 
 
-def _producer(x: Node) -> Optional[LMHead]:
+def producer(x: Node) -> Optional[LMHead]:
+    """The lm_head whose matmul (``linear`` / ``hidden @ weight.T``) is ``x``, or None."""
     if x.op == "call_function" and x.target in (F.linear, torch._C._nn.linear):
         args = list(x.args) + [None] * 3
         hidden, weight = args[0], x.kwargs.get("weight", args[1])
@@ -124,13 +125,13 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
     (empty when no matmul is near: then ``x`` is simply not an lm_head's output)."""
     chain, specs, node = [], [], x
     for _ in range(_MAX_TRANSFORMS):
-        head = _producer(node)
+        head = producer(node)
         if head is not None:
             break
         step = _transform(node)
         if step is None:
             source = _elementwise_on(node)
-            if source is not None and _producer(source) is not None:
+            if source is not None and producer(source) is not None:
                 return None, (f"the logits pass through {_op_name(node)} ({node.name}) between the lm_head "
                               f"and the upcast; the chunk loop carries {TRANSFORMS_KNOWN}")
             return None, ""  # a view, a masked_fill ...: x is not the lm_head's output

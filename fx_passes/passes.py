@@ -55,11 +55,17 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
             record_rewrite(where, what, nbytes, report_only=True)
             continue
         try:
-            rewrite_shard_region(graph, found)
+            how = rewrite_shard_region(graph, found, config.fuse_lm_head, config.chunk_budget_bytes)
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue
         counters[COUNTER]["vocab_parallel"] += 1
+        if how == "lm_head_fused":
+            counters[COUNTER]["vocab_parallel_lm_head"] += 1
+            what += ", lm_head matmul fused into the chunk loop"
+        elif how:
+            counters[COUNTER]["lm_head_not_fused"] += 1
+            what += f", lm_head not fused: {how}"
         record_rewrite(where, what, nbytes, report_only=False)
     return seen
 
@@ -151,7 +157,7 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 # sources (the value is part of the cache key), so a warm start reuses the compiled
 # forward and backward and a changed package never gets stale ones.
 CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats",
-             "fx_passes.vocab_parallel.shard_reduce")
+             "fx_passes.vocab_parallel.shard_reduce", "fx_passes.shard_lm_head.shard_lm_head")
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:

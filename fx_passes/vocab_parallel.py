@@ -42,19 +42,18 @@ value, and a backward that is pointwise (a gather's backward scatters into a zer
 
 from __future__ import annotations
 
-import hashlib
 import operator
-import types
 from typing import Any, Optional
 
 import torch
-from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
-from . import compat
-from .graph_ops import canon, get_arg, is_fp32, last_dim, meta, tensor_input
+from . import shard_bodies
+from .graph_ops import canon, get_arg, is_fp32, is_low_precision, last_dim, meta, tensor_input
+from .lm_head_match import LMHead, producer
 from .match import _upcast_input
-from .report import COUNTER, Decline, Reason, log
+from .report import Decline, Reason
+from .shard_lm_head import gather_index_positions, shard_lm_head
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
 
@@ -249,9 +248,6 @@ def _requires_grad(node: Node) -> bool:
 
 # --- the call a rewritten graph makes ------------------------------------------------
 
-_FUNCTIONS: dict[str, GraphModule] = {}
-
-
 def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) -> GraphModule:
     """``fn(x, *operands) -> tuple(reductions)``: the region's ops for these reductions,
     a gather spelled as a masked sum, values computed without grad marked detached."""
@@ -267,7 +263,7 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
     for n in sorted(nodes, key=order.__getitem__):
         if _reduction(n) == "gather":
             src, index = env[tensor_input(n)], env[get_arg(n, "index")]
-            width = meta(tensor_input(n)).shape[-1]
+            width = g.call_method("size", (src, -1))  # (read at run time: a block of columns too)
             ar = g.call_function(torch.arange, (width,), {"device": meta(n).device})
             hit = g.call_function(operator.eq, (ar, index))
             picked = g.call_function(torch.where, (hit, src, 0.0))
@@ -281,105 +277,20 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
     return GraphModule(torch.nn.Module(), g)
 
 
-def _register(gm: GraphModule) -> str:
-    key = hashlib.sha256(gm.code.encode()).hexdigest()[:24]
-    _FUNCTIONS.setdefault(key, gm)
-    return key
-
-
-def _own_code(fn, name: str):
-    """``fn`` with a code object of its own: Dynamo keeps its compiled graphs and guards
-    per code object, so each stage's body gets its own cache (one closure shared by all
-    stages would recompile from one to the next and hit the recompile limit)."""
-    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
-                              fn.__closure__)
-
-
-def _compile(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-def _fallback(compiled, eager, what: str):
-    """``compiled``, or ``eager`` from the first time ``compiled`` raises (a compile
-    failure inside a training step must not end it): the same maths without Inductor's
-    fused kernels, so FP32 ``[.., V]`` temporaries exist again; said once in the log."""
-    state = {"fn": compiled}
-
-    def call(*args):
-        if state["fn"] is compiled:
-            try:
-                return compiled(*args)
-            except Exception:  # noqa: BLE001 - any compile failure: fall back, say so
-                log.warning("chunked_logits: compiling the vocab-parallel body %s failed; it runs "
-                            "eagerly from now on (same results, FP32 temporaries)", what, exc_info=True)
-                counters[COUNTER]["shard_body_eager"] += 1
-                state["fn"] = eager
-        return state["fn"](*args)
-    return call
-
-
-def _body(key: str):
-    """The stage's reductions, compiled by Inductor once per key (fused kernels that read
-    the model-precision logits: no FP32 [.., V] buffer)."""
-    if key not in _COMPILED:
-        fn = _FUNCTIONS[key]
-
-        def reductions(*args):
-            return fn(*args)
-        body = _fallback(_compile(_own_code(reductions, f"shard_reduce_{key}")), reductions, key)
-
-        def call(*args):  # one dispatch-key set and grad mode on every call (Dynamo guards on them)
-            with compat.below_autograd_no_grad():
-                return body(*(a.detach() for a in args))
-        _COMPILED[key] = call
-    return _COMPILED[key]
-
-
-def _backward_body(key: str, wanted: tuple[int, ...]):
-    """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``, where inputs are
-    ``(x, *operands)``: the vector-Jacobian product of the stage's reductions, compiled
-    once per key (a pointwise pass that writes the logits gradient in model precision)."""
-    if (key, wanted) not in _COMPILED:
-        fn = _FUNCTIONS[key]
-        n = sum(1 for node in fn.graph.nodes if node.op == "placeholder")
-
-        def vjp(*args):
-            inputs, grads = args[:n], args[n:]
-
-            def partial(*diff):
-                full = list(inputs)
-                for i, d in zip(wanted, diff):
-                    full[i] = d
-                return tuple(fn(*full))
-            _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
-            return pullback(tuple(grads))
-        name = f"shard_reduce_backward_{key}_{'_'.join(map(str, wanted))}"
-        body = _fallback(_compile(_own_code(vjp, name)), vjp, name)
-
-        def call(*args):
-            with torch.no_grad():
-                return body(*(a.detach() for a in args))
-        _COMPILED[(key, wanted)] = call
-    return _COMPILED[(key, wanted)]
-
-
-_COMPILED: dict = {}
-
-
 @torch.library.custom_op("chunked_logits::shard_reduce", mutates_args=())
 def _shard_reduce(key: str, x: torch.Tensor, operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(_body(key)(x, *operands))
+    return list(shard_bodies.body(key)(x, *operands))
 
 
 @_shard_reduce.register_fake
 def _(key, x, operands):
-    return list(_FUNCTIONS[key](x, *operands))
+    return list(shard_bodies.function(key)(x, *operands))
 
 
 @torch.library.custom_op("chunked_logits::shard_reduce_backward", mutates_args=())
 def _shard_reduce_backward(key: str, wanted: list[int], x: torch.Tensor, operands: list[torch.Tensor],
                            grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(_backward_body(key, tuple(wanted))(x, *operands, *grads))
+    return list(shard_bodies.backward_body(key, tuple(wanted))(x, *operands, *grads))
 
 
 @_shard_reduce_backward.register_fake
@@ -506,9 +417,49 @@ def _mutates_or_switches_mode(n: Node) -> bool:
     return n.is_impure() or name.startswith("_set_grad") or "autocast" in name
 
 
-def rewrite_shard_region(graph: Graph, region: ShardRegion) -> None:
-    """One :func:`shard_reduce` call per stage; the FP32 ``[.., V]`` nodes erased.
-    Plans every stage (Decline) before it edits the graph."""
+def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
+    """The lm_head matmul that makes the shard, when every stage can compute it per
+    chunk (:mod:`fx_passes.shard_lm_head`); else None and why not."""
+    head = producer(region.x) if isinstance(region.x, Node) else None
+    if head is None:
+        return None, ""  # no matmul: nothing to say
+    if head.bias is not None:
+        return None, "the lm_head has a bias"
+    if set(region.x.users) != {region.upcast}:
+        return None, "the logits shard is also read outside the region"
+    x, h, w = meta(region.x), meta(head.hidden), meta(head.weight)
+    if not (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and h.dim() == 2
+            and w.dim() == 2 and h.dtype == w.dtype == x.dtype and is_low_precision(region.x)):
+        return None, "the shard is not a model-precision [T, H] x [V / world, H] matmul"
+    for stage in region.stages:
+        operands = _operands(region, [n for r in stage for n in _cone(region, r)])
+        if any(_requires_grad(o) for o in operands):
+            return None, "a stage's per-row operand needs a gradient"
+        if any(_requires_grad(r) for r in stage) and {_reduction(r) for r in stage} - {"sum", "gather"}:
+            return None, "the stage with a gradient has a reduction other than sum and gather"
+    return head, ""
+
+
+def _index_positions(region: ShardRegion, reductions: list[Node], operands: list[Node]) -> tuple[int, ...]:
+    """The operands that are a gather's index and read by nothing else in the stage."""
+    cone = {n for r in reductions for n in _cone(region, r)}
+    out = []
+    for r in reductions:
+        if _reduction(r) == "gather":
+            index = get_arg(r, "index")
+            if any(index in n.all_input_nodes for n in cone if n is not r):
+                raise Decline(Reason.UNKNOWN_OP, f"the gather index {index.name} is read elsewhere too")
+            out.append(operands.index(index))
+    return tuple(out)
+
+
+def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool = False,
+                         budget: int = 32 << 20) -> str:
+    """One :func:`shard_reduce` call per stage (:func:`shard_lm_head` when the shard is a
+    fusable lm_head matmul and ``fuse_lm_head``); the FP32 ``[.., V]`` nodes erased.
+    Plans every stage (Decline) before it edits the graph.  Returns "lm_head_fused", or
+    why the lm_head matmul stays ("" when there is none)."""
+    head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
     for reductions in region.stages:
@@ -523,14 +474,24 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion) -> None:
                     _mutates_or_switches_mode(n):
                 raise Decline(Reason.ORDER, f"operand {n.name} is computed after the first reduction")
         differentiable = any(_requires_grad(r) for r in reductions)
+        if head is not None:
+            try:
+                indexes = _index_positions(region, reductions, operands)
+            except Decline as d:
+                head, why, indexes = None, d.detail, ()
         plans.append((anchor, operands, sorted(late, key=order.__getitem__), differentiable,
-                      _build(region, reductions, operands), reductions))
-    for anchor, operands, late, differentiable, gm, reductions in plans:
+                      _build(region, reductions, operands), reductions, indexes if head is not None else ()))
+    for anchor, operands, late, differentiable, gm, reductions, indexes in plans:
         for n in late:
             anchor.prepend(n)
-        key = _register(gm)
+        key = shard_bodies.register(gm)
+        if head is not None:
+            gather_index_positions(key, indexes)
+            args = (shard_lm_head, (key, differentiable, budget, head.hidden, head.weight, *operands))
+        else:
+            args = (shard_reduce, (key, differentiable, region.x, *operands))
         with graph.inserting_before(anchor):
-            call = graph.call_function(shard_reduce, (key, differentiable, region.x, *operands))
+            call = graph.call_function(*args)
             for i, r in enumerate(reductions):
                 item = graph.call_function(operator.getitem, (call, i))
                 item.meta.update(r.meta)
@@ -538,3 +499,9 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion) -> None:
     for n in reversed(list(graph.nodes)):
         if (n in region.reductions or n in region.nodes) and not n.users:
             graph.erase_node(n)
+    if head is None:
+        return why
+    for n in (region.x, head.transpose):
+        if n is not None and not n.users:
+            graph.erase_node(n)
+    return "lm_head_fused"

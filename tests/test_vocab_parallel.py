@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
 
-from benchmarks.codegen import full_fp32_buffers
+from benchmarks.codegen import allocations, full_fp32_buffers
 from tests.helpers import chunked_counters, clean_env, ops, rewrite_graphs
 from tests.numerics import TOLERANCES, assert_no_less_accurate, reference, run
 
@@ -202,6 +202,94 @@ def test_a_loss_all_reduced_for_logging_stays_single_process(spelling):
     assert chunked_counters() == {"rewritten": 1}
 
 
+# --- the lm_head matmul inside the loop (fx_passes.shard_lm_head) ---------------------
+
+H = 32
+
+
+def with_lm_head(head):
+    def fn(h, w, tok, up=torch.float32):
+        return head(h @ w.t(), tok, up)
+    fn.__name__ = head.__name__
+    return fn
+
+
+def lm_inputs(dtype, head):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H**0.5 * 4).to(dtype)
+    tok = torch.randint(0, V, (T,), generator=g)
+    tok[::5] = -100
+    return [h, w, tok if head is cross_entropy else tok.clamp(min=0)]
+
+
+# a small budget: several row chunks and vocabulary blocks, neither dividing T or V
+SMALL_BUDGET = {"chunk_budget_mib": 0.05}
+
+
+@pytest.mark.parametrize("head", HEADS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
+    """``h @ w_shard.T`` feeding the region: every stage computes its logits per row chunk;
+    loss and the gradients of h and of the weight shard no further from FP64 than stock."""
+    fn, data = with_lm_head(head), lm_inputs(dtype, head)
+    ref = reference(fn, data, (0, 1))
+    torch._dynamo.reset()
+    stock = run(torch.compile(fn, backend="inductor"), data, (0, 1))
+    torch._dynamo.reset()
+    counters.clear()
+    ours = run(torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET), data, (0, 1))
+    assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "vocab_parallel_lm_head": 1}
+    assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+
+
+@pytest.mark.parametrize("head", [logprob, entropy], ids=lambda f: f.__name__)
+def test_lm_head_fused_no_logits_shard_in_generated_code(head):
+    """Not even the model-precision logits shard or its gradient: no [T, V / world]
+    buffer of any dtype in the step's graphs (stock has them: the positive control)."""
+    fn, (h, w, tok) = with_lm_head(head), lm_inputs(torch.bfloat16, head)
+
+    def codes(backend):
+        torch._dynamo.reset()
+        hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+        step = torch.compile(fn, backend=backend, options=SMALL_BUDGET if backend != "inductor" else None)
+        _, out = torch._inductor.utils.run_and_get_code(lambda: step(hr, wr, tok).sum().backward())
+        return [a for c in out for a in allocations(c) if a[0] == (str(T), str(V))]
+    assert codes("inductor"), "positive control"
+    assert codes("chunked_logits") == []
+
+
+def test_lm_head_frozen_weight_only_hidden_gradient():
+    """A frozen lm_head shard: only grad_hidden is computed, the same as with the weight
+    trainable."""
+    fn, data = with_lm_head(logprob), lm_inputs(torch.bfloat16, logprob)
+    step = torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET)
+    _, (gh_all, _) = run(step, data, (0, 1))
+    _, (gh,) = run(step, data, (0,))
+    assert torch.equal(gh, gh_all)
+
+
+@pytest.mark.parametrize("case", ["returned", "off"])
+def test_lm_head_not_fused_says_why(case, caplog):
+    """The shard read outside the region (here: returned) keeps the matmul, and so does
+    ``fuse_lm_head=False``; the region is rewritten either way."""
+    def fn(h, w, tok):
+        local = h @ w.t()
+        out = logprob(local, tok)
+        return (out, local) if case == "returned" else out
+    h, w, tok = lm_inputs(torch.bfloat16, logprob)
+    torch._dynamo.reset()
+    counters.clear()
+    options = {"fuse_lm_head": False} if case == "off" else {}
+    with caplog.at_level("INFO", logger="fx_passes"):
+        torch.compile(fn, backend="chunked_logits", options=options)(h.requires_grad_(), w, tok)
+    if case == "returned":
+        assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "lm_head_not_fused": 1}
+        assert "the logits shard is also read outside the region" in caplog.text
+    else:
+        assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks,dp", [(2, 1), (4, 2)], ids=["tp2", "tp2_fsdp2_dp2"])
 def test_every_rank_every_head(tmp_path, ranks, dp):
@@ -220,7 +308,9 @@ def test_every_rank_every_head(tmp_path, ranks, dp):
         rank = json.loads((out / f"rank{r}.json").read_text())
         for head in ("logprob", "entropy", "ce"):
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
-            assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1}, ours["events"]
+            # (under FSDP2 the shard's module call is a graph break: its logits come in whole)
+            fused = {"vocab_parallel_lm_head": 1} if dp == 1 else {}
+            assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused}, ours["events"]
             assert ours["loss"]["max"] <= stock["loss"]["max"] + 2e-6 * max(stock["loss"]["scale"], 1.0)
             for name, got in ours["grads"].items():
                 st = stock["grads"][name]
@@ -244,14 +334,14 @@ def test_graph_before_and_after():
 def test_a_body_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):
     """A compile failure inside the step (the stage bodies compile on first use) must not
     end the user's step: the body runs eagerly, the same maths, with a warning."""
-    from fx_passes import vocab_parallel
+    from fx_passes import shard_bodies
 
     def broken(fn):
         def call(*args):
             raise RuntimeError("injected compile failure")
         return call
-    monkeypatch.setattr(vocab_parallel, "_compile", broken)
-    monkeypatch.setattr(vocab_parallel, "_COMPILED", {})
+    monkeypatch.setattr(shard_bodies, "_compile", broken)
+    monkeypatch.setattr(shard_bodies, "_COMPILED", {})
     data = inputs(torch.bfloat16)
     data[1] = data[1].clamp(min=0)
     torch._dynamo.reset()

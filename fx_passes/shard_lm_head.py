@@ -1,0 +1,154 @@
+"""The lm_head inside a vocab-parallel region: no rank holds its logits shard whole.
+
+When the shard a vocab-parallel region reads (:mod:`fx_passes.vocab_parallel`) is
+``hidden @ weight_shard.T`` in the same graph, and nothing else reads it, each stage calls
+:func:`shard_lm_head` on ``hidden`` and the weight shard instead of
+:func:`~fx_passes.vocab_parallel.shard_reduce` on the logits:
+
+* forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are
+  computed in model precision and the stage's reductions (its compiled body,
+  :mod:`fx_passes.shard_bodies`) run on them.  Each stage computes its chunks again: a
+  stage's per-row operands (the all-reduced max) exist only after the previous stage.
+* backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
+  gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
+  model precision.  Row chunks over the whole shard write ``grad_hidden[rows]`` and
+  vocabulary blocks over all rows write ``grad_weight[block]``, one model-precision
+  matmul each, so every element is one FP32 sum rounded once (the ``two_sweeps`` order
+  of :mod:`fx_passes.lm_head`).  The backward stays local, as stock's: no collective.
+
+A block of columns runs the stage's ops on those columns only, so a stage that needs a
+gradient may end in sums and gathers (each a sum over columns) and no other reduction;
+the gather's index is shifted by the block's first column.  :func:`plan` says whether a
+region qualifies, and why not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import shard_bodies
+from .tiling import even_splits, sweep_sizes
+
+__all__ = ["shard_lm_head", "gather_index_positions"]
+
+# Per stage key: which operands are a gather's index (shifted per block of columns).
+_INDEXES: dict[str, tuple[int, ...]] = {}
+
+
+def gather_index_positions(key: str, positions: tuple[int, ...]) -> None:
+    """Record which of stage ``key``'s operands are gather indexes (see the module doc)."""
+    _INDEXES[key] = positions
+
+
+def _rows(operands, t0: int, t1: int, n: int) -> list[torch.Tensor]:
+    """The operands of rows ``[t0, t1)``: per-row ones sliced, scalars as they are."""
+    return [o[t0:t1] if o.dim() > 0 and o.shape[0] == n and o.numel() == n else o for o in operands]
+
+
+def _columns(key: str, operands, v0: int) -> list[torch.Tensor]:
+    """The operands of a block of columns starting at ``v0``: gather indexes shifted
+    (an index outside the block then matches no column of it)."""
+    positions = _INDEXES.get(key, ())
+    return [o - v0 if i in positions else o for i, o in enumerate(operands)]
+
+
+def _forward(key: str, hidden, weight, operands, budget: int) -> list[torch.Tensor]:
+    n, width = hidden.shape[0], weight.shape[0]
+    rows, _ = sweep_sizes(budget, n, width)
+    body = shard_bodies.body(key)
+    outs: Optional[list[torch.Tensor]] = None
+    for t0, t1 in even_splits(n, rows):
+        with torch.no_grad():
+            x = F.linear(hidden[t0:t1].detach(), weight.detach())
+        got = body(x, *_rows(operands, t0, t1, n))
+        del x  # (before the next chunk's logits exist: one chunk at a time)
+        if outs is None:
+            outs = [g.new_empty((n, *g.shape[1:])) for g in got]
+        for out, g in zip(outs, got):
+            out[t0:t1] = g
+    return outs if outs is not None else _fake(key, hidden, weight, operands)
+
+
+def _fake(key: str, hidden, weight, operands) -> list[torch.Tensor]:
+    x = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    return [torch.empty_like(o) for o in shard_bodies.function(key)(x, *operands)]
+
+
+@torch.library.custom_op("chunked_logits::shard_lm_head", mutates_args=())
+def _shard_lm_head(key: str, hidden: torch.Tensor, weight: torch.Tensor, operands: list[torch.Tensor],
+                   budget: int) -> list[torch.Tensor]:
+    return _forward(key, hidden, weight, operands, budget)
+
+
+@_shard_lm_head.register_fake
+def _(key, hidden, weight, operands, budget):
+    return _fake(key, hidden, weight, operands)
+
+
+def _backward_loops(key: str, hidden, weight, operands, grads, budget: int, need_hidden: bool,
+                    need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n, width = hidden.shape[0], weight.shape[0]
+    rows, cols = sweep_sizes(budget, n, width)
+    vjp = shard_bodies.backward_body(key, (0,))
+    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+    with torch.no_grad():
+        if need_hidden:
+            for t0, t1 in even_splits(n, rows):
+                x = F.linear(hidden[t0:t1], weight)
+                (g,) = vjp(x, *_rows(operands, t0, t1, n), *_rows(grads, t0, t1, n))
+                torch.mm(g, weight, out=grad_hidden[t0:t1])
+                del x, g  # (one tile at a time)
+        if need_weight:
+            for v0, v1 in even_splits(width, cols):
+                x = F.linear(hidden, weight[v0:v1])
+                (g,) = vjp(x, *_columns(key, operands, v0), *grads)
+                torch.mm(g.t(), hidden, out=grad_weight[v0:v1])
+                del x, g
+    return grad_hidden, grad_weight
+
+
+@torch.library.custom_op("chunked_logits::shard_lm_head_backward", mutates_args=())
+def _shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
+                            operands: list[torch.Tensor], grads: list[torch.Tensor], budget: int,
+                            need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_loops(key, hidden, weight, operands, grads, budget, need_hidden, need_weight)
+
+
+@_shard_lm_head_backward.register_fake
+def _(key, hidden, weight, operands, grads, budget, need_hidden, need_weight):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0))
+
+
+def _setup(ctx, inputs, output):
+    key, hidden, weight, operands, budget = inputs
+    ctx.key, ctx.budget = key, budget
+    ctx.outputs = [(o.shape, o.dtype) for o in output]
+    ctx.save_for_backward(hidden, weight, *operands)
+
+
+def _backward(ctx, grads):
+    hidden, weight, *operands = ctx.saved_tensors
+    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=hidden.device)
+             for g, (shape, dtype) in zip(grads, ctx.outputs)]
+    need_hidden, need_weight = ctx.needs_input_grad[1:3]
+    gh, gw = _shard_lm_head_backward(ctx.key, hidden, weight, operands, grads, ctx.budget, need_hidden,
+                                     need_weight)
+    return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(operands), None
+
+
+_shard_lm_head.register_autograd(_backward, setup_context=_setup)
+
+
+def shard_lm_head(key: str, differentiable: bool, budget: int, hidden: torch.Tensor, weight: torch.Tensor,
+                  *operands: torch.Tensor):
+    """The reductions of one stage of a rewritten vocab-parallel region whose logits shard
+    is ``hidden @ weight.T`` (see the module doc)."""
+    if not differentiable:
+        hidden, weight = hidden.detach(), weight.detach()
+    operands = tuple(o.detach() for o in operands)
+    return tuple(_shard_lm_head(key, hidden, weight, list(operands), budget))
