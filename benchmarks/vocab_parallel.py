@@ -5,7 +5,8 @@
 
 Each rank holds the hidden states ``[T, H]`` and its lm_head shard ``[V / 2, H]`` (bf16) and
 runs examples/vocab_parallel_step.py's GRPO-style loss (``--head``): the Megatron-style
-code on the local shard, under stock Inductor, eager, and under ``chunked_logits``; and,
+code on the local shard, under stock Inductor, eager, and under ``chunked_logits`` (and
+with its ``fuse_lm_head=False``: ``chunked_logits_unfused``); and,
 for ``--head ce``, what DTensor users write without us: eager ``F.cross_entropy`` under
 ``loss_parallel()`` (``loss_parallel_eager``).  Every backend runs in a fresh ``torchrun``
 job: one warm-up step (compiles); VmRSS, VmHWM reset, the measured step, VmHWM
@@ -34,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.distributed import torchrun_ranks  # noqa: E402
 from benchmarks.memory import MIB, hwm, release, reset_peak, rss  # noqa: E402
 
-BACKENDS = ("inductor", "eager", "chunked_logits")  # stock first: the others print a ratio to it
+# stock first: the others print a ratio to it
+BACKENDS = ("inductor", "eager", "chunked_logits", "chunked_logits_unfused")
 
 
 def rank_child(argv: list[str]) -> None:
@@ -76,8 +78,12 @@ def rank_child(argv: list[str]) -> None:
                 F.cross_entropy(head(hh).float() / vp.TEMPERATURE, tok, ignore_index=vp.IGNORE).backward()
             head.weight.grad = None
     else:
+        backend, options = args.backend, None
+        if backend == "chunked_logits_unfused":  # the pass with the lm_head matmul left whole
+            backend, options = "chunked_logits", {"fuse_lm_head": False}
+
         def run():
-            vp.step(args.head, args.backend, h, w[lo:lo + shard], tok, old_logp, adv, lo)
+            vp.step(args.head, backend, h, w[lo:lo + shard], tok, old_logp, adv, lo, options=options)
     run()
     release()
     dist.barrier()

@@ -121,8 +121,9 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"max": d.max().item(), "mean": d.mean().item(), "scale": ref.abs().max().item()}
 
 
-def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int, dp_mesh=None):
-    """One step; with ``dp_mesh`` the shard is an ``nn.Linear`` under FSDP2 over it."""
+def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int, dp_mesh=None, options=None):
+    """One step; with ``dp_mesh`` the shard is an ``nn.Linear`` under FSDP2 over it;
+    ``options``: the backend's (``{"fuse_lm_head": False}``)."""
     h = h.clone().requires_grad_()
     if dp_mesh is None:
         shard = w_local = w_local.clone().requires_grad_()
@@ -133,7 +134,7 @@ def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int, dp_me
         with torch.no_grad():
             shard.weight.copy_(w_local)
         fully_shard(shard, mesh=dp_mesh)
-    fn = loss_fn if backend == "eager" else torch.compile(loss_fn, backend=backend)
+    fn = loss_fn if backend == "eager" else torch.compile(loss_fn, backend=backend, options=options)
     loss = fn(h, shard, tok, old_logp, adv, lo, head)
     loss.backward()
     grad = shard.grad if dp_mesh is None else shard.weight.grad.full_tensor()
