@@ -172,8 +172,18 @@ def _grow(upcast: Node, x: Node) -> ShardRegion:
     return region
 
 
+_SYMBOLIC_SCALARS = (torch.SymFloat, torch.SymInt, float, int)
+
+
+def _symbolic_scalar(node: Node) -> bool:
+    """A Python number the graph computes (``dynamic=True`` makes a temperature one)."""
+    v = meta(node)
+    return isinstance(v, _SYMBOLIC_SCALARS) and not isinstance(v, bool)
+
+
 def _operands(region: ShardRegion, nodes: list[Node]) -> list[Node]:
-    """The graph values ``nodes`` read that are not the region's: per-row or scalar tensors."""
+    """The graph values ``nodes`` read that are not the region's: per-row or scalar
+    tensors, and symbolic scalars (passed to the stage as 0-d tensors)."""
     inside = set(region.nodes)
     out: list[Node] = []
     rows = tuple(meta(region.upcast).shape[:-1])
@@ -182,6 +192,9 @@ def _operands(region: ShardRegion, nodes: list[Node]) -> list[Node]:
             if a in inside or a in out or a is region.x:
                 continue
             v = meta(a)
+            if _symbolic_scalar(a):
+                out.append(a)
+                continue
             if not isinstance(v, torch.Tensor):
                 raise Decline(Reason.UNKNOWN_OP, f"{n.name} reads {a.name}, not a tensor")
             per_row = v.dim() == 0 or (v.shape[-1] == 1 and v.numel() <= max(1, _numel(rows)))
@@ -453,6 +466,13 @@ def _index_positions(region: ShardRegion, reductions: list[Node], operands: list
     return tuple(out)
 
 
+def _as_tensor(graph: Graph, node: Node) -> Node:
+    """A symbolic scalar as the 0-d tensor the stage's op takes: FP32 for a float (the
+    FP32 ops it meets compute with it in FP32 either way), int64 for an int."""
+    dtype = torch.float32 if isinstance(meta(node), (torch.SymFloat, float)) else torch.int64
+    return graph.call_function(torch.scalar_tensor, (node,), {"dtype": dtype})
+
+
 def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool = False,
                          budget: int = 32 << 20) -> str:
     """One :func:`shard_reduce` call per stage (:func:`shard_lm_head` when the shard is a
@@ -485,6 +505,8 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool =
         for n in late:
             anchor.prepend(n)
         key = shard_bodies.register(gm)
+        with graph.inserting_before(anchor):
+            operands = [_as_tensor(graph, o) if _symbolic_scalar(o) else o for o in operands]
         if head is not None:
             gather_index_positions(key, indexes)
             args = (shard_lm_head, (key, differentiable, budget, head.hidden, head.weight, *operands))

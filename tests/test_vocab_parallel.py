@@ -269,6 +269,33 @@ def test_lm_head_frozen_weight_only_hidden_gradient():
     assert torch.equal(gh, gh_all)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["shard", "lm_head"])
+def test_dynamic_lengths_rewritten_once_and_same_as_stock(fused):
+    """Was a gap: under ``dynamic=True`` Dynamo passes the temperature as a symbolic float
+    and the region was declined ("not a tensor").  It is a 0-d FP32 operand now: one
+    rewrite for every length, results as stock's."""
+    fn = with_lm_head(logprob) if fused else logprob
+    ours = torch.compile(fn, backend="chunked_logits", dynamic=True, options=SMALL_BUDGET)
+    stock = torch.compile(fn, backend="inductor", dynamic=True)
+    torch._dynamo.reset()
+    counters.clear()
+    for rows in (37, 50, 23):
+        g = torch.Generator().manual_seed(rows)
+        tok = torch.randint(0, V, (rows,), generator=g)
+        if fused:
+            h, w = torch.randn(rows, H, generator=g), torch.randn(V, H, generator=g) / 4
+            data = [h.bfloat16(), w.bfloat16(), tok]
+        else:
+            data = [(torch.randn(rows, V, generator=g) * 4).bfloat16(), tok]
+        grad_pos = (0, 1) if fused else (0,)
+        got, want = run(ours, data, grad_pos), run(stock, data, grad_pos)
+        for a, b in zip(got[0] + got[1], want[0] + want[1]):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2**-8 * b.abs().max().item())
+    kinds = chunked_counters()
+    assert kinds.get("declined", 0) == 0 and kinds["vocab_parallel"] >= 1, kinds
+    assert kinds.get("vocab_parallel_lm_head", 0) == (kinds["vocab_parallel"] if fused else 0), kinds
+
+
 @pytest.mark.parametrize("case", ["returned", "off"])
 def test_lm_head_not_fused_says_why(case, caplog):
     """The shard read outside the region (here: returned) keeps the matmul, and so does
