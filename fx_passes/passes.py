@@ -60,14 +60,24 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
             record_decline(where, d)
             continue
         counters[COUNTER]["vocab_parallel"] += 1
-        if how == "lm_head_fused":
-            counters[COUNTER]["vocab_parallel_lm_head"] += 1
-            what += ", lm_head matmul fused into the chunk loop"
-        elif how:
-            counters[COUNTER]["lm_head_not_fused"] += 1
-            what += f", lm_head not fused: {how}"
+        what = _lm_head_outcome(how, what, "vocab_parallel_lm_head")
         record_rewrite(where, what, nbytes, report_only=False)
     return seen
+
+
+def _lm_head_outcome(how: str, what: str, fused: str) -> str:
+    """Count what became of the region's lm_head matmul (``how``, from the rewrite;
+    ``fused``: the counter of a fusion) and add it to the description ``what``."""
+    if how in ("lm_head_fused", "lm_head_fused_returned"):
+        counters[COUNTER][fused] += 1
+        what += ", lm_head matmul fused into the chunk loop"
+        if how == "lm_head_fused_returned":
+            counters[COUNTER]["lm_head_returns_logits"] += 1
+            what += ", which also writes the logits the graph returns"
+    elif how:
+        counters[COUNTER]["lm_head_not_fused"] += 1
+        what += f", lm_head not fused: {how}"
+    return what
 
 
 def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
@@ -97,16 +107,7 @@ def run_passes(graph: Graph, config: Config) -> None:
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue
-        if how in ("lm_head_fused", "lm_head_fused_returned"):
-            counters[COUNTER]["lm_head_fused"] += 1
-            what += ", lm_head matmul fused into the chunk loop"
-            if how == "lm_head_fused_returned":
-                counters[COUNTER]["lm_head_returns_logits"] += 1
-                what += ", which also writes the logits the graph returns"
-        elif how:
-            counters[COUNTER]["lm_head_not_fused"] += 1
-            what += f", lm_head not fused: {how}"
-        record_rewrite(where, what, nbytes, report_only=False)
+        record_rewrite(where, _lm_head_outcome(how, what, "lm_head_fused"), nbytes, report_only=False)
         if region.unit_scale_dropped:
             counters[COUNTER]["div_by_one_removed"] += 1
     if config.remove_div_by_one and not config.report_only:
