@@ -296,12 +296,15 @@ def test_dynamic_lengths_rewritten_once_and_same_as_stock(fused):
     assert kinds.get("vocab_parallel_lm_head", 0) == (kinds["vocab_parallel"] if fused else 0), kinds
 
 
-@pytest.mark.parametrize("case", ["returned", "off"])
+NOT_FUSED = {"returned": "the logits shard is also read outside the region", "bias": "the lm_head has a bias"}
+
+
+@pytest.mark.parametrize("case", ["returned", "bias", "off"])
 def test_lm_head_not_fused_says_why(case, caplog):
-    """The shard read outside the region (here: returned) keeps the matmul, and so does
-    ``fuse_lm_head=False``; the region is rewritten either way."""
+    """The shard read outside the region (here: returned), or a bias, keeps the matmul, and
+    so does ``fuse_lm_head=False``; the region is rewritten either way."""
     def fn(h, w, tok):
-        local = h @ w.t()
+        local = torch.nn.functional.linear(h, w, w[:, 0]) if case == "bias" else h @ w.t()
         out = logprob(local, tok)
         return (out, local) if case == "returned" else out
     h, w, tok = lm_inputs(torch.bfloat16, logprob)
@@ -310,9 +313,9 @@ def test_lm_head_not_fused_says_why(case, caplog):
     options = {"fuse_lm_head": False} if case == "off" else {}
     with caplog.at_level("INFO", logger="fx_passes"):
         torch.compile(fn, backend="chunked_logits", options=options)(h.requires_grad_(), w, tok)
-    if case == "returned":
+    if case in NOT_FUSED:
         assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "lm_head_not_fused": 1}
-        assert "the logits shard is also read outside the region" in caplog.text
+        assert NOT_FUSED[case] in caplog.text
     else:
         assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1}
 
