@@ -32,7 +32,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.distributed import torchrun_ranks  # noqa: E402
+from benchmarks.distributed import exit_without_teardown, torchrun_ranks  # noqa: E402
 from benchmarks.memory import MIB, hwm, release, reset_peak, rss  # noqa: E402
 
 # stock first: the others print a ratio to it
@@ -102,7 +102,7 @@ def rank_child(argv: list[str]) -> None:
               "counters": dict(counters["chunked_logits"])}
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    exit_without_teardown()
 
 
 BUDGET_MIB = 32  # Config.chunk_budget_mib's default
