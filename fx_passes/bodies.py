@@ -95,7 +95,7 @@ def backward_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, s
     """Model-precision gradient of this block's matmul output (through the transforms).
 
     ``h``/``w``/``b`` may be FP32 copies of the model-precision operands (see
-    ``tiling.fp32_gemm``): the logits are rounded to ``dtype`` as the forward's were.
+    ``tiling.backward_plan``'s ``"fp32_tiles"``): the logits are rounded to ``dtype`` as the forward's were.
     ``g_x``: the block of the returned logits' gradient (zeros when nothing reads it).  As
     stock Inductor's fused backward does it: the region's gradient is formed in FP32 from
     the returned (rounded) logits, ``g_x`` is added in FP32, the transforms' gradients

@@ -37,7 +37,7 @@ from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logit
 from .tiling import accumulator_rows, backward_plan, backward_tiles, even_splits, forward_rows, sweep_sizes
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",
-           "lm_head_grads"]
+           "lm_head_grads", "two_sweeps"]
 
 
 def _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
@@ -116,6 +116,7 @@ class _Backward:
     scale_is_div: bool
     budget: int
     transforms: str
+    plan: str  # tiling.backward_plan
     g_logits: Optional[torch.Tensor] = None  # the returned logits' gradient [N, V], if they are returned
 
     def grad_of_tile(self, body, h, w, b, v0: int, v1: int, t0: int, t1: int) -> torch.Tensor:
@@ -134,7 +135,8 @@ class _Backward:
         hidden, weight, bias = self.hidden, self.weight, self.bias
         (vocab, width), body = weight.shape, compiled(backward_block)
         first, last = (0, hidden.shape[0]) if grad_weight is not None else (r0, r1)
-        cols, rows, fp32 = backward_tiles(self.budget, last - first, vocab, width, hidden.device)
+        fp32 = self.plan == "fp32_tiles"
+        cols, rows = backward_tiles(self.budget, last - first, vocab, width, fp32)
         for v0, v1 in even_splits(vocab, cols):
             w32 = weight[v0:v1].float()
             b_blk = bias[v0:v1] if bias is not None else None
@@ -165,27 +167,33 @@ class _Backward:
             if gb is not None:
                 grad_bias[v0:v1] = gb
 
-    def rows_sweep(self, grad_hidden: torch.Tensor) -> None:
-        """``grad_hidden``, a chunk of rows at a time: the chunk's gradient over the whole
-        vocabulary, then one model-precision matmul (its whole sum inside it)."""
-        n, vocab = self.hidden.shape[0], self.weight.shape[0]
-        rows, _ = sweep_sizes(self.budget, n, vocab)
-        body = compiled(backward_block)
-        for t0, t1 in even_splits(n, rows):
-            g = self.grad_of_tile(body, self.hidden[t0:t1], self.weight, self.bias, 0, vocab, t0, t1)
-            torch.mm(g, self.weight, out=grad_hidden[t0:t1])
-            del g  # (before the next tile's logits exist: one tile at a time)
+    def tile(self, t0: int, t1: int, v0: int, v1: int) -> torch.Tensor:
+        """``grad_of_tile`` of the model-precision operands (``two_sweeps``)."""
+        b = self.bias[v0:v1] if self.bias is not None else None
+        return self.grad_of_tile(compiled(backward_block), self.hidden[t0:t1], self.weight[v0:v1], b,
+                                 v0, v1, t0, t1)
 
-    def blocks_sweep(self, grad_weight: torch.Tensor, grad_bias: Optional[torch.Tensor]) -> None:
-        """``grad_weight`` (and ``grad_bias``), a vocabulary block at a time: the block's
-        gradient over all rows, then one model-precision matmul (its whole sum inside it)."""
-        n, vocab = self.hidden.shape[0], self.weight.shape[0]
-        _, cols = sweep_sizes(self.budget, n, vocab)
-        body = compiled(backward_block)
+
+def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget: int, grad_of_tile,
+               grad_hidden: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
+               grad_bias: Optional[torch.Tensor] = None) -> None:
+    """The ``"two_sweeps"`` backward of ``hidden @ weight.T`` (``tiling.backward_plan``):
+    ``grad_of_tile(t0, t1, v0, v1)`` is the model-precision gradient of the logits
+    ``[t0:t1, v0:v1]``.  Row chunks over the whole vocabulary write ``grad_hidden``,
+    vocabulary blocks over all rows write ``grad_weight`` (and ``grad_bias``), one
+    model-precision matmul each, its whole sum inside it; one tile exists at a time.
+    A gradient given as None is not computed."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    rows, cols = sweep_sizes(budget, n, vocab)
+    if grad_hidden is not None:
+        for t0, t1 in even_splits(n, rows):
+            g = grad_of_tile(t0, t1, 0, vocab)
+            torch.mm(g, weight, out=grad_hidden[t0:t1])
+            del g  # (before the next tile's logits exist)
+    if grad_weight is not None:
         for v0, v1 in even_splits(vocab, cols):
-            b_blk = self.bias[v0:v1] if self.bias is not None else None
-            g = self.grad_of_tile(body, self.hidden, self.weight[v0:v1], b_blk, v0, v1, 0, n)
-            torch.mm(g.t(), self.hidden, out=grad_weight[v0:v1])
+            g = grad_of_tile(0, n, v0, v1)
+            torch.mm(g.t(), hidden, out=grad_weight[v0:v1])
             if grad_bias is not None:
                 grad_bias[v0:v1] = g.sum(0, dtype=torch.float32)
             del g
@@ -214,13 +222,12 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
     grad_bias = torch.zeros(weight.shape[0] if bias is not None and need_weight else 0, dtype=weight.dtype,
                             device=weight.device)
     with_bias = grad_bias if bias is not None and need_weight else None
+    plan = backward_plan(hidden.device, hidden.dtype)
     bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                    scale_is_div, budget_bytes, transforms, g_logits)
-    if backward_plan(hidden.device, hidden.dtype) == "two_sweeps":
-        if need_hidden:
-            bwd.rows_sweep(grad_hidden)
-        if need_weight:
-            bwd.blocks_sweep(grad_weight, with_bias)
+                    scale_is_div, budget_bytes, transforms, plan, g_logits)
+    if plan == "two_sweeps":
+        two_sweeps(hidden, weight, budget_bytes, bwd.tile, grad_hidden if need_hidden else None,
+                   grad_weight if need_weight else None, with_bias)
         return grad_hidden, grad_weight, grad_bias
     if not need_hidden:
         bwd.sweep(0, 0, None, grad_weight, with_bias)

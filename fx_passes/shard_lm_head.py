@@ -11,10 +11,10 @@ When the shard a vocab-parallel region reads (:mod:`fx_passes.vocab_parallel`) i
   stage's per-row operands (the all-reduced max) exist only after the previous stage.
 * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
-  model precision.  Row chunks over the whole shard write ``grad_hidden[rows]`` and
-  vocabulary blocks over all rows write ``grad_weight[block]``, one model-precision
-  matmul each, so every element is one FP32 sum rounded once (the ``two_sweeps`` order
-  of :mod:`fx_passes.lm_head`).  The backward stays local, as stock's: no collective.
+  model precision, and :func:`fx_passes.lm_head.two_sweeps` runs the tiles: row chunks
+  over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
+  write ``grad_weight[block]``, one model-precision matmul each, so every element is one
+  FP32 sum rounded once.  The backward stays local, as stock's: no collective.
 
 A block of columns runs the stage's ops on those columns only, so a stage that needs a
 gradient may end in sums and gathers (each a sum over columns) and no other reduction;
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import shard_bodies
+from .lm_head import two_sweeps
 from .tiling import even_splits, sweep_sizes
 
 __all__ = ["shard_lm_head", "gather_index_positions"]
@@ -90,24 +91,17 @@ def _(key, hidden, weight, operands, budget):
 
 def _backward_loops(key: str, hidden, weight, operands, grads, budget: int, need_hidden: bool,
                     need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    n, width = hidden.shape[0], weight.shape[0]
-    rows, cols = sweep_sizes(budget, n, width)
+    n = hidden.shape[0]
     vjp = shard_bodies.backward_body(key, (0,))
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+
+    def grad_of_tile(t0: int, t1: int, v0: int, v1: int) -> torch.Tensor:
+        x = F.linear(hidden[t0:t1], weight[v0:v1])
+        return vjp(x, *_rows(_columns(key, operands, v0), t0, t1, n), *_rows(grads, t0, t1, n))[0]
     with torch.no_grad():
-        if need_hidden:
-            for t0, t1 in even_splits(n, rows):
-                x = F.linear(hidden[t0:t1], weight)
-                (g,) = vjp(x, *_rows(operands, t0, t1, n), *_rows(grads, t0, t1, n))
-                torch.mm(g, weight, out=grad_hidden[t0:t1])
-                del x, g  # (one tile at a time)
-        if need_weight:
-            for v0, v1 in even_splits(width, cols):
-                x = F.linear(hidden, weight[v0:v1])
-                (g,) = vjp(x, *_columns(key, operands, v0), *grads)
-                torch.mm(g.t(), hidden, out=grad_weight[v0:v1])
-                del x, g
+        two_sweeps(hidden, weight, budget, grad_of_tile, grad_hidden if need_hidden else None,
+                   grad_weight if need_weight else None)
     return grad_hidden, grad_weight
 
 

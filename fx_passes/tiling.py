@@ -12,7 +12,7 @@ import torch
 
 from . import compat
 
-__all__ = ["forward_rows", "backward_tiles", "sweep_sizes", "accumulator_rows", "even_splits", "fp32_gemm",
+__all__ = ["forward_rows", "backward_tiles", "sweep_sizes", "accumulator_rows", "even_splits",
            "backward_plan"]
 
 
@@ -27,26 +27,26 @@ def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
     return max(1, _budget(budget_bytes, n, vocab) // (4 * vocab))
 
 
-def backward_tiles(budget: int, n: int, vocab: int, width: int,
-                   device: torch.device) -> tuple[int, int, bool]:
-    """(columns per vocabulary block, rows per row tile, FP32 GEMMs?) of a backward
-    sweep over ``n`` rows (within the budget, capped for small problems as the forward's).
+def backward_tiles(budget: int, n: int, vocab: int, width: int, fp32: bool) -> tuple[int, int]:
+    """(columns per vocabulary block, rows per row tile) of a vocabulary-block sweep over
+    ``n`` rows (within the budget, capped for small problems as the forward's); ``fp32``:
+    the ``"fp32_tiles"`` plan (``backward_plan``), else ``"blocks"``.
 
-    On GPUs a block holds all rows (one model-precision matmul per block writes
+    ``"blocks"``: a block holds all rows (one model-precision matmul per block writes
     ``grad_weight[block]``, FP32 accumulation inside it): about ``budget / (8 n)``
-    columns.  On CPUs the matmuls run on FP32 copies, made per tile so that no FP32
-    copy of the whole ``hidden`` exists: blocks of ``budget / (16 H)`` columns with
+    columns.  ``"fp32_tiles"``: the matmuls run on FP32 copies, made per tile so that no
+    FP32 copy of the whole ``hidden`` exists: blocks of ``budget / (16 H)`` columns with
     their own FP32 ``[cols, H]`` accumulator for ``grad_weight[block]`` (half the
     budget with the FP32 copy of the weight block), row tiles filling the other half
     (per element: bf16 logits, bf16 and FP32 gradient, FP32 matmul output; plus the
     FP32 copy of the ``hidden`` rows).
     """
     budget = _budget(budget, n, vocab)
-    if not fp32_gemm(device):
-        return max(1, budget // (8 * max(1, n))), max(1, n), False
+    if not fp32:
+        return max(1, budget // (8 * max(1, n))), max(1, n)
     cols = max(1, min(vocab, budget // (16 * width)))
     rows = max(1, min(n, (budget // 2) // (12 * cols + 4 * width)))
-    return cols, rows, True
+    return cols, rows
 
 
 def sweep_sizes(budget: int, n: int, vocab: int) -> tuple[int, int]:
@@ -90,25 +90,15 @@ def backward_plan(device: torch.device, dtype: torch.dtype) -> str:
       model-precision matmuls only, each holding a whole sum: row chunks over the whole
       vocabulary write ``grad_hidden``, vocabulary blocks over all rows write
       ``grad_weight``.  The logits are recomputed once in each sweep.
-    * ``"fp32_tiles"`` (other CPUs, where FP32 GEMM is the faster kernel): one sweep over
-      vocabulary blocks x row tiles on FP32 copies (``fp32_gemm``), ``grad_hidden``
-      accumulated in FP32 for a bounded group of rows at a time.
+    * ``"fp32_tiles"`` (other CPUs): one sweep over vocabulary blocks x row tiles on FP32
+      copies of the model-precision operands (the same maths: exact products, FP32
+      accumulation, one rounding), ``grad_hidden`` accumulated in FP32 for a bounded
+      group of rows at a time.  FP32 GEMM is the faster kernel there (measured: the
+      backward of W4 about 1.5x faster; a bf16 GEMM of W4's size about 6x slower than
+      FP32 with AVX2 only).
     * ``"blocks"`` (GPUs): vocabulary blocks over all rows, ``grad_weight[block]`` in one
       model-precision matmul, ``grad_hidden`` accumulated in FP32 per group of rows.
     """
     if device.type != "cpu":
         return "blocks"
     return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"
-
-
-def fp32_gemm(device: torch.device) -> bool:
-    """Run the backward's matmuls on FP32 copies of the bf16/fp16 operands?
-
-    The result is the same maths as a model-precision matmul (exact products of the
-    model-precision values, FP32 accumulation, one rounding).  On CPUs without native
-    bf16 matmul units FP32 GEMM is the faster kernel (measured: the backward of W4 about
-    1.5x faster; a bf16 GEMM of W4's size about 6x slower than FP32 with AVX2 only).  On
-    CPUs with them (AVX-512 BF16, AMX) it is the slower one: ``backward_plan`` takes
-    ``"two_sweeps"`` there.  GPUs keep their bf16/fp16 tensor-core matmuls.
-    """
-    return device.type == "cpu"

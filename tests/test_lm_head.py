@@ -251,17 +251,17 @@ def test_frozen_weight_computes_no_weight_gradient(plan, monkeypatch):
     fn, inputs, _ = _inputs("logprob_entropy", torch.bfloat16)
     fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1})
     _, (gh_all, _) = run(fused, inputs, (0, 1))
-    calls = []
-    for name in ("blocks_sweep", "sweep"):
-        real = getattr(lm_head._Backward, name)
-        monkeypatch.setattr(lm_head._Backward, name,
-                            lambda self, *a, _real=real, **k: (calls.append(a), _real(self, *a, **k))[1])
+    sweeps, loops = [], []
+    real_sweep, real_two = lm_head._Backward.sweep, lm_head.two_sweeps
+    monkeypatch.setattr(lm_head._Backward, "sweep",
+                        lambda self, *a: (sweeps.append(a), real_sweep(self, *a))[1])
+    monkeypatch.setattr(lm_head, "two_sweeps", lambda *a: (loops.append(a), real_two(*a))[1])
     _, (gh,) = run(fused, inputs, (0,))
     assert torch.equal(gh, gh_all)
-    if plan == "two_sweeps":
-        assert calls == []
-    else:  # each sweep accumulates grad_hidden only
-        assert calls and all(a[3] is None for a in calls), calls  # (r0, r1, acc, grad_weight, ..)
+    if plan == "two_sweeps":  # (hidden, weight, budget, grad_of_tile, grad_hidden, grad_weight, grad_bias)
+        assert sweeps == [] and loops and all(a[4] is not None and a[5] is None for a in loops), loops
+    else:  # each sweep accumulates grad_hidden only: (r0, r1, acc, grad_weight, grad_bias)
+        assert loops == [] and sweeps and all(a[3] is None for a in sweeps), sweeps
 
 
 # --- the graph also returns the logits (Hugging Face models do) -------------------------------
