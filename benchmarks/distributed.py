@@ -167,5 +167,6 @@ def main() -> None:
                   f"{max(peaks) / limit:>11.2f}x{max(peaks) / stock[0]:>9.2f}x{step_s / stock[1]:>14.2f}x  "
                   f"{ranks[0]['counters']}", flush=True)
 
+
 if __name__ == "__main__":
     main()
