@@ -61,6 +61,11 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
             continue
         counters[COUNTER]["vocab_parallel"] += 1
         what = _lm_head_outcome(how, what, "vocab_parallel_lm_head")
+        if found.one_pass is True:
+            counters[COUNTER]["vocab_parallel_one_pass"] += 1
+            what += ", its stages in one pass over the rows"
+        elif found.one_pass:
+            what += f", one lm_head pass per stage: {found.one_pass}"
         record_rewrite(where, what, nbytes, report_only=False)
     return seen
 

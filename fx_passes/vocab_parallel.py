@@ -43,7 +43,7 @@ value, and a backward that is pointwise (a gather's backward scatters into a zer
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -54,6 +54,8 @@ from .lm_head_match import LMHead, producer
 from .match import _upcast_input
 from .report import Decline, Reason
 from .shard_lm_head import gather_index_positions, shard_lm_head
+from .shard_one_pass import getitems, plan_one_pass, shard_lm_head_stages
+from .shard_one_pass import register as register_one_pass
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
 
@@ -141,6 +143,7 @@ class ShardRegion:
         self.nodes: list[Node] = []  # elementwise FP32 [.., V] nodes, the upcast first
         self.reductions: list[Node] = []
         self.stages: list[list[Node]] = []
+        self.one_pass: Optional[bool | str] = None  # set by the rewrite (rewrite_shard_region)
 
     def describe(self) -> str:
         kinds = "+".join(sorted({_reduction(r) for r in self.reductions}))
@@ -473,51 +476,58 @@ def _as_tensor(graph: Graph, node: Node) -> Node:
     return graph.call_function(torch.scalar_tensor, (node,), {"dtype": dtype})
 
 
+class _Stage(NamedTuple):
+    """One stage, planned: its reductions, per-row operands, the nodes to move before its
+    first reduction, whether it needs a gradient, its body, its gather indexes' positions."""
+    reductions: list[Node]
+    operands: list[Node]
+    late: list[Node]
+    differentiable: bool
+    body: GraphModule
+    indexes: tuple[int, ...]
+
+
+def _late(region: ShardRegion, operands: list[Node], anchor: Node, order: dict[Node, int]) -> list[Node]:
+    """The nodes to move before ``anchor`` so that ``operands`` exist there (graph
+    order); Decline if one of them cannot move (a region node, a collective, a mutation)."""
+    inside = set(region.nodes) | set(region.reductions)
+    late: set[Node] = set()
+    for o in operands:
+        if order[o] > order[anchor]:
+            late |= {a for a in _ancestors(o, set()) if order[a] > order[anchor]} | {o}
+    for n in late:
+        if n in inside or _is_collective(n) or _mutates_or_switches_mode(n):
+            raise Decline(Reason.ORDER, f"operand {n.name} is computed after the first reduction")
+    return sorted(late, key=order.__getitem__)
+
+
 def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool = False,
                          budget: int = 32 << 20) -> str:
     """One :func:`shard_reduce` call per stage (:func:`shard_lm_head` when the shard is a
-    fusable lm_head matmul and ``fuse_lm_head``); the FP32 ``[.., V]`` nodes erased.
-    Plans every stage (Decline) before it edits the graph.  Returns "lm_head_fused", or
-    why the lm_head matmul stays ("" when there is none)."""
+    fusable lm_head matmul and ``fuse_lm_head``; one :func:`shard_lm_head_stages` call
+    for all stages when their glue allows, :mod:`fx_passes.shard_one_pass`); the FP32
+    ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
+    Returns "lm_head_fused", or why the lm_head matmul stays ("" when there is none);
+    sets ``region.one_pass`` (True, or why not; None when it does not apply)."""
     head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
     for reductions in region.stages:
-        anchor = reductions[0]
         operands = _operands(region, [n for r in reductions for n in _cone(region, r)])
-        late: set[Node] = set()
-        for o in operands:
-            if order[o] > order[anchor]:
-                late |= {a for a in _ancestors(o, set()) if order[a] > order[anchor]} | {o}
-        for n in late:
-            if n in region.nodes or n in region.reductions or _is_collective(n) or \
-                    _mutates_or_switches_mode(n):
-                raise Decline(Reason.ORDER, f"operand {n.name} is computed after the first reduction")
-        differentiable = any(_requires_grad(r) for r in reductions)
+        late = _late(region, operands, reductions[0], order)
+        indexes: tuple[int, ...] = ()
         if head is not None:
             try:
                 indexes = _index_positions(region, reductions, operands)
             except Decline as d:
-                head, why, indexes = None, d.detail, ()
-        plans.append((anchor, operands, sorted(late, key=order.__getitem__), differentiable,
-                      _build(region, reductions, operands), reductions, indexes if head is not None else ()))
-    for anchor, operands, late, differentiable, gm, reductions, indexes in plans:
-        for n in late:
-            anchor.prepend(n)
-        key = shard_bodies.register(gm)
-        with graph.inserting_before(anchor):
-            operands = [_as_tensor(graph, o) if _symbolic_scalar(o) else o for o in operands]
-        if head is not None:
-            gather_index_positions(key, indexes)
-            args = (shard_lm_head, (key, differentiable, budget, head.hidden, head.weight, *operands))
-        else:
-            args = (shard_reduce, (key, differentiable, region.x, *operands))
-        with graph.inserting_before(anchor):
-            call = graph.call_function(*args)
-            for i, r in enumerate(reductions):
-                item = graph.call_function(operator.getitem, (call, i))
-                item.meta.update(r.meta)
-                r.replace_all_uses_with(item)
+                head, why = None, d.detail
+        plans.append(_Stage(reductions, operands, late, any(_requires_grad(r) for r in reductions),
+                            _build(region, reductions, operands), indexes))
+    one = _one_pass(region, plans, order) if head is not None and len(plans) > 1 else None
+    if one is not None:
+        _rewrite_one_pass(graph, region, plans, one, head, budget)
+    else:
+        _rewrite_stages(graph, region, plans, head, budget)
     for n in reversed(list(graph.nodes)):
         if (n in region.reductions or n in region.nodes) and not n.users:
             graph.erase_node(n)
@@ -527,3 +537,57 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool =
         if n is not None and not n.users:
             graph.erase_node(n)
     return "lm_head_fused"
+
+
+def _one_pass(region: ShardRegion, plans: list, order: dict[Node, int]):
+    """The one-pass plan and what to move before the first stage, or None (and
+    ``region.one_pass`` says why)."""
+    rows = _numel(tuple(meta(region.upcast).shape[:-1]))
+    try:
+        one = plan_one_pass(region, [(p.reductions, p.operands) for p in plans], rows)
+        late = _late(region, one.externals, plans[0].reductions[0], order)
+    except Decline as d:
+        region.one_pass = d.detail
+        return None
+    region.one_pass = True
+    return one, late
+
+
+def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head: Optional[LMHead],
+                    budget: int) -> None:
+    for p in plans:
+        anchor = p.reductions[0]
+        for n in p.late:
+            anchor.prepend(n)
+        key = shard_bodies.register(p.body)
+        with graph.inserting_before(anchor):
+            operands = [_as_tensor(graph, o) if _symbolic_scalar(o) else o for o in p.operands]
+        if head is not None:
+            gather_index_positions(key, p.indexes)
+            args = (shard_lm_head, (key, p.differentiable, budget, head.hidden, head.weight, *operands))
+        else:
+            args = (shard_reduce, (key, p.differentiable, region.x, *operands))
+        with graph.inserting_before(anchor):
+            getitems(graph, graph.call_function(*args), p.reductions)
+
+
+def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], planned, head: LMHead,
+                      budget: int) -> None:
+    one, late = planned
+    anchor = plans[0].reductions[0]
+    for n in late:
+        anchor.prepend(n)
+    keys = []
+    for p in plans:
+        keys.append(shard_bodies.register(p.body))
+        gather_index_positions(keys[-1], p.indexes)
+    name = register_one_pass(one, [p.reductions for p in plans], keys)
+    differentiable = any(p.differentiable for p in plans)
+    with graph.inserting_before(anchor):
+        externals = [_as_tensor(graph, o) if _symbolic_scalar(o) else o for o in one.externals]
+        call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget, head.hidden,
+                                                          head.weight, *externals))
+        getitems(graph, call, one.outputs)
+    for n in reversed(one.glue):
+        if not n.users:
+            graph.erase_node(n)

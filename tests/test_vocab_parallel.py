@@ -239,7 +239,8 @@ def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, gr
     torch._dynamo.reset()
     counters.clear()
     ours = run(torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET), data, (0, 1))
-    assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "vocab_parallel_lm_head": 1}
+    assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "vocab_parallel_lm_head": 1,
+                                  "vocab_parallel_one_pass": 1}
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
@@ -267,6 +268,61 @@ def test_lm_head_frozen_weight_only_hidden_gradient():
     _, (gh_all, _) = run(step, data, (0, 1))
     _, (gh,) = run(step, data, (0,))
     assert torch.equal(gh, gh_all)
+
+
+def logprob_global_shift(local, tok, up=torch.float32):
+    """The shift is the largest max over all rows: still a valid shift, but the glue
+    between the stages (``.max()`` over rows) is not per row."""
+    z = local.to(up) / 0.7
+    m = funcol.all_reduce(z.detach().amax(-1), "max", dist.group.WORLD)
+    z = z - m.max()
+    s = all_reduce(z.exp().sum(-1), "sum")
+    return z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - s.log()
+
+
+def logits_rows(monkeypatch, step):
+    """Rows x columns of the lm_head matmuls ``step`` runs in the forward and in the
+    backward (real tensors only: not the fake ones compiling traces)."""
+    calls, linear = [], torch.nn.functional.linear
+
+    def counted(a, b, *rest):
+        if not isinstance(a, torch._subclasses.FakeTensor):
+            calls.append(a.shape[0] * b.shape[0])
+        return linear(a, b, *rest)
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
+    out = step()
+    forward = sum(calls)
+    out.sum().backward()
+    return forward, sum(calls) - forward
+
+
+@pytest.mark.parametrize("head", [logprob, entropy, cross_entropy, logprob_inplace, logprob_global_shift],
+                         ids=lambda f: f.__name__)
+def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, caplog):
+    """The forward computes each row chunk's logits once for all stages, the glue (the
+    max's all-reduce, in-place or functional) running per chunk; glue that is not per row
+    keeps one pass per stage, with the reason in the log.  Results as stock's either way;
+    the backward's two sweeps compute the logits twice (``two_sweeps``)."""
+    fn, (h, w, tok) = with_lm_head(head), lm_inputs(torch.bfloat16, head)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with caplog.at_level("INFO", logger="fx_passes"):
+        forward, backward = logits_rows(monkeypatch, lambda: step(hr, wr, tok))
+    one_pass = head is not logprob_global_shift
+    assert chunked_counters().get("vocab_parallel_one_pass", 0) == one_pass
+    assert forward == (1 if one_pass else 2) * T * V
+    assert backward == 2 * T * V
+    if not one_pass:
+        assert "one lm_head pass per stage: glue between stages:" in caplog.text
+    torch._dynamo.reset()
+    stock = torch.compile(fn, backend="inductor")
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = stock(hs, ws, tok)
+    out.sum().backward()
+    for got, want in zip((step(h, w, tok), hr.grad, wr.grad), (out, hs.grad, ws.grad)):
+        torch.testing.assert_close(got, want.detach(), rtol=2e-6, atol=2**-8 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["shard", "lm_head"])
@@ -339,7 +395,7 @@ def test_every_rank_every_head(tmp_path, ranks, dp):
         for head in ("logprob", "entropy", "ce"):
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
             # (under FSDP2 the shard's module call is a graph break: its logits come in whole)
-            fused = {"vocab_parallel_lm_head": 1} if dp == 1 else {}
+            fused = {"vocab_parallel_lm_head": 1, "vocab_parallel_one_pass": 1} if dp == 1 else {}
             assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused}, ours["events"]
             assert ours["loss"]["max"] <= stock["loss"]["max"] + 2e-6 * max(stock["loss"]["scale"], 1.0)
             for name, got in ours["grads"].items():
@@ -359,6 +415,22 @@ def test_graph_before_and_after():
         "shard_reduce getitem all_reduce wait_tensor .unsqueeze ge lt and_ sub where .unsqueeze shard_reduce "
         "getitem getitem .detach all_reduce wait_tensor .detach sub add .squeeze where .detach all_reduce "
         "wait_tensor .detach sub add .log sub")
+
+
+@pytest.mark.parametrize("head", [logprob, logprob_inplace], ids=lambda f: f.__name__)
+def test_lm_head_graph_after_one_pass(head):
+    """With the lm_head fused, both stages are one call; the max's all-reduce moves into
+    it (functional, or Megatron's in-place spelling, whose ``copy_`` stays for readers
+    outside); the sums' all-reduces and the [T] maths stay as written."""
+    h, w, tok = lm_inputs(torch.bfloat16, head)
+    _, after = rewrite_graphs(with_lm_head(head), h.requires_grad_(), w.requires_grad_(), tok)
+    assert ops(after) == {
+        logprob: "ge lt and_ sub where .unsqueeze shard_lm_head_stages getitem getitem getitem getitem "
+                 ".detach all_reduce wait_tensor .detach sub add .squeeze where .detach all_reduce "
+                 "wait_tensor .detach sub add .log sub",
+        logprob_inplace: ".unsqueeze shard_lm_head_stages getitem getitem getitem getitem getitem .copy_ "
+                         "all_reduce wait_tensor .copy_ .squeeze .log sub",
+    }[head]
 
 
 def test_a_body_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):

@@ -1,0 +1,332 @@
+"""A fused vocab-parallel region's stages in one pass over the rows: each row chunk's
+logits are computed once in the forward, not once per stage.
+
+With the lm_head fused (:mod:`fx_passes.shard_lm_head`) each stage of a region
+(:mod:`fx_passes.vocab_parallel`) computes every row chunk's logits again, because its
+per-row operands (the all-reduced max) exist only after the previous stage has seen all
+rows.  But rows are independent: the code *between* the stages (the *glue*: an
+all-reduce of the row max, ``wait_tensor``, ``unsqueeze``) is per row.  So one loop over
+row chunks can compute a chunk's logits once and run on them stage 0, the glue on the
+chunk's rows (its collectives included, on ``[rows]`` tensors as before), stage 1, ...
+One GEMM in the forward instead of one per stage, the same values: every op is the
+user's, on the same elements (a collective on a chunk of rows reduces the same numbers).
+
+Before (two stages, each a :func:`~fx_passes.shard_lm_head.shard_lm_head` call)::
+
+    amax = shard_lm_head("<key0>", False, budget, h, w)[0]
+    m    = wait_tensor(all_reduce(amax, "max", group)).unsqueeze(-1)
+    out  = shard_lm_head("<key1>", True, budget, h, w, m, idx)
+
+After::
+
+    out = shard_lm_head_stages("<plan>", True, budget, h, w, idx)   # the glue runs inside
+    s, tgt = out[1], out[2]                                         # out[3]: m, saved
+
+Only glue that is per row and needs no gradient moves into the loop: elementwise ops,
+views that keep the rows, and all-reduces, each on ``[T]`` or ``[T, 1]``, nothing
+mutated between the first stage and the last.  Anything else (an in-place
+``dist.all_reduce`` is a ``copy_``) keeps one call per stage, as before; the log says why.
+The collectives run once per row chunk, on every rank alike (the chunks depend only on
+shapes every rank shares).  The backward is the stage with a gradient's, unchanged
+(:func:`fx_passes.shard_lm_head` ``_backward_loops``), with its glue operands saved from
+the forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
+
+from . import shard_bodies
+from .graph_ops import meta
+from .report import Decline, Reason
+from .shard_lm_head import _rows, _shard_lm_head_backward
+from .tiling import even_splits, sweep_sizes
+
+__all__ = ["OnePass", "plan_one_pass", "shard_lm_head_stages"]
+
+# Views a glue node may take of a per-row tensor (its rows stay its rows: numel == T).
+_ROW_VIEWS = {"unsqueeze", "squeeze", "view", "reshape", "flatten", "view_as", "contiguous"}
+
+
+@dataclass
+class OnePass:
+    """What the rewrite needs: the graph values the loop reads (``externals``), the glue
+    nodes it runs (graph order), the op's outputs (nodes whose uses it takes over), each
+    stage's operands as the loop sees them (``operands``), and ``read(reader, node)``:
+    the node whose value ``reader`` sees when it reads ``node`` (see :func:`_copies`)."""
+    externals: list[Node]
+    glue: list[Node]
+    outputs: list[Node]
+    operands: list[list[Node]]
+    read: Callable[[Node, Node], Node]
+
+
+def _row_wise(node: Node, rows: int, is_collective) -> Optional[str]:
+    """Why glue ``node`` cannot run on a chunk of rows (None when it can)."""
+    from .vocab_parallel import _elementwise, _mutates_or_switches_mode  # (module cycle)
+    v = meta(node)
+    if not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != rows or v.numel() != rows:
+        return f"{node.name} is not one value per row"
+    if v.requires_grad:
+        return f"{node.name} needs a gradient"
+    if _mutates_or_switches_mode(node):
+        return f"{node.name} ({node.target}) mutates or switches a mode"
+    if is_collective(node):
+        name = getattr(node.target, "__name__", str(node.target))
+        return None if name.split(".")[0] in ("all_reduce", "wait_tensor") else f"{node.name} is {name}"
+    if _elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS):
+        return None
+    return f"{node.name} ({node.target}) is not an elementwise op"
+
+
+def _copies(graph: Graph, reductions: set[Node], order: dict[Node, int]) -> Callable[[Node, Node], Node]:
+    """Megatron's in-place ``dist.all_reduce(m)`` on a reduction's result is, in Dynamo's
+    graph, ``m.copy_(wait_tensor(all_reduce(m, ..)))``: nodes after the ``copy_`` that
+    read ``m`` see the all-reduced value.  The ``copy_`` stays in the graph (on the op's
+    output, for the readers outside); inside the loop its readers read the source.
+    Returns that ``read``; Decline on any other mutation between the first and the
+    last reduction."""
+    from .vocab_parallel import _mutates_or_switches_mode  # (module cycle)
+    first, last = min(order[r] for r in reductions), max(order[r] for r in reductions)
+    copies: dict[Node, Node] = {}
+    for n in graph.nodes:
+        if not (first < order[n] < last and _mutates_or_switches_mode(n)):
+            continue
+        dst, src = (n.args + (None, None))[:2]
+        if (n.op == "call_method" and n.target == "copy_" and not n.kwargs and len(n.args) == 2
+                and dst in reductions and dst not in copies and isinstance(src, Node)
+                and isinstance(meta(src), torch.Tensor) and meta(src).shape == meta(dst).shape
+                and meta(src).dtype == meta(dst).dtype):
+            copies[dst] = n
+            continue
+        raise Decline(Reason.ORDER, f"{n.name} ({n.target}) runs between the stages")
+
+    def read(reader: Node, node: Node) -> Node:
+        c = copies.get(node)
+        return c.args[1] if c is not None and order[reader] > order[c] else node
+    return read
+
+
+def plan_one_pass(region, stages: list[tuple[list[Node], list[Node]]], rows: int) -> OnePass:
+    """The one-pass plan of ``region``'s ``stages`` (each ``(reductions, operands)``),
+    or Decline (the caller keeps one call per stage)."""
+    from .vocab_parallel import _is_collective  # (module cycle)
+    graph = region.upcast.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    reductions = {r for red, _ in stages for r in red}
+    read = _copies(graph, reductions, order)
+    readers = set(region.nodes) | reductions
+    operands = []
+    for _, ops in stages:  # as the stage's own nodes see them
+        operands.append([])
+        for o in ops:
+            seen = {read(u, o) for u in o.users if u in readers}
+            if len(seen) > 1:
+                raise Decline(Reason.ORDER, f"{o.name} is read before and after it is changed in place")
+            operands[-1].append(seen.pop() if seen else o)
+    memo: dict[Node, bool] = {}
+
+    def depends(n: Node) -> bool:  # on a reduction
+        if n not in memo:
+            memo[n] = n in reductions or any(depends(read(n, a)) for a in n.all_input_nodes)
+        return memo[n]
+    # glue: the nodes between a reduction and a later stage's operand
+    glue: set[Node] = set()
+    stack = [o for ops in operands for o in ops if depends(o) and o not in reductions]
+    while stack:
+        n = stack.pop()
+        if n not in glue:
+            glue.add(n)
+            inputs = [read(n, a) for a in n.all_input_nodes]
+            stack += [a for a in inputs if depends(a) and a not in reductions]
+    externals: list[Node] = []
+    for n in sorted(glue, key=order.__getitem__):
+        why = _row_wise(n, rows, _is_collective)
+        if why:
+            raise Decline(Reason.UNKNOWN_OP, f"glue between stages: {why}")
+        for a in (read(n, a) for a in n.all_input_nodes):
+            if a in glue or a in reductions or a in externals:
+                continue
+            va = meta(a)
+            per_row = isinstance(va, torch.Tensor) and (va.dim() == 0 or (va.shape[0] == va.numel() == rows))
+            if isinstance(va, torch.Tensor) and not per_row:
+                raise Decline(Reason.UNKNOWN_OP, f"glue {n.name} reads {a.name}, not one value per row")
+            externals.append(a)
+    for o in (o for ops in operands for o in ops):
+        if o not in glue and o not in reductions and o not in externals:
+            externals.append(o)
+    inside = set(region.nodes) | reductions | glue
+    outputs = [r for red, _ in stages for r in red]
+    outputs += [g for g in sorted(glue, key=order.__getitem__) if any(u not in inside for u in g.users)]
+    for (red, _), ops in zip(stages, operands):  # the stage with a gradient: its glue operands
+        if any(meta(r).requires_grad for r in red):
+            outputs += [o for o in ops if o in glue and o not in outputs]
+    return OnePass(externals, sorted(glue, key=order.__getitem__), outputs, operands, read)
+
+
+# --- the run-time plan ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    """Steps over a list of values (the chunk's externals first): ``("stage", key, refs)``
+    appends the stage's reductions, ``("glue", gm, refs)`` the glue's outputs.
+    ``outputs`` are refs; ``grad`` is the stage with a gradient: its key, its operands
+    (``("in", i)`` external i, ``("out", j)`` output j) and the positions of its
+    reductions among the outputs."""
+    steps: tuple
+    outputs: tuple[int, ...]
+    grad: Optional[tuple[str, tuple[tuple[str, int], ...], tuple[int, ...]]]
+
+
+_PLANS: dict[str, _Plan] = {}
+
+
+def register(one: OnePass, reductions: list[list[Node]], keys: list[str]) -> str:
+    """The key of the run-time plan of ``one`` (``reductions`` and ``keys``: each
+    stage's reductions and body)."""
+    refs: dict[Node, int] = {e: i for i, e in enumerate(one.externals)}
+    glue, steps, desc = set(one.glue), [], []
+    for k, (reds, operands, key) in enumerate(zip(reductions, one.operands, keys)):
+        if k > 0:  # the glue this stage's operands need that is not computed yet
+            need = [g for g in one.glue if g not in refs and _feeds(g, operands, glue, one.read)]
+            gm, inputs = _glue_module(need, one.read)
+            steps.append(("glue", gm, tuple(refs[i] for i in inputs)))
+            desc.append(gm.code + repr(steps[-1][2]))
+            base = len(refs)
+            for i, g in enumerate(need):
+                refs[g] = base + i
+        steps.append(("stage", key, tuple(refs[o] for o in operands)))
+        desc.append(key + repr(steps[-1][2]))
+        base = len(refs)
+        for i, r in enumerate(reds):
+            refs[r] = base + i
+    outputs = tuple(refs[o] for o in one.outputs)
+    grad = None
+    for reds, operands, key in zip(reductions, one.operands, keys):
+        if any(meta(r).requires_grad for r in reds):
+            where = tuple(("in", one.externals.index(o)) if o in one.externals else
+                          ("out", one.outputs.index(o)) for o in operands)
+            grad = (key, where, tuple(one.outputs.index(r) for r in reds))
+    plan = _Plan(tuple(steps), outputs, grad)
+    name = hashlib.sha256("".join(desc + [repr(outputs), repr(grad)]).encode()).hexdigest()[:24]
+    _PLANS.setdefault(name, plan)
+    return name
+
+
+def _feeds(g: Node, operands: list[Node], glue: set[Node], read) -> bool:
+    """Is glue ``g`` an ancestor (through glue) of one of ``operands``?"""
+    stack, seen = [o for o in operands if o in glue], set()
+    while stack:
+        n = stack.pop()
+        if n is g:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack += [read(n, a) for a in n.all_input_nodes if read(n, a) in glue]
+    return False
+
+
+def _glue_module(nodes: list[Node], read) -> tuple[GraphModule, list[Node]]:
+    """``fn(*inputs) -> tuple(nodes)``: the glue ``nodes`` replayed; ``inputs`` are the
+    values computed before them that they read."""
+    g, env, inputs = Graph(), {}, []
+    for n in nodes:
+        for a in (read(n, a) for a in n.all_input_nodes):
+            if a not in env and a not in nodes:
+                env[a] = g.placeholder(f"in{len(inputs)}")
+                inputs.append(a)
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a, n=n: env[read(n, a)])
+    g.output(tuple(env[n] for n in nodes))
+    return GraphModule(torch.nn.Module(), g), inputs
+
+
+def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> list[torch.Tensor]:
+    vals = list(externals)
+    for kind, what, refs in plan.steps:
+        args = [vals[r] for r in refs]
+        vals += list(body(what)(x, *args) if kind == "stage" else what(*args))
+    return [vals[r] for r in plan.outputs]
+
+
+def _forward(name: str, hidden, weight, externals, budget: int) -> list[torch.Tensor]:
+    plan, n = _PLANS[name], hidden.shape[0]
+    rows, _ = sweep_sizes(budget, n, weight.shape[0])
+    outs: Optional[list[torch.Tensor]] = None
+    for t0, t1 in even_splits(n, rows):
+        with torch.no_grad():
+            x = F.linear(hidden[t0:t1].detach(), weight.detach())
+            got = _run(plan, x, _rows(externals, t0, t1, n), shard_bodies.body)
+        del x  # (before the next chunk's logits exist: one chunk at a time)
+        if outs is None:
+            outs = [g.new_empty((n, *g.shape[1:])) for g in got]
+        for out, g in zip(outs, got):
+            out[t0:t1] = g
+    return outs if outs is not None else _fake(name, hidden, weight, externals, budget)
+
+
+def _fake(name: str, hidden, weight, externals, budget: int) -> list[torch.Tensor]:
+    x = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    got = _run(_PLANS[name], x, list(externals), shard_bodies.function)
+    return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
+
+
+@torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=())
+def _stages(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
+            budget: int) -> list[torch.Tensor]:
+    return _forward(name, hidden, weight, externals, budget)
+
+
+_stages.register_fake(_fake)
+
+
+def _setup(ctx, inputs, output):
+    name, hidden, weight, externals, budget = inputs
+    ctx.name, ctx.budget, ctx.n_externals = name, budget, len(externals)
+    ctx.outputs = [(o.shape, o.dtype) for o in output]
+    _, where, _ = _PLANS[name].grad or (None, (), ())
+    saved = [output[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
+    ctx.save_for_backward(hidden, weight, *externals, *saved)
+
+
+def _backward(ctx, grads):
+    hidden, weight, *saved = ctx.saved_tensors
+    externals, outputs = saved[:ctx.n_externals], iter(saved[ctx.n_externals:])
+    key, where, positions = _PLANS[ctx.name].grad
+    operands = [externals[i] if kind == "in" else next(outputs) for kind, i in where]
+    stage_grads = []
+    for p in positions:
+        shape, dtype = ctx.outputs[p]
+        stage_grads.append(grads[p] if grads[p] is not None else
+                           torch.zeros(shape, dtype=dtype, device=hidden.device))
+    need_hidden, need_weight = ctx.needs_input_grad[1:3]
+    gh, gw = _shard_lm_head_backward(key, hidden, weight, operands, stage_grads, ctx.budget, need_hidden,
+                                     need_weight)
+    return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(externals), None
+
+
+_stages.register_autograd(_backward, setup_context=_setup)
+
+
+def shard_lm_head_stages(name: str, differentiable: bool, budget: int, hidden: torch.Tensor,
+                         weight: torch.Tensor, *externals: torch.Tensor):
+    """All stages of a rewritten vocab-parallel region whose logits shard is
+    ``hidden @ weight.T``, in one pass over row chunks (see the module doc)."""
+    if not differentiable:
+        hidden, weight = hidden.detach(), weight.detach()
+    return tuple(_stages(name, hidden, weight, [e.detach() for e in externals], budget))
+
+
+def getitems(graph: Graph, call: Node, nodes: list[Node]) -> None:
+    """Point the uses of ``nodes`` (the op's outputs) at ``call``'s items."""
+    for i, n in enumerate(nodes):
+        item = graph.call_function(operator.getitem, (call, i))
+        item.meta.update(n.meta)
+        n.replace_all_uses_with(item)
