@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --out out/
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --head entropy ce --out out/
     torchrun --standalone --nproc-per-node 4 examples/vocab_parallel_step.py --dp 2 --out out/   # TP + FSDP2
+    torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --vocab 2400 \
+        --vocab-split 1000,1400 --chunk-budget-mib 0.05 --out out/        # uneven shards
 
 (tests/test_vocab_parallel.py runs it; benchmarks/vocab_parallel.py measures its step.)
 
@@ -185,6 +187,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--rows", type=int, default=96, help="rows per data-parallel replica")
+    p.add_argument("--vocab-split", default=None,
+                   help="the tensor-parallel ranks' shard widths, comma-separated (default: even)")
+    p.add_argument("--chunk-budget-mib", type=float, default=None, help="chunked_logits' chunk budget")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas (TP + FSDP2: world = dp x tp, the shard under fully_shard)")
     p.add_argument("--out", type=pathlib.Path, required=True)
@@ -206,10 +211,12 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (args.dp, tp), mesh_dim_names=("dp", "tp"))
         TP_GROUP, dp_mesh = mesh.get_group("tp"), mesh["dp"]
         dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    if args.vocab % tp:
-        raise SystemExit(f"--vocab {args.vocab} is not divisible by the tensor-parallel size {tp}")
-    shard = args.vocab // tp
-    lo = tp_rank * shard
+    widths = [int(v) for v in args.vocab_split.split(",")] if args.vocab_split else [args.vocab // tp] * tp
+    if len(widths) != tp or sum(widths) != args.vocab:
+        raise SystemExit(f"--vocab {args.vocab} is not split over the tensor-parallel size {tp}: "
+                         "give --vocab-split (widths summing to --vocab), or a --vocab it divides")
+    shard, lo = widths[tp_rank], sum(widths[:tp_rank])
+    options = {"chunk_budget_mib": args.chunk_budget_mib} if args.chunk_budget_mib else None
     report: dict = {"rank": rank, "world": world, "dp": args.dp, "tp": tp}
     for head in args.head:
         # every replica draws all replicas' rows, keeps its own (the reference needs them all)
@@ -231,7 +238,8 @@ def main() -> None:
             torch._dynamo.reset()
             counters.clear()
             session.reset()
-            loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo, dp_mesh)
+            loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo, dp_mesh,
+                                options if backend.startswith("chunked_logits") else None)
             dist.all_reduce(gh, group=tp_group())  # h is replicated: its gradient sums the shards'
             report[head][backend] = {
                 "counters": dict(counters["chunked_logits"]),

@@ -163,7 +163,8 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 # sources (the value is part of the cache key), so a warm start reuses the compiled
 # forward and backward and a changed package never gets stale ones.
 CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats",
-             "fx_passes.vocab_parallel.shard_reduce", "fx_passes.shard_lm_head.shard_lm_head")
+             "fx_passes.vocab_parallel.shard_reduce", "fx_passes.shard_lm_head.shard_lm_head",
+             "fx_passes.shard_one_pass.shard_lm_head_stages")
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:

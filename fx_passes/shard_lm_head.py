@@ -7,8 +7,10 @@ When the shard a vocab-parallel region reads (:mod:`fx_passes.vocab_parallel`) i
 
 * forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are
   computed in model precision and the stage's reductions (its compiled body,
-  :mod:`fx_passes.shard_bodies`) run on them.  Each stage computes its chunks again: a
-  stage's per-row operands (the all-reduced max) exist only after the previous stage.
+  :mod:`fx_passes.shard_bodies`) run on them.  Called per stage, each stage computes
+  its chunks again (a stage's per-row operands, the all-reduced max, exist only after the
+  previous stage); :mod:`fx_passes.shard_one_pass` runs all stages in one such loop when
+  the code between them is per row.
 * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
   model precision, and :func:`fx_passes.lm_head.two_sweeps` runs the tiles: row chunks

@@ -183,6 +183,7 @@ class _Plan:
     steps: tuple
     outputs: tuple[int, ...]
     grad: Optional[tuple[str, tuple[tuple[str, int], ...], tuple[int, ...]]]
+    groups: tuple[str, ...]  # the process groups of the glue's collectives
 
 
 _PLANS: dict[str, _Plan] = {}
@@ -214,10 +215,20 @@ def register(one: OnePass, reductions: list[list[Node]], keys: list[str]) -> str
             where = tuple(("in", one.externals.index(o)) if o in one.externals else
                           ("out", one.outputs.index(o)) for o in operands)
             grad = (key, where, tuple(one.outputs.index(r) for r in reds))
-    plan = _Plan(tuple(steps), outputs, grad)
-    name = hashlib.sha256("".join(desc + [repr(outputs), repr(grad)]).encode()).hexdigest()[:24]
+    groups = tuple(sorted({_group(g) for g in one.glue if _group(g) is not None}))
+    plan = _Plan(tuple(steps), outputs, grad, groups)
+    name = hashlib.sha256("".join(desc + [repr(outputs), repr(grad), repr(groups)]).encode()).hexdigest()[:24]
     _PLANS.setdefault(name, plan)
     return name
+
+
+def _group(node: Node) -> Optional[str]:
+    """The process group (its name) of a functional all-reduce node, else None."""
+    name = getattr(node.target, "__name__", "")
+    if node.op != "call_function" or name.split(".")[0] != "all_reduce":
+        return None
+    group = node.kwargs.get("group_name", node.args[2] if len(node.args) > 2 else None)
+    return group if isinstance(group, str) else None
 
 
 def _feeds(g: Node, operands: list[Node], glue: set[Node], read) -> bool:
@@ -256,11 +267,24 @@ def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> l
     return [vals[r] for r in plan.outputs]
 
 
+def _splits(plan: _Plan, hidden, weight, budget: int) -> list[tuple[int, int]]:
+    """The row chunks, the same on every rank of the glue's groups: each rank's budget
+    gives its own count (vocabulary shards may differ in width), the largest is taken,
+    so every rank runs the same collectives on the same rows, each within its budget."""
+    n = hidden.shape[0]
+    rows, _ = sweep_sizes(budget, n, weight.shape[0])
+    count = len(even_splits(n, rows))
+    collectives = torch.ops._c10d_functional
+    for group in plan.groups:
+        got = collectives.all_reduce(hidden.new_tensor([count], dtype=torch.int64), "max", group)
+        count = int(collectives.wait_tensor(got).item())
+    return even_splits(n, -(-n // max(1, count)))
+
+
 def _forward(name: str, hidden, weight, externals, budget: int) -> list[torch.Tensor]:
     plan, n = _PLANS[name], hidden.shape[0]
-    rows, _ = sweep_sizes(budget, n, weight.shape[0])
     outs: Optional[list[torch.Tensor]] = None
-    for t0, t1 in even_splits(n, rows):
+    for t0, t1 in _splits(plan, hidden, weight, budget):
         with torch.no_grad():
             x = F.linear(hidden[t0:t1].detach(), weight.detach())
             got = _run(plan, x, _rows(externals, t0, t1, n), shard_bodies.body)
