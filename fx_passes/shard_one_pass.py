@@ -51,8 +51,20 @@ from .tiling import even_splits, sweep_sizes
 
 __all__ = ["OnePass", "plan_one_pass", "shard_lm_head_stages"]
 
-# Views a glue node may take of a per-row tensor (its rows stay its rows: numel == T).
-_ROW_VIEWS = {"unsqueeze", "squeeze", "view", "reshape", "flatten", "view_as", "contiguous"}
+# Views a glue node may take of a per-row tensor (its rows stay its rows: numel == T),
+# whatever the number of rows; "view" / "reshape" only to (-1,) or (-1, 1) (_row_view).
+_ROW_VIEWS = {"unsqueeze", "squeeze", "flatten", "view_as", "contiguous"}
+
+
+def _row_view(node: Node) -> bool:
+    """``x.view(-1, 1)``, ``x.reshape(-1)``: no size of its own (a size such as
+    ``view(T, 1)`` is wrong for a chunk of rows)."""
+    if node.op != "call_method" or node.target not in ("view", "reshape") or node.kwargs:
+        return False
+    shape = node.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return list(shape) in ([-1], [-1, 1])
 
 
 @dataclass
@@ -81,7 +93,7 @@ def _row_wise(node: Node, rows: int, is_collective) -> Optional[str]:
     if is_collective(node):
         name = getattr(node.target, "__name__", str(node.target))
         return None if name.split(".")[0] in ("all_reduce", "wait_tensor") else f"{node.name} is {name}"
-    if _elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS):
+    if _elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS) or _row_view(node):
         return None
     return f"{node.name} ({node.target}) is not an elementwise op"
 
