@@ -364,6 +364,7 @@ def test_dynamic_lengths_rewritten_once_and_same_as_stock(fused):
     kinds = chunked_counters()
     assert kinds.get("declined", 0) == 0 and kinds["vocab_parallel"] >= 1, kinds
     assert kinds.get("vocab_parallel_lm_head", 0) == (kinds["vocab_parallel"] if fused else 0), kinds
+    assert kinds.get("vocab_parallel_one_pass", 0) == (kinds["vocab_parallel"] if fused else 0), kinds
 
 
 NOT_FUSED = {"returned": "the logits shard is also read outside the region", "bias": "the lm_head has a bias"}
