@@ -123,21 +123,41 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"max": d.max().item(), "mean": d.mean().item(), "scale": ref.abs().max().item()}
 
 
-def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int, dp_mesh=None, options=None):
-    """One step; with ``dp_mesh`` the shard is an ``nn.Linear`` under FSDP2 over it;
+class ShardLoss(torch.nn.Module):
+    """The lm_head shard and the loss in one module (``--fsdp-unit loss``): under FSDP2
+    its call is the graph break, and the matmul and the loss share the graph inside."""
+
+    def __init__(self, w_local: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w_local.clone())
+
+    def forward(self, h, tok, old_logp, adv, lo: int, head: str):
+        return loss_fn(h, self.weight, tok, old_logp, adv, lo, head)
+
+
+def step(head: str, backend: str, h, w_local, tok, old_logp, adv, lo: int, dp_mesh=None, options=None,
+         fsdp_unit: str = "shard"):
+    """One step; with ``dp_mesh`` the shard is under FSDP2 over it: an ``nn.Linear``
+    (``fsdp_unit="shard"``), or a module that also computes the loss (``"loss"``);
     ``options``: the backend's (``{"fuse_lm_head": False}``)."""
     h = h.clone().requires_grad_()
+    compiled = (lambda f: f) if backend == "eager" else (
+        lambda f: torch.compile(f, backend=backend, options=options))
     if dp_mesh is None:
         shard = w_local = w_local.clone().requires_grad_()
+        loss = compiled(loss_fn)(h, shard, tok, old_logp, adv, lo, head)
     else:
         from torch.distributed.fsdp import fully_shard
 
-        shard = torch.nn.Linear(w_local.shape[1], w_local.shape[0], bias=False, dtype=w_local.dtype)
-        with torch.no_grad():
-            shard.weight.copy_(w_local)
-        fully_shard(shard, mesh=dp_mesh)
-    fn = loss_fn if backend == "eager" else torch.compile(loss_fn, backend=backend, options=options)
-    loss = fn(h, shard, tok, old_logp, adv, lo, head)
+        if fsdp_unit == "loss":
+            shard = fully_shard(ShardLoss(w_local), mesh=dp_mesh)
+            loss = compiled(shard)(h, tok, old_logp, adv, lo, head)
+        else:
+            shard = torch.nn.Linear(w_local.shape[1], w_local.shape[0], bias=False, dtype=w_local.dtype)
+            with torch.no_grad():
+                shard.weight.copy_(w_local)
+            fully_shard(shard, mesh=dp_mesh)
+            loss = compiled(loss_fn)(h, shard, tok, old_logp, adv, lo, head)
     loss.backward()
     grad = shard.grad if dp_mesh is None else shard.weight.grad.full_tensor()
     return loss.detach(), h.grad, grad
@@ -190,6 +210,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-split", default=None,
                    help="the tensor-parallel ranks' shard widths, comma-separated (default: even)")
     p.add_argument("--chunk-budget-mib", type=float, default=None, help="chunked_logits' chunk budget")
+    p.add_argument("--fsdp-unit", choices=["shard", "loss"], default="shard",
+                   help="with --dp: fully_shard the lm_head shard alone, or a module holding it and the loss")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas (TP + FSDP2: world = dp x tp, the shard under fully_shard)")
     p.add_argument("--out", type=pathlib.Path, required=True)
@@ -239,7 +261,7 @@ def main() -> None:
             counters.clear()
             session.reset()
             loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo, dp_mesh,
-                                options if backend.startswith("chunked_logits") else None)
+                                options if backend.startswith("chunked_logits") else None, args.fsdp_unit)
             dist.all_reduce(gh, group=tp_group())  # h is replicated: its gradient sums the shards'
             report[head][backend] = {
                 "counters": dict(counters["chunked_logits"]),

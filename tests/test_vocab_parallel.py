@@ -395,16 +395,18 @@ UNEVEN = ["--vocab", "2400", "--vocab-split", "1000,1400", "--chunk-budget-mib",
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,dp,extra", [(2, 1, []), (4, 2, []), (2, 1, UNEVEN)],
-                         ids=["tp2", "tp2_fsdp2_dp2", "tp2_uneven_shards"])
+@pytest.mark.parametrize("ranks,dp,extra", [(2, 1, []), (4, 2, []), (4, 2, ["--fsdp-unit", "loss"]),
+                                             (2, 1, UNEVEN)],
+                         ids=["tp2", "tp2_fsdp2_dp2", "tp2_fsdp2_dp2_loss_unit", "tp2_uneven_shards"])
 def test_every_rank_every_head(tmp_path, ranks, dp, extra):
     """examples/vocab_parallel_step.py: 2 tensor-parallel ranks; 2 data-parallel replicas
-    of them with the lm_head shard under FSDP2 (4 ranks); and 2 ranks whose shards differ
-    in width, with a budget that gives them different chunk counts (8 and 11: the one-pass
-    loop's collectives must still pair up, so the ranks agree on the largest).  Each head
-    rewritten on every rank, loss and gradients (the weight shard's, and h's summed over
-    the shards) no further from the FP64 single-process reference than stock Inductor on
-    the same ranks."""
+    of them with the lm_head shard under FSDP2 (4 ranks), the shard alone a ``fully_shard``
+    unit (its call a graph break: not fused) or with the loss in the unit (fused); and 2
+    ranks whose shards differ in width, with a budget that gives them different chunk
+    counts (8 and 11: the one-pass loop's collectives must still pair up, so the ranks
+    agree on the largest).  Each head rewritten on every rank, loss and gradients (the
+    weight shard's, and h's summed over the shards) no further from the FP64
+    single-process reference than stock Inductor on the same ranks."""
     exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
     out, example = tmp_path / "ranks", ROOT / "examples" / "vocab_parallel_step.py"
     proc = subprocess.run(
@@ -417,8 +419,10 @@ def test_every_rank_every_head(tmp_path, ranks, dp, extra):
         rank = json.loads((out / f"rank{r}.json").read_text())
         for head in ("logprob", "entropy", "ce"):
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
-            # (under FSDP2 the shard's module call is a graph break: its logits come in whole)
-            fused = {"vocab_parallel_lm_head": 1, "vocab_parallel_one_pass": 1} if dp == 1 else {}
+            # (with the shard alone under FSDP2 its module call is a graph break: its logits
+            # come in whole)
+            whole = dp > 1 and "loss" not in extra
+            fused = {} if whole else {"vocab_parallel_lm_head": 1, "vocab_parallel_one_pass": 1}
             assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused}, ours["events"]
             assert ours["loss"]["max"] <= stock["loss"]["max"] + 2e-6 * max(stock["loss"]["scale"], 1.0)
             for name, got in ours["grads"].items():
