@@ -339,6 +339,31 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
         torch.testing.assert_close(got, want.detach(), rtol=2e-6, atol=2**-8 * want.abs().max().item())
 
 
+@pytest.mark.slow
+def test_warm_start_in_a_new_process_serves_the_one_pass_graphs(tmp_path):
+    """AOTAutograd's cache holds graphs that call ``shard_lm_head_stages`` by a plan's
+    name; the plan lives in the process that ran the pass.  A second process with the same
+    cache runs the pass again (it registers the same plan under the same name), hits the
+    cache for every graph, and gets the same bits."""
+    env = clean_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT),
+                    TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+
+    def child() -> dict:
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vocab_parallel_child.py")], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    cold, warm = child(), child()
+    for process in (cold, warm):
+        assert process["chunked_logits"] == {"rewritten": 2, "vocab_parallel": 2, "vocab_parallel_lm_head": 2,
+                                         "vocab_parallel_one_pass": 2}
+    saved = cold["aot_autograd"].get("autograd_cache_saved", 0)
+    assert saved >= 2 and cold["aot_autograd"].get("autograd_cache_hit", 0) == 0, cold
+    assert warm["aot_autograd"].get("autograd_cache_hit", 0) == saved, warm
+    assert "autograd_cache_miss" not in warm["aot_autograd"], warm
+    assert warm["bits"] == cold["bits"]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["shard", "lm_head"])
 def test_dynamic_lengths_rewritten_once_and_same_as_stock(fused):
     """Was a gap: under ``dynamic=True`` Dynamo passes the temperature as a symbolic float
