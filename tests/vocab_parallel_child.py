@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import fx_passes  # noqa: F401  (registers backend="chunked_logits")
-from tests.test_vocab_parallel import SMALL_BUDGET, lm_inputs, logprob, logprob_inplace, with_lm_head
+from tests.shard_heads import SMALL_BUDGET, lm_inputs, logprob, logprob_inplace, with_lm_head
 
 
 def main() -> None:
