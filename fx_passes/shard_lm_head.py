@@ -35,7 +35,7 @@ from . import shard_bodies
 from .lm_head import two_sweeps
 from .tiling import even_splits, sweep_sizes
 
-__all__ = ["shard_lm_head", "gather_index_positions"]
+__all__ = ["shard_lm_head", "gather_index_positions", "row_chunks"]
 
 # Per stage key: which operands are a gather's index (shifted per block of columns).
 _INDEXES: dict[str, tuple[int, ...]] = {}
@@ -58,20 +58,27 @@ def _columns(key: str, operands, v0: int) -> list[torch.Tensor]:
     return [o - v0 if i in positions else o for i, o in enumerate(operands)]
 
 
-def _forward(key: str, hidden, weight, operands, budget: int) -> list[torch.Tensor]:
-    n, width = hidden.shape[0], weight.shape[0]
-    rows, _ = sweep_sizes(budget, n, width)
-    body = shard_bodies.body(key)
+def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Tensor]]:
+    """Per row chunk ``[t0, t1)`` of ``splits``: its model-precision logits
+    ``hidden[t0:t1] @ weight.T`` (one chunk at a time), ``run(logits, *its operands)``, and
+    the per-row results written into whole-rows outputs (None when there are no rows)."""
+    n = hidden.shape[0]
     outs: Optional[list[torch.Tensor]] = None
-    for t0, t1 in even_splits(n, rows):
+    for t0, t1 in splits:
         with torch.no_grad():
             x = F.linear(hidden[t0:t1].detach(), weight.detach())
-        got = body(x, *_rows(operands, t0, t1, n))
+            got = run(x, *_rows(operands, t0, t1, n))
         del x  # (before the next chunk's logits exist: one chunk at a time)
         if outs is None:
             outs = [g.new_empty((n, *g.shape[1:])) for g in got]
         for out, g in zip(outs, got):
             out[t0:t1] = g
+    return outs
+
+
+def _forward(key: str, hidden, weight, operands, budget: int) -> list[torch.Tensor]:
+    rows, _ = sweep_sizes(budget, hidden.shape[0], weight.shape[0])
+    outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), shard_bodies.body(key))
     return outs if outs is not None else _fake(key, hidden, weight, operands)
 
 

@@ -40,13 +40,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
 from . import shard_bodies
 from .graph_ops import meta
 from .report import Decline, Reason
-from .shard_lm_head import _rows, _shard_lm_head_backward
+from .shard_lm_head import _shard_lm_head_backward, row_chunks
 from .tiling import even_splits, sweep_sizes
 
 __all__ = ["OnePass", "plan_one_pass", "shard_lm_head_stages"]
@@ -80,9 +79,9 @@ class OnePass:
     read: Callable[[Node, Node], Node]
 
 
-def _row_wise(node: Node, rows: int, is_collective) -> Optional[str]:
+def _row_wise(node: Node, rows: int) -> Optional[str]:
     """Why glue ``node`` cannot run on a chunk of rows (None when it can)."""
-    from .vocab_parallel import _elementwise, _mutates_or_switches_mode  # (module cycle)
+    from .vocab_parallel import _elementwise, _is_collective, _mutates_or_switches_mode  # (module cycle)
     v = meta(node)
     if not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != rows or v.numel() != rows:
         return f"{node.name} is not one value per row"
@@ -90,7 +89,7 @@ def _row_wise(node: Node, rows: int, is_collective) -> Optional[str]:
         return f"{node.name} needs a gradient"
     if _mutates_or_switches_mode(node):
         return f"{node.name} ({node.target}) mutates or switches a mode"
-    if is_collective(node):
+    if _is_collective(node):
         name = getattr(node.target, "__name__", str(node.target))
         return None if name.split(".")[0] in ("all_reduce", "wait_tensor") else f"{node.name} is {name}"
     if _elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS) or _row_view(node):
@@ -126,12 +125,12 @@ def _copies(graph: Graph, reductions: set[Node], order: dict[Node, int]) -> Call
     return read
 
 
-def plan_one_pass(region, stages: list[tuple[list[Node], list[Node]]], rows: int) -> OnePass:
-    """The one-pass plan of ``region``'s ``stages`` (each ``(reductions, operands)``),
-    or Decline (the caller keeps one call per stage)."""
-    from .vocab_parallel import _is_collective  # (module cycle)
+def plan_one_pass(region, stages: list[tuple[list[Node], list[Node]]], rows: int,
+                  order: dict[Node, int]) -> OnePass:
+    """The one-pass plan of ``region``'s ``stages`` (each ``(reductions, operands)``;
+    ``order``: each graph node's position), or Decline (the caller keeps one call per
+    stage)."""
     graph = region.upcast.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
     reductions = {r for red, _ in stages for r in red}
     read = _copies(graph, reductions, order)
     readers = set(region.nodes) | reductions
@@ -160,7 +159,7 @@ def plan_one_pass(region, stages: list[tuple[list[Node], list[Node]]], rows: int
             stack += [a for a in inputs if depends(a) and a not in reductions]
     externals: list[Node] = []
     for n in sorted(glue, key=order.__getitem__):
-        why = _row_wise(n, rows, _is_collective)
+        why = _row_wise(n, rows)
         if why:
             raise Decline(Reason.UNKNOWN_OP, f"glue between stages: {why}")
         for a in (read(n, a) for a in n.all_input_nodes):
@@ -294,17 +293,9 @@ def _splits(plan: _Plan, hidden, weight, budget: int) -> list[tuple[int, int]]:
 
 
 def _forward(name: str, hidden, weight, externals, budget: int) -> list[torch.Tensor]:
-    plan, n = _PLANS[name], hidden.shape[0]
-    outs: Optional[list[torch.Tensor]] = None
-    for t0, t1 in _splits(plan, hidden, weight, budget):
-        with torch.no_grad():
-            x = F.linear(hidden[t0:t1].detach(), weight.detach())
-            got = _run(plan, x, _rows(externals, t0, t1, n), shard_bodies.body)
-        del x  # (before the next chunk's logits exist: one chunk at a time)
-        if outs is None:
-            outs = [g.new_empty((n, *g.shape[1:])) for g in got]
-        for out, g in zip(outs, got):
-            out[t0:t1] = g
+    plan = _PLANS[name]
+    outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget),
+                      lambda x, *chunk: _run(plan, x, list(chunk), shard_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget)
 
 

@@ -544,7 +544,7 @@ def _one_pass(region: ShardRegion, plans: list, order: dict[Node, int]):
     ``region.one_pass`` says why)."""
     rows = _numel(tuple(meta(region.upcast).shape[:-1]))
     try:
-        one = plan_one_pass(region, [(p.reductions, p.operands) for p in plans], rows)
+        one = plan_one_pass(region, [(p.reductions, p.operands) for p in plans], rows, order)
         late = _late(region, one.externals, plans[0].reductions[0], order)
     except Decline as d:
         region.one_pass = d.detail
