@@ -42,6 +42,7 @@ def chunked_logits(
     Inductor, after this backend's rewrite; a pass put in by :func:`fx_passes.install`
     leaves the graphs this backend compiles alone (each region is rewritten once).
     """
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     if options is not None and not isinstance(options, Mapping):
@@ -60,6 +61,9 @@ def chunked_logits(
         )
     inductor_options = dict(inductor_options)
     config = Config.from_options(options)  # validates before any work
+    unknown = [k for k in inductor_options if not isinstance(k, str) or not hasattr(inductor_config, k)]
+    if unknown:  # the user's error, said as Inductor says it, before the pass (no pass_failed)
+        raise AttributeError(f"torch._inductor.config.{unknown[0]} does not exist")
     if mode is not None:
         inductor_options = {**torch._inductor.list_mode_options(mode), **inductor_options}
     # Created before the transform: if Inductor fails on the rewritten graph, the

@@ -18,7 +18,7 @@ from torch.fx import Node
 
 from . import compat
 
-__all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure"]
+__all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -168,3 +168,10 @@ def last_dim(dim: Any, ndim: int) -> bool:
             return False
         dim = dim[0]
     return isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, ndim - 1)
+
+
+def is_collective(node: Node) -> bool:
+    """A functional collective (``torch.ops._c10d_functional.*``: all_reduce, wait_tensor ...)."""
+    ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    return (node.op == "call_function" and isinstance(node.target, ops)
+            and str(node.target).startswith("_c10d_functional."))

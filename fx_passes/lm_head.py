@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
+from .ops import softmax_lse
 from .tiling import accumulator_rows, backward_plan, backward_tiles, even_splits, forward_rows, sweep_sizes
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",
@@ -281,6 +282,8 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     g_lse = g_lse if g_lse is not None else zeros
     g_logprob = g_logprob if (g_logprob is not None and ctx.has_tokens) else zeros
     g_entropy = g_entropy if (g_entropy is not None and entropy is not None) else zeros
+    if ctx.has_tokens or entropy is not None:  # a log-softmax region: NaN rows where lse is infinite
+        lse = softmax_lse(lse)
     if tokens is None:
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer

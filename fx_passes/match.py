@@ -74,7 +74,8 @@ def _is_row_view(node: Node, src: Node) -> bool:
     if op not in ROW_VIEWS or tensor_input(node) is not src:
         return False
     vin, vout = meta(src), meta(node)
-    if not isinstance(vout, torch.Tensor) or vout.dim() < 1 or vout.shape[-1] != vin.shape[-1]:
+    if not (isinstance(vin, torch.Tensor) and isinstance(vout, torch.Tensor)) or vout.dim() < 1 \
+            or vout.shape[-1] != vin.shape[-1]:  # (a getitem of sort's / topk's tuple is no row view)
         return False
     if op == "getitem":
         index = get_arg(node, "index")

@@ -19,7 +19,7 @@ import torch
 
 Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
 
-__all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits"]
+__all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits", "softmax_lse"]
 
 
 def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
@@ -31,12 +31,27 @@ def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
 
 
 def _shift_and_log_sum(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m, log s) per row, lse = m + log s: the row max m (0 where it is infinite) and
-    s = sum exp(z - m).  Same maths as torch.logsumexp: rows that are entirely -inf give
-    -inf, a +inf anywhere gives +inf, and the shift keeps exp() from overflowing."""
+    """(m, log s) per row: the row max m and s = sum exp(z - m), the shift that keeps
+    exp() from overflowing.  m is not masked, so non-finite rows come out as
+    ``torch.log_softmax`` gives them: a row holding +inf, or only -inf, has
+    ``z - m`` NaN and so NaN log-probs and entropy; a NaN anywhere makes the row NaN
+    (docs/how-it-works.md, "Non-finite values")."""
     m = z.amax(dim=-1, keepdim=True)
-    m = torch.where(m.abs() == float("inf"), torch.zeros_like(m), m)
     return m.squeeze(-1), (z - m).exp().sum(dim=-1).log()
+
+
+def _logsumexp(m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp``'s value from (m, log s): +inf for a row holding +inf (and no
+    NaN), -inf for a row of -inf only, NaN for a row holding NaN."""
+    return torch.where(m.isinf(), m, m + log_s)
+
+
+def softmax_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The lse a log-softmax backward reads: NaN where ``lse`` is infinite, since
+    ``torch.log_softmax`` of such a row is NaN and so is its gradient.  (A region whose
+    only results are ``logsumexp`` keeps ``lse``: its gradient is NaN at the row's +inf
+    elements and 0 elsewhere, as ``torch.logsumexp``'s.)"""
+    return torch.where(lse.isinf(), float("nan"), lse)
 
 
 def _log_probs(z_picked: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
@@ -90,7 +105,7 @@ def stats_of_logits(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scal
     if want_entropy:
         logp = _log_probs(z, m.unsqueeze(-1), log_s.unsqueeze(-1))
         entropy = -(logp.exp() * logp).sum(dim=-1)
-    return log_s + m, logprob, entropy
+    return _logsumexp(m, log_s), logprob, entropy
 
 
 def grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale: Scale,
@@ -122,6 +137,8 @@ class RowStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lse, g_logprob, g_entropy):
         x, tokens, lse, entropy = ctx.saved_tensors
+        if tokens is not None or entropy is not None:
+            lse = softmax_lse(lse)
         grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, ctx.scale,
                               ctx.scale_is_div)
         return grad, None, None, None, None

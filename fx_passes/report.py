@@ -40,6 +40,10 @@ class Reason(str, enum.Enum):
                     "than the last, an ignore_index computed in the graph, or legacy size_average/reduce")
     SEVERAL_INDICES = "several different token / label tensors read one upcast"
     ORDER = "the token indices depend on a value the region produces, or on a side effect"
+    MUTATION = ("an in-place op runs between the region's first node (the lm_head matmul included) and "
+                "its last: the fused op could read an operand at another version than the original did")
+    STATE = ("the region's nodes run under different autocast / inference_mode blocks, or a result "
+             "that needs a gradient has a step computed with grad disabled")
     DTENSOR = ("the logits are a DTensor (tensor parallel): the pass takes the loss written on the "
                "local shard with functional collectives instead (docs/distributed.md)")
 

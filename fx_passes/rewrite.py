@@ -34,6 +34,7 @@ from .lm_head import lm_head_row_stats
 from .lm_head_match import LMHead, match_lm_head
 from .match import Region, Role
 from .ops import row_stats
+from .placement import check_placement
 from .report import Decline, Reason
 
 __all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes"]
@@ -101,16 +102,9 @@ def _replay_view(e: _Emitter, view: Node, src: Node, on_hidden: bool = False) ->
     return e.function(torch.reshape, src, tuple(shape))
 
 
-def _check_no_side_effect_between(graph: Graph, start: Node, end: Node) -> None:
-    """The rewrite reads ``x`` at ``end`` where the graph read it at ``start``: nothing in
-    between may mutate it (or change grad mode / autocast state)."""
-    inside = False
-    for n in graph.nodes:
-        if n is end:
-            return
-        if inside and n.op in ("call_function", "call_method", "call_module") and not is_pure(n):
-            raise Decline(Reason.ORDER, f"{n.name} ({n.target}) runs inside the region")
-        inside = inside or n is start
+def _requires_grad(node: Node) -> bool:
+    v = meta(node)
+    return isinstance(v, torch.Tensor) and v.requires_grad
 
 
 def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
@@ -149,6 +143,7 @@ class _Plan:
     anchor: Node  # the new nodes go before it: the first sink
     late: list[Node]  # what the token indices need, defined after the anchor: hoisted
     lm_head: Optional[LMHead]  # the matmul computed inside the chunk loop, if fused
+    detach: set[Node]  # results the original computed under no_grad (placement.check_placement)
     why: str  # why the logits are read whole ("" when there is nothing to say)
     loss: bool  # the region has loss sinks: the index holds labels, some maybe ignored
     ignore_index: Any  # the loss sinks' ignore_index (one for all of them)
@@ -158,20 +153,32 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
     """Every check of the rewrite: raises Decline, and touches nothing."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
-    first = min([*region.roles, *([region.moved_scale] if region.moved_scale else [])],
-                key=order.__getitem__)
-    last = max(region.roles, key=order.__getitem__)
     late = _late_index_nodes(graph, region, anchor)
-    # The rewrite reads x and the token indices at the anchor, where the graph read them
-    # anywhere from the first to the last region node: nothing in between may mutate
-    # them or change grad mode / autocast state.
-    _check_no_side_effect_between(graph, first, max([last, *late], key=order.__getitem__))
+    # The rewrite reads x, the temperature and the token indices at the anchor, where the
+    # graph read them anywhere from the first to the last region node (fx_passes.placement).
+    absorbed = [*region.roles, *([region.moved_scale] if region.moved_scale else [])]
+    results = [s.node for s in region.sinks]
+    last = max([*absorbed, *late], key=order.__getitem__)
+    inputs = [region.x, region.scale]
+    # (the upcast saves nothing for the backward; row_stats saves x)
+    saved = [region.x] if _requires_grad(region.x) else []
+    detach = check_placement(graph, absorbed, anchor, results, inputs, last, saved)
     loss_sinks = [s for s in region.sinks if s.role == Role.LOSS]
     ignore = loss_sinks[0].ignore_index if loss_sinks else None
     if any(s.ignore_index != ignore for s in loss_sinks):
         raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
     lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, "fuse_lm_head is off")
-    return _Plan(order=order, anchor=anchor, late=late, lm_head=lm_head, why=why,
+    if lm_head is not None:  # the loop also computes the matmul at the anchor: the same rule from there
+        head_nodes = [lm_head.logits, *lm_head.chain, *filter(None, [lm_head.transpose])]
+        try:
+            operands = [o for o in (lm_head.hidden, lm_head.weight, lm_head.bias) if o is not None]
+            detach = check_placement(graph, [*absorbed, *head_nodes], anchor,
+                                     results + ([region.x] if lm_head.returned else []),
+                                     [*operands, region.scale], last,
+                                     operands if _requires_grad(region.x) else [])
+        except Decline as d:
+            lm_head, why = None, f"{d.reason.name}: {d.detail}"
+    return _Plan(order=order, anchor=anchor, late=late, lm_head=lm_head, detach=detach, why=why,
                  loss=bool(loss_sinks), ignore_index=ignore)
 
 
@@ -193,9 +200,11 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
         twins[view] = xv
     tokens, valid = _emit_tokens(e, region, plan)
     stats = emit_stats(e, region, xv, tokens, config, lm_head)
-    _replace_sinks(e, region, stats, valid)
+    _replace_sinks(e, region, stats, valid, plan.detach)
     if lm_head is not None and lm_head.returned:  # the graph output reads the loop's logits
         logits = e.function(operator.getitem, stats, 3)
+        if region.x in plan.detach:
+            logits = e.method("detach", logits)
         for user in [u for u in region.x.users if u.op == "output"]:
             user.replace_input_with(region.x, logits)
     for user, fp32_node in region.meta_users:
@@ -217,8 +226,9 @@ def _emit_tokens(e: _Emitter, region: Region, plan: _Plan) -> tuple[Node | None,
     return e.function(torch.where, valid, region.index, 0), valid
 
 
-def _replace_sinks(e: _Emitter, region: Region, stats: Node, valid: Node | None) -> None:
-    """Each per-row result of the region, computed from ``stats`` = (lse, logprob, entropy)."""
+def _replace_sinks(e: _Emitter, region: Region, stats: Node, valid: Node | None, detach: set[Node]) -> None:
+    """Each per-row result of the region, computed from ``stats`` = (lse, logprob, entropy);
+    detached where the original was computed under no_grad (``detach``)."""
     outputs: dict[int, Node] = {}
 
     def out(i: int) -> Node:  # stats[i], emitted once and only if used
@@ -245,6 +255,8 @@ def _replace_sinks(e: _Emitter, region: Region, stats: Node, valid: Node | None)
                 value = e.function(operator.truediv, value, e.method("sum", valid))
         if sink.keepdim:
             value = e.method("unsqueeze", value, -1)
+        if sink.node in detach:
+            value = e.method("detach", value)
         sink.node.replace_all_uses_with(value)
 
 

@@ -43,7 +43,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from . import shard_bodies
-from .graph_ops import meta
+from .graph_ops import is_collective, meta
+from .placement import changes_state
 from .report import Decline, Reason
 from .shard_lm_head import _shard_lm_head_backward, row_chunks
 from .tiling import even_splits, sweep_sizes
@@ -81,15 +82,15 @@ class OnePass:
 
 def _row_wise(node: Node, rows: int) -> Optional[str]:
     """Why glue ``node`` cannot run on a chunk of rows (None when it can)."""
-    from .vocab_parallel import _elementwise, _is_collective, _mutates_or_switches_mode  # (module cycle)
+    from .vocab_parallel import _elementwise  # (module cycle)
     v = meta(node)
     if not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != rows or v.numel() != rows:
         return f"{node.name} is not one value per row"
     if v.requires_grad:
         return f"{node.name} needs a gradient"
-    if _mutates_or_switches_mode(node):
+    if changes_state(node):
         return f"{node.name} ({node.target}) mutates or switches a mode"
-    if _is_collective(node):
+    if is_collective(node):
         name = getattr(node.target, "__name__", str(node.target))
         return None if name.split(".")[0] in ("all_reduce", "wait_tensor") else f"{node.name} is {name}"
     if _elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS) or _row_view(node):
@@ -104,11 +105,10 @@ def _copies(graph: Graph, reductions: set[Node], order: dict[Node, int]) -> Call
     output, for the readers outside); inside the loop its readers read the source.
     Returns that ``read``; Decline on any other mutation between the first and the
     last reduction."""
-    from .vocab_parallel import _mutates_or_switches_mode  # (module cycle)
     first, last = min(order[r] for r in reductions), max(order[r] for r in reductions)
     copies: dict[Node, Node] = {}
     for n in graph.nodes:
-        if not (first < order[n] < last and _mutates_or_switches_mode(n)):
+        if not (first < order[n] < last and changes_state(n)):
             continue
         dst, src = (n.args + (None, None))[:2]
         if (n.op == "call_method" and n.target == "copy_" and not n.kwargs and len(n.args) == 2

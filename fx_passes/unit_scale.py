@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch.fx import Graph, Node
 
 from .graph_ops import canon, get_arg, is_pure, meta, tensor_input
+from .placement import mutates, view_family
 
 __all__ = ["remove_div_by_one"]
 
@@ -56,6 +57,9 @@ def remove_div_by_one(graph: Graph) -> int:
             continue
         if not all(is_pure(u) or u.op == "output" for u in (*node.users, *src.users)):
             continue  # an in-place op would see (or cause) the aliasing
+        family = view_family(node) | view_family(src)
+        if any(mutates(u) for f in family for u in f.users):
+            continue  # ``y = x * 1; y[:2].zero_()`` must not change x
         node.replace_all_uses_with(src)
         graph.erase_node(node)
         removed += 1

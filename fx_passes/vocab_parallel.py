@@ -49,9 +49,10 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from . import shard_bodies
-from .graph_ops import canon, get_arg, is_fp32, is_low_precision, last_dim, meta, tensor_input
+from .graph_ops import canon, get_arg, is_collective, is_fp32, is_low_precision, last_dim, meta, tensor_input
 from .lm_head_match import LMHead, producer
 from .match import _upcast_input
+from .placement import changes_state, first_mutation, mutates, mutation_of, same_state
 from .report import Decline, Reason
 from .shard_lm_head import gather_index_positions, shard_lm_head
 from .shard_one_pass import getitems, plan_one_pass, shard_lm_head_stages
@@ -109,13 +110,6 @@ def _reduction(node: Node) -> Optional[str]:
     return op if last_dim(dim, meta(src).dim()) else None
 
 
-def _is_collective(node: Node) -> bool:
-    """A functional collective (``torch.ops._c10d_functional.*``: all_reduce, wait_tensor ...)."""
-    ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-    return (node.op == "call_function" and isinstance(node.target, ops)
-            and str(node.target).startswith("_c10d_functional."))
-
-
 def _reaches_collective(nodes: list[Node], rows: Any, depth: int = 6) -> bool:
     """Does a per-row result (``rows`` values) of ``nodes`` reach a functional collective
     while it is still per-row?  A vocabulary shard's statistics do; a loss all-reduced
@@ -125,7 +119,7 @@ def _reaches_collective(nodes: list[Node], rows: Any, depth: int = 6) -> bool:
         nxt = []
         for n in frontier:
             for u in n.users:
-                if _is_collective(u):
+                if is_collective(u):
                     return True
                 v = meta(u)
                 if u not in seen and isinstance(v, torch.Tensor) and v.numel() == rows:
@@ -380,12 +374,16 @@ def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]
 
 def _check_order(region: ShardRegion) -> None:
     """The rewrite reads the logits and each stage's per-row operands where the stage's
-    first reduction was.  Between the upcast and the last reduction nothing may switch
-    grad mode / autocast or mutate the logits, and an in-place op must not fall between
-    a region node that reads a per-row operand and its stage's first reduction (it could
-    change that operand).  In-place ops elsewhere are fine: ``dist.all_reduce(m)`` on a
-    reduction's result (Dynamo's ``m.copy_(wait_tensor(...))``) before the next stage."""
-    order = {n: i for i, n in enumerate(region.upcast.graph.nodes)}
+    first reduction was (:mod:`fx_passes.placement`'s rule).  The region's nodes run
+    under one grad mode and the same autocast / inference_mode blocks; between the
+    upcast and the last reduction nothing may mutate the logits, and an in-place op must
+    not fall between a region node that reads a per-row operand and its stage's first
+    reduction (it could change that operand).  In-place ops elsewhere are fine:
+    ``dist.all_reduce(m)`` on a reduction's result (Dynamo's ``m.copy_(wait_tensor(...))``)
+    before the next stage."""
+    graph = region.upcast.graph
+    same_state(graph, [region.upcast, *region.nodes, *region.reductions])
+    order = {n: i for i, n in enumerate(graph.nodes)}
     spans = []  # (first operand read, stage anchor) per stage
     inside = set(region.nodes)
     for stage in region.stages:
@@ -394,8 +392,11 @@ def _check_order(region: ShardRegion) -> None:
         if reads:
             spans.append((min(order[n] for n in reads), order[stage[0]]))
     last = region.reductions[-1]
-    for n in region.upcast.graph.nodes:
-        if order[n] <= order[region.upcast] or not _mutates_or_switches_mode(n):
+    changed = mutation_of(graph, [region.x], last) if _requires_grad(region.x) else None
+    if changed is not None:  # the stage ops save the logits for their backward; the upcast did not
+        raise Decline(Reason.MUTATION, f"{changed.name} changes the logits in place after the region")
+    for n in graph.nodes:
+        if order[n] <= order[region.upcast] or not (mutates(n) and not is_collective(n)):
             if n is last:
                 return
             continue
@@ -403,7 +404,7 @@ def _check_order(region: ShardRegion) -> None:
         in_place = (n.op == "call_method" and isinstance(target, Node) and target not in inside
                     and not _view_of(target, region.x))
         if not in_place or any(lo < order[n] < hi for lo, hi in spans):
-            raise Decline(Reason.ORDER, f"{n.name} ({n.target}) runs inside the region")
+            raise Decline(Reason.MUTATION, f"{n.name} ({n.target}) runs inside the region")
         if n is last:
             return
 
@@ -424,13 +425,11 @@ def _view_of(node: Node, x: Node) -> bool:
     return False
 
 
-def _mutates_or_switches_mode(n: Node) -> bool:
-    if n.op == "call_method":
-        return n.target.endswith("_") and not n.target.startswith("__")
-    if n.op != "call_function" or _is_collective(n):
-        return False
-    name = getattr(n.target, "__name__", "")
-    return n.is_impure() or name.startswith("_set_grad") or "autocast" in name
+def _reduction_copy(n: Node, region: ShardRegion) -> bool:
+    """Megatron's in-place all-reduce of a stage result: ``m.copy_(...)`` into a reduction
+    (or a collective): it changes no operand of the lm_head."""
+    return is_collective(n) or (n.op == "call_method" and n.target == "copy_" and bool(n.args)
+                                and n.args[0] in region.reductions)
 
 
 def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
@@ -443,6 +442,20 @@ def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
         return None, "the lm_head has a bias"
     if set(region.x.users) != {region.upcast}:
         return None, "the logits shard is also read outside the region"
+    # the loop computes the matmul again at each stage and in the backward: nothing may
+    # change the operands from the matmul to the last stage (placement's rule), nor after
+    # it when the loop saves them for its backward
+    graph = region.x.graph
+    first = head.transpose if head.transpose is not None else head.logits
+    changed = first_mutation(graph, first, region.reductions[-1], lambda n: _reduction_copy(n, region))
+    if changed is None and _requires_grad(region.x):
+        changed = mutation_of(graph, [head.hidden, head.weight], region.reductions[-1])
+    if changed is not None:
+        return None, f"{changed.name} ({changed.target}) may change the lm_head's operands after its matmul"
+    try:
+        same_state(region.x.graph, [region.upcast, head.logits, *filter(None, [head.transpose])])
+    except Decline as d:
+        return None, d.detail
     x, h, w = meta(region.x), meta(head.hidden), meta(head.weight)
     if not (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and h.dim() == 2
             and w.dim() == 2 and h.dtype == w.dtype == x.dtype and is_low_precision(region.x)):
@@ -496,8 +509,14 @@ def _late(region: ShardRegion, operands: list[Node], anchor: Node, order: dict[N
         if order[o] > order[anchor]:
             late |= {a for a in _ancestors(o, set()) if order[a] > order[anchor]} | {o}
     for n in late:
-        if n in inside or _is_collective(n) or _mutates_or_switches_mode(n):
+        if n in inside or is_collective(n) or changes_state(n):
             raise Decline(Reason.ORDER, f"operand {n.name} is computed after the first reduction")
+    if late:  # moved before the anchor: across no in-place change (placement's rule)
+        changed = first_mutation(anchor.graph, anchor, max(late, key=order.__getitem__),
+                                 lambda n: _reduction_copy(n, region))
+        if changed is not None:
+            raise Decline(Reason.MUTATION, f"{changed.name} ({changed.target}) runs before operand "
+                          f"{max(late, key=order.__getitem__).name}, which the rewrite reads earlier")
     return sorted(late, key=order.__getitem__)
 
 

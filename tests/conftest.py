@@ -6,10 +6,16 @@ from fx_passes.session import session
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test starts with no compiled code, empty counters and no events."""
+def _fresh_dynamo(request):
+    """Each test starts with no compiled code, empty counters and no events, and ends
+    with no ``pass_failed``: a pass that raises on any graph is a bug (issue 19), unless
+    the test injects the fault itself (``@pytest.mark.injects_faults``)."""
     torch._dynamo.reset()
     counters.clear()
     session.reset()
     yield
+    failed = counters["chunked_logits"].get("pass_failed", 0)
     torch._dynamo.reset()
+    if failed and request.node.get_closest_marker("injects_faults") is None:
+        pytest.fail(f"the pass failed {failed} time(s) in this test (counters['chunked_logits']"
+                    "['pass_failed']); only a test marked injects_faults may see that")

@@ -62,13 +62,14 @@ TWISTS: dict[str, Optional[Reason]] = {
     "ce_3d": Reason.LOSS_OPTIONS,  # cross_entropy on [B, V, S] (class dim 1)
     "several_indices": Reason.SEVERAL_INDICES,  # token log-probs and a CE on other labels
     "late_index": Reason.ORDER,  # the tokens depend on the entropy the region computes
-    "mutate_logits": Reason.ORDER,  # x.mul_(2) between the upcast and the results
-    "mutate_temp": Reason.ORDER,  # t.mul_(2) after z = x.float() / t
+    "mutate_logits": Reason.MUTATION,  # x.mul_(2) between the upcast and the results
+    "mutate_temp": Reason.MUTATION,  # t.mul_(2) after z = x.float() / t
     "soft_labels": Reason.LOSS_OPTIONS,  # cross_entropy with class probabilities as target
     "shape_query": None,  # the graph reads z.shape (a SymInt with dynamic=True): still rewritten
     "inner_no_grad": None,  # the whole region inside `with torch.no_grad():`
-    "mutate_index": Reason.ORDER,  # tokens.add_(1) after the first result, before the gather
-    "nograd_sink": Reason.ORDER,  # the token log-prob taken under no_grad after the entropy
+    "mutate_index": Reason.MUTATION,  # tokens.add_(1) after the first result, before the gather
+    "nograd_sink": None,  # the token log-prob taken under no_grad after the entropy: detached
+    "autocast_upcast": Reason.STATE,  # the upcast inside an autocast block, the reductions outside
     "return_upcast": Reason.ESCAPES,  # returns x.float() while a temperature scales it
     "mask_fp32": Reason.UNKNOWN_OP,  # x.float().masked_fill(m, -inf)
     # Known bugs (see KNOWN_BUGS): the outcome users expect; never generated until fixed.
@@ -353,7 +354,11 @@ def program_source(case: Case, reference: bool = False) -> str:
             # The program divides in model precision and the pass keeps that division: round
             # like the program does.  (A moved temperature is divided in FP32: no rounding.)
             emit(f"h = h.to({DTYPES[c.dtype]}).double()")
-    emit(f"z = upcast = {up.format('h')}")
+    if c.twist == "autocast_upcast":
+        emit("with torch.autocast('cpu', dtype=torch.bfloat16):")
+        emit(f"    z = upcast = {up.format('h')}")
+    else:
+        emit(f"z = upcast = {up.format('h')}")
     second = c.twist == "two_regions"
     if second:
         emit(f"z2 = {up.format('h')}")

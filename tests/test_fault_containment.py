@@ -31,6 +31,8 @@ WARNING_TEXT = ("chunked_logits: the pass failed on this graph; compiling it unc
 LOG_TEXT = "chunked_logits: pass failed, graph left unchanged:"
 GLOBAL_TEMPERATURE = 0.7
 
+pytestmark = pytest.mark.injects_faults  # (conftest allows pass_failed here)
+
 
 def two_regions(x, tok):
     """Two regions (two upcasts): a fault in the second comes after the first is rewritten."""

@@ -206,6 +206,7 @@ def test_user_joint_and_post_grad_passes_run(how):
     torch.testing.assert_close(x.grad, x2.grad, atol=1e-3, rtol=2e-2)
 
 
+@pytest.mark.injects_faults
 def test_pass_failure_falls_back_to_stock_under_install(monkeypatch):
     """Early pre-grad timing: the fall-back rebuilds the graph before AOT autograd reads
     Dynamo's placeholder metadata; the compile must still succeed, unchanged."""

@@ -281,7 +281,7 @@ def test_examples_cover_every_reason_and_pattern() -> None:
 
 
 def test_harness_fails_a_pass_that_declines_everything(monkeypatch) -> None:
-    def decline_all(graph, temperature_after_upcast=True):
+    def decline_all(graph, *settings):
         return [(n, Decline(Reason.UNKNOWN_OP, "test")) for n in graph.nodes if n.op == "placeholder"][:1]
     monkeypatch.setattr("fx_passes.passes.find_regions", decline_all)
     with pytest.raises(AssertionError):

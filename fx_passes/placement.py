@@ -1,0 +1,261 @@
+"""Where a fused op may run: the one rule every rewrite obeys.
+
+A rewrite replaces nodes that ran at several places of the graph (from the earliest
+node it absorbs, the lm_head matmul and its transforms included, to its last sink) by
+one op at one place, the *anchor*.  The op computes what those nodes computed only if
+it sees what they saw:
+
+* **the same operand versions:** no in-place op runs between the first absorbed node
+  and the last one (nor before a hoisted index node): it could change an operand, or a
+  view of one, that the original read before the change and the op reads after it.
+  Checked with :func:`first_mutation`; a region that fails is declined (``MUTATION``).
+* **the same autocast and inference-mode state:** every absorbed node and the anchor
+  run inside the same open ``autocast`` / ``inference_mode`` blocks (``STATE``).
+* **the same grad mode, as far as it shows:** a value's grad mode only decides whether
+  it requires grad.  The replacement of each result must require grad exactly when the
+  original did (Dynamo's example values record it): a result the original computed
+  under ``no_grad`` is detached, and a result that needs a gradient the op at the anchor
+  cannot give is declined (``STATE``).  :func:`check_placement` says which results to
+  detach.
+
+Grad mode and autocast switches show in a Dynamo graph as calls
+(``torch._C._set_grad_enabled``, ``_enter_autocast`` / ``_exit_autocast``,
+``_enter_inference_mode`` / ``_exit_inference_mode``); :func:`states` replays them in
+graph order.  The single-process rewrite (:mod:`fx_passes.rewrite`) and the
+vocab-parallel one (:mod:`fx_passes.vocab_parallel`) both call this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from . import compat
+from .graph_ops import is_collective, meta
+from .report import Decline, Reason
+
+__all__ = ["State", "states", "is_mode_switch", "mutates", "changes_state", "first_mutation",
+           "check_placement", "same_state", "view_family", "mutation_of"]
+
+_GRAD_SWITCH = torch._C._set_grad_enabled
+_OPENERS = {"_enter_autocast": "autocast", "_enter_inference_mode": "inference_mode"}
+_CLOSERS = {"_exit_autocast", "_exit_inference_mode"}
+
+
+_IN_PLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _name(node: Node) -> str:
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+
+
+def is_mode_switch(node: Node) -> bool:
+    """A grad-mode, autocast or inference-mode switch (a call that changes no tensor)."""
+    return node.op == "call_function" and (
+        node.target is _GRAD_SWITCH or _name(node) in _OPENERS or _name(node) in _CLOSERS)
+
+
+def mutates(node: Node) -> bool:
+    """Can ``node`` change a tensor in place, or have another side effect?  In-place
+    methods (``x.mul_(2)``), ``x[i] = v``, ``torch.relu_``, and any call FX or the name
+    marks impure; not mode switches (see :func:`states`) nor telemetry calls."""
+    if node.op == "call_method":
+        target = str(node.target)
+        return target.endswith("_") and not target.startswith("__")
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function" or is_mode_switch(node) or node.target in compat.TELEMETRY_FUNCTIONS:
+        return False
+    if node.target in _IN_PLACE_OPERATORS or node.is_impure():
+        return True
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False  # operator.and_, operator.or_ ...: out of place despite the name
+    name = _name(node)
+    return name.endswith("_") or name.startswith("_")
+
+
+def changes_state(node: Node) -> bool:
+    """:func:`mutates` or :func:`is_mode_switch`; a functional collective does neither."""
+    return not is_collective(node) and (mutates(node) or is_mode_switch(node))
+
+
+_VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand", "flatten",
+                 "narrow", "select", "detach", "as_strided", "view_as", "contiguous", "__getitem__",
+                 "unflatten", "split", "chunk", "unbind", "movedim", "swapaxes", "diagonal", "unfold",
+                 "expand_as"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.transpose, torch.squeeze,
+                   torch.unsqueeze, torch.narrow, torch.select, torch.t, torch.permute, torch.detach,
+                   torch.split, torch.chunk, torch.unbind, torch.movedim, torch.swapaxes, torch.diagonal}
+
+
+def _is_view(node: Node) -> bool:
+    """May ``node`` share its first argument's storage (a view, or an op that may return one)?"""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS or (
+            node.target is getattr and len(node.args) > 1 and node.args[1] in ("T", "mT", "H", "mH"))
+    return False
+
+
+def view_family(node: Node) -> set[Node]:
+    """Every node that may share ``node``'s storage through views: up to its base, then
+    down every chain of views (they share one version counter)."""
+    base = node
+    while _is_view(base) and base.args and isinstance(base.args[0], Node):
+        base = base.args[0]
+    family, stack = {base}, [base]
+    while stack:
+        for u in stack.pop().users:
+            if _is_view(u) and u.args and u.args[0] in family and u not in family:
+                family.add(u)
+                stack.append(u)
+    return family
+
+
+def mutation_of(graph: Graph, nodes: Iterable[Node], after: Node) -> Optional[Node]:
+    """The first node after ``after`` that changes in place a tensor of the view family
+    of one of ``nodes``, or None.  (A fused op that saves such a tensor for its backward
+    would fail there, where the original saved none.)"""
+    family = set().union(*(view_family(n) for n in nodes if isinstance(n, Node)))
+    seen = False
+    for n in graph.nodes:
+        if seen and mutates(n) and any(a in family for a in n.all_input_nodes):
+            return n
+        seen = seen or n is after
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """What a node runs under: the grad mode set by the last switch before it ("entry"
+    before any), and the autocast / inference-mode blocks open around it."""
+
+    grad: Any  # "entry", True or False
+    blocks: tuple  # ((kind, args), ...) outermost first
+
+
+def states(graph: Graph) -> tuple[dict[Node, State], Optional[bool]]:
+    """Each node's :class:`State`, and the grad mode the graph was entered with when a
+    switch shows it (Dynamo emits a switch only when it changes the mode, so the first
+    one sets the opposite of the entry mode), else None."""
+    grad: Any = "entry"
+    entry: Optional[bool] = None
+    blocks: list = []
+    out: dict[Node, State] = {}
+    for n in graph.nodes:
+        out[n] = State(grad, tuple(blocks))
+        if n.op != "call_function":
+            continue
+        if n.target is _GRAD_SWITCH and n.args and isinstance(n.args[0], bool):
+            entry = (not n.args[0]) if entry is None else entry
+            grad = n.args[0]
+        elif _name(n) in _OPENERS:
+            blocks.append((_OPENERS[_name(n)], tuple(repr(a) for a in n.args), n))
+        elif _name(n) in _CLOSERS and blocks:
+            opened = n.args[0] if n.args else None
+            blocks = [b for b in blocks if b[2] is not opened] if isinstance(opened, Node) else blocks[:-1]
+    return out, entry
+
+
+def same_state(graph: Graph, nodes: Iterable[Node]) -> None:
+    """Decline (``STATE``) unless ``nodes`` all run under one grad mode and the same
+    autocast / inference_mode blocks (the vocab-parallel rewrite's rule: it detaches
+    nothing)."""
+    state, _ = states(graph)
+    nodes = list(nodes)
+    for n in nodes[1:]:
+        if state[n] != state[nodes[0]]:
+            raise Decline(Reason.STATE, f"{n.name} runs under grad mode {state[n].grad} and "
+                          f"{_describe(state[n])}, {nodes[0].name} under grad mode {state[nodes[0]].grad} "
+                          f"and {_describe(state[nodes[0]])}")
+
+
+def first_mutation(graph: Graph, start: Node, end: Node,
+                   allowed: Callable[[Node], bool] = lambda n: False) -> Optional[Node]:
+    """The first node strictly between ``start`` and ``end`` (graph order) that
+    :func:`mutates` and is not ``allowed``, or None."""
+    inside = False
+    for n in graph.nodes:
+        if n is end:
+            return None
+        if inside and mutates(n) and not allowed(n):
+            return n
+        inside = inside or n is start
+    return None
+
+
+def _requires_grad(node: Node) -> bool:
+    v = meta(node)
+    return isinstance(v, torch.Tensor) and v.requires_grad
+
+
+def _describe(state: State) -> str:
+    return " and ".join(kind for kind, _, _ in state.blocks) or "no autocast or inference_mode block"
+
+
+def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, results: Iterable[Node],
+                    inputs: Iterable[Any], last: Node, saved: Iterable[Node] = ()) -> set[Node]:
+    """Check that one op at ``anchor`` may replace ``absorbed`` (raises Decline) and
+    return the ``results`` whose replacements must be detached.
+
+    ``results``: the original nodes whose values the op's outputs replace (their
+    example values say whether they required grad); ``inputs``: the tensors the op
+    reads that can carry a gradient; ``last``: the last node the op's reads stand for
+    (the last absorbed node, or a later index node the rewrite hoists); ``saved``: the
+    tensors the op saves for its backward when the original saved none of them (no
+    in-place change of them may follow)."""
+    absorbed = list(absorbed)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(absorbed, key=order.__getitem__)
+    end = max([*absorbed, anchor, last], key=order.__getitem__)
+    changed = first_mutation(graph, first, end)
+    if changed is not None:
+        what = getattr(changed.target, "__name__", changed.target)
+        raise Decline(Reason.MUTATION, f"{changed.name} ({what}) runs between {first.name} and {end.name}")
+    changed = mutation_of(graph, saved, end)
+    if changed is not None:
+        raise Decline(Reason.MUTATION, f"{changed.name} changes in place a tensor the fused op saves for "
+                      "its backward")
+    state, entry = states(graph)
+    at = state[anchor]
+    for n in absorbed:
+        if state[n].blocks != at.blocks:
+            raise Decline(Reason.STATE, f"{n.name} runs under {_describe(state[n])}, the fused op at "
+                          f"{anchor.name} under {_describe(at)}")
+    if all(state[n].grad == at.grad for n in absorbed):
+        return set()  # one grad mode throughout: each result requires grad as before
+    def enabled(n: Node) -> bool:
+        return state[n].grad if isinstance(state[n].grad, bool) else bool(entry)
+
+    gives_grad = enabled(anchor) and any(_requires_grad(i) for i in inputs if isinstance(i, Node))
+    detach = set()
+    for r in results:
+        if not _requires_grad(r):
+            if gives_grad:
+                detach.add(r)  # the original computed it (or a step to it) under no_grad
+            continue
+        # the op's backward differentiates every step to r: each must have run with grad
+        off = next((a for a in _cone(r, set(absorbed)) if not enabled(a)), None)
+        if not gives_grad or off is not None:
+            raise Decline(Reason.STATE, f"{r.name} needs a gradient, and "
+                          f"{(off or anchor).name} runs with grad disabled")
+    return detach
+
+
+def _cone(node: Node, within: set[Node]) -> set[Node]:
+    """``node``'s ancestors in ``within`` (itself included when it is there)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in ([n] if n in within else []) + [i for i in n.all_input_nodes if i in within]:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
