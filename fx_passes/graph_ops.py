@@ -18,7 +18,8 @@ from torch.fx import Node
 
 from . import compat
 
-__all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective"]
+__all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective",
+           "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -148,17 +149,53 @@ _TELEMETRY = compat.TELEMETRY_FUNCTIONS
 
 
 def is_pure(node: Node) -> bool:
-    """Safe to move: computes a value from its inputs, no side effect."""
-    if node.op == "call_function" and node.target in _TELEMETRY:
-        return True
+    """Safe to move: a call that computes a value from its inputs, with no side effect
+    (neither :func:`mutates` nor :func:`is_mode_switch`)."""
+    return node.op in ("call_function", "call_method") and not mutates(node) and not is_mode_switch(node)
+
+
+GRAD_SWITCH = torch._C._set_grad_enabled
+MODE_OPENERS = {"_enter_autocast": "autocast", "_enter_inference_mode": "inference_mode"}
+MODE_CLOSERS = {"_exit_autocast", "_exit_inference_mode"}
+
+
+_IN_PLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+
+_IN_PLACE_DUNDERS = {f"__{op.__name__}__" for op in _IN_PLACE_OPERATORS}
+
+
+def call_name(node: Node) -> str:
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+
+
+def is_mode_switch(node: Node) -> bool:
+    """A grad-mode, autocast or inference-mode switch (a call that changes no tensor)."""
+    return node.op == "call_function" and (
+        node.target is GRAD_SWITCH or call_name(node) in MODE_OPENERS or call_name(node) in MODE_CLOSERS)
+
+
+def mutates(node: Node) -> bool:
+    """Can ``node`` change a tensor in place, or have another side effect?  In-place
+    methods (``x.mul_(2)``), ``x[i] = v``, ``torch.relu_``, and any call FX or the name
+    marks impure; not mode switches (see :func:`states`) nor telemetry calls."""
     if node.op == "call_method":
-        return not str(node.target).endswith("_")
-    if node.op != "call_function":
+        target = str(node.target)
+        if target.startswith("__"):  # __iadd__, __setitem__ ... change self; __and__ does not
+            return target in _IN_PLACE_DUNDERS
+        return target.endswith("_")
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function" or is_mode_switch(node) or node.target in _TELEMETRY:
         return False
-    if node.is_impure():
-        return False
-    name = getattr(node.target, "__name__", "")
-    return not name.endswith("_") and not name.startswith("_")
+    if node.target in _IN_PLACE_OPERATORS or node.is_impure():
+        return True
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False  # operator.and_, operator.or_ ...: out of place despite the name
+    name = call_name(node)
+    return name.endswith("_") or name.startswith("_")
 
 
 def last_dim(dim: Any, ndim: int) -> bool:

@@ -34,51 +34,20 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.fx import Graph, Node
 
-from . import compat
-from .graph_ops import is_collective, meta
+from .graph_ops import (
+    GRAD_SWITCH,
+    MODE_CLOSERS,
+    MODE_OPENERS,
+    call_name,
+    is_collective,
+    is_mode_switch,
+    meta,
+    mutates,
+)
 from .report import Decline, Reason
 
-__all__ = ["State", "states", "is_mode_switch", "mutates", "changes_state", "first_mutation",
+__all__ = ["State", "states", "changes_state", "first_mutation",
            "check_placement", "same_state", "view_family", "mutation_of"]
-
-_GRAD_SWITCH = torch._C._set_grad_enabled
-_OPENERS = {"_enter_autocast": "autocast", "_enter_inference_mode": "inference_mode"}
-_CLOSERS = {"_exit_autocast", "_exit_inference_mode"}
-
-
-_IN_PLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                       operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
-
-
-def _name(node: Node) -> str:
-    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-
-
-def is_mode_switch(node: Node) -> bool:
-    """A grad-mode, autocast or inference-mode switch (a call that changes no tensor)."""
-    return node.op == "call_function" and (
-        node.target is _GRAD_SWITCH or _name(node) in _OPENERS or _name(node) in _CLOSERS)
-
-
-def mutates(node: Node) -> bool:
-    """Can ``node`` change a tensor in place, or have another side effect?  In-place
-    methods (``x.mul_(2)``), ``x[i] = v``, ``torch.relu_``, and any call FX or the name
-    marks impure; not mode switches (see :func:`states`) nor telemetry calls."""
-    if node.op == "call_method":
-        target = str(node.target)
-        return target.endswith("_") and not target.startswith("__")
-    if node.op == "call_module":
-        return True
-    if node.op != "call_function" or is_mode_switch(node) or node.target in compat.TELEMETRY_FUNCTIONS:
-        return False
-    if node.target in _IN_PLACE_OPERATORS or node.is_impure():
-        return True
-    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
-        return False  # operator.and_, operator.or_ ...: out of place despite the name
-    name = _name(node)
-    return name.endswith("_") or name.startswith("_")
-
 
 def changes_state(node: Node) -> bool:
     """:func:`mutates` or :func:`is_mode_switch`; a functional collective does neither."""
@@ -153,12 +122,12 @@ def states(graph: Graph) -> tuple[dict[Node, State], Optional[bool]]:
         out[n] = State(grad, tuple(blocks))
         if n.op != "call_function":
             continue
-        if n.target is _GRAD_SWITCH and n.args and isinstance(n.args[0], bool):
+        if n.target is GRAD_SWITCH and n.args and isinstance(n.args[0], bool):
             entry = (not n.args[0]) if entry is None else entry
             grad = n.args[0]
-        elif _name(n) in _OPENERS:
-            blocks.append((_OPENERS[_name(n)], tuple(repr(a) for a in n.args), n))
-        elif _name(n) in _CLOSERS and blocks:
+        elif call_name(n) in MODE_OPENERS:
+            blocks.append((MODE_OPENERS[call_name(n)], tuple(repr(a) for a in n.args), n))
+        elif call_name(n) in MODE_CLOSERS and blocks:
             opened = n.args[0] if n.args else None
             blocks = [b for b in blocks if b[2] is not opened] if isinstance(opened, Node) else blocks[:-1]
     return out, entry
