@@ -244,7 +244,7 @@ def ensure_backend() -> None:
     from torch._dynamo.backends.registry import lookup_backend, register_backend
     from torch._dynamo.exc import InvalidBackend
 
-    from fx_passes.backend import chunked_logits
+    from fx_passes.entry.backend import chunked_logits
     try:
         lookup_backend("chunked_logits")
     except InvalidBackend:

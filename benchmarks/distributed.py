@@ -40,7 +40,7 @@ def limit_bytes(model, rows: int, hidden: int, vocab: int) -> int:
     of them under DDP, its shard under FSDP2), the bf16 gradient of the last hidden
     state, and one FP32 chunk of the pass's forward loop."""
     from fx_passes.config import Config
-    from fx_passes.tiling import forward_rows
+    from fx_passes.kernels.tiling import forward_rows
 
     grads = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 2 for p in model.parameters())
     chunk = forward_rows(Config().chunk_budget_bytes, rows, vocab) * vocab * 4

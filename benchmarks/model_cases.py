@@ -90,7 +90,7 @@ def errors(model, loss: torch.Tensor, ref: dict) -> dict:
 
 def pass_events() -> list[dict]:
     """What the pass logged (rewritten / declined, where and why), each distinct one once."""
-    from fx_passes.session import session
+    from fx_passes.reporting.session import session
     seen, out = set(), []
     for e in session.events:
         key = (e.kind, e.what, e.where)

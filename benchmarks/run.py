@@ -285,7 +285,7 @@ def time_floor_line(name: str, gemm: float, stock: float) -> str | None:
 def _plan() -> str:
     import torch
 
-    from fx_passes.tiling import backward_plan
+    from fx_passes.kernels.tiling import backward_plan
     return backward_plan(torch.device("cpu"), torch.bfloat16)
 
 

@@ -148,7 +148,7 @@ def worker(args) -> dict:
         "loss": loss.item(),
     }
     if args.worker == "chunked_logits":
-        from fx_passes import summary
+        from fx_passes.reporting import summary
 
         data = summary.collect()
         out["counters"] = data["counters"]

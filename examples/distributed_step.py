@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import fx_passes
-from fx_passes.session import session
+from fx_passes.reporting.session import session
 
 TEMPERATURE = 0.7
 HEADS = ("logprob", "entropy", "ce")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import fx_passes  # noqa: F401  (registers backend="chunked_logits")
-from fx_passes.session import session
+from fx_passes.reporting.session import session
 
 TEMPERATURE = 0.7
 CLIP = 0.2

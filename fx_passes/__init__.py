@@ -15,14 +15,14 @@ environment switch does at interpreter start) does not import torch.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "chunked_logits": ".backend",
+    "chunked_logits": ".entry.backend",
     "Config": ".config",
-    "ChunkedLogitsPass": ".passes",
-    "transform": ".passes",
-    "Reason": ".report",
-    "install": ".hook",
-    "uninstall": ".hook",
-    "installed_config": ".hook",
+    "ChunkedLogitsPass": ".pipeline",
+    "transform": ".pipeline",
+    "Reason": ".reporting.report",
+    "install": ".entry.install",
+    "uninstall": ".entry.install",
+    "installed_config": ".entry.install",
 }
 
 __all__ = ["chunked_logits", "Config", "ChunkedLogitsPass", "transform", "Reason",
@@ -39,7 +39,7 @@ def __getattr__(name: str):
     if module is not None:
         value = getattr(importlib.import_module(module, __name__), name)
     elif not name.startswith("__"):
-        try:  # a submodule: fx_passes.passes, fx_passes.report, ...
+        try:  # a submodule: fx_passes.pipeline, fx_passes.reporting.report, ...
             value = importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{name}":
@@ -56,8 +56,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from .backend import chunked_logits
     from .config import Config
-    from .hook import install, installed_config, uninstall
-    from .passes import ChunkedLogitsPass, transform
-    from .report import Reason
+    from .entry.backend import chunked_logits
+    from .entry.install import install, installed_config, uninstall
+    from .pipeline import ChunkedLogitsPass, transform
+    from .reporting.report import Reason

@@ -1,8 +1,8 @@
-"""``python -m fx_passes run [options] -- script.py args...``: the launcher (see fx_passes.cli)."""
+"""``python -m fx_passes run [options] -- script.py args...``: the launcher (see fx_passes.entry.launcher)."""
 
 import sys
 
-from fx_passes.cli import main
+from fx_passes.entry.launcher import main
 
 if __name__ == "__main__":
     sys.exit(main())

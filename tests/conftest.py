@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fx_passes.session import session
+from fx_passes.reporting.session import session
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fx_passes import Config, env
-from fx_passes.passes import transform
+from fx_passes.pipeline import transform
 
 
 def dynamo_graph(fn, *args, dynamic=False) -> torch.fx.GraphModule:

@@ -1,4 +1,4 @@
-"""Hostile programs for the placement rule (issue 19, fx_passes/placement.py).
+"""Hostile programs for the placement rule (issue 19, fx_passes/fx/placement.py).
 
 A program is one region written as a list of statements (:data:`REGIONS`: plain logits,
 the lm_head matmul in the graph, the lm_head whose logits the graph also returns, a

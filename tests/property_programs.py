@@ -6,7 +6,7 @@ a temperature (how it is given and where it is applied), the per-row results it
 computes (log-prob, entropy in three forms, logsumexp, cross-entropy / nll_loss with
 an ignore_index and a reduction), masked logits, training or no_grad, static or
 dynamic shapes, and at most one *twist*: a change that makes the pass decline, with
-the :class:`~fx_passes.report.Reason` it must give (see ``TWISTS``).
+the :class:`~fx_passes.reporting.report.Reason` it must give (see ``TWISTS``).
 
 The same program runs three ways: with ``up = .float()`` (the user's program, under
 the pass or stock), and with ``up = .double()`` on FP64 copies of the inputs (the
@@ -29,13 +29,13 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-import fx_passes.lm_head
+import fx_passes.kernels.lm_head
 from fx_passes.config import Config
-from fx_passes.graph_ops import canon
-from fx_passes.lm_head import lm_head_row_stats
-from fx_passes.ops import row_stats
-from fx_passes.passes import transform
-from fx_passes.report import COUNTER, Reason
+from fx_passes.fx.graph_ops import canon
+from fx_passes.kernels.lm_head import lm_head_row_stats
+from fx_passes.kernels.stats import row_stats
+from fx_passes.pipeline import transform
+from fx_passes.reporting.report import COUNTER, Reason
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEMPERATURE = 0.7
@@ -690,15 +690,15 @@ class CaptureAndTransform:
 
 @contextlib.contextmanager
 def eager_lm_head_chunks():
-    """Run the lm_head chunk loop's bodies eagerly (fx_passes.lm_head compiles them with
+    """Run the lm_head chunk loop's bodies eagerly (fx_passes.kernels.lm_head compiles them with
     Inductor, seconds per variant): the cheap path checks the rewrite and the loop, the
     full-compile tests check the compiled bodies."""
-    real = fx_passes.lm_head.compiled
-    fx_passes.lm_head.compiled = lambda fn: fn
+    real = fx_passes.kernels.lm_head.compiled
+    fx_passes.kernels.lm_head.compiled = lambda fn: fn
     try:
         yield
     finally:
-        fx_passes.lm_head.compiled = real
+        fx_passes.kernels.lm_head.compiled = real
 
 
 CHECKED_KEYS = ("rewritten", "would_rewrite", "declined", "pass_failed", "lm_head_fused", "lm_head_not_fused")

@@ -67,7 +67,7 @@ def inputs(dtype):
     return [x, tok]
 
 
-# --- the lm_head matmul inside the loop (fx_passes.shard_lm_head) ---------------------
+# --- the lm_head matmul inside the loop (fx_passes.kernels.shard_lm_head) ---------------------
 
 H = 32
 

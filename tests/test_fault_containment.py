@@ -19,11 +19,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import fx_passes
-import fx_passes.ops
-import fx_passes.passes
-import fx_passes.rewrite
+import fx_passes.kernels.stats
+import fx_passes.pipeline
+import fx_passes.rewrite.logits
 from fx_passes import ChunkedLogitsPass, Config
-from fx_passes.session import Event, session
+from fx_passes.reporting.session import Event, session
 from tests.helpers import dynamo_graph
 
 WARNING_TEXT = ("chunked_logits: the pass failed on this graph; compiling it unchanged with stock "
@@ -98,13 +98,13 @@ def break_graph(graph):
 # Where the fault is injected: (module, attribute, replacement factory).
 FAULTS = {
     # before anything is changed
-    "find_regions": ("fx_passes.passes", "find_regions", lambda real: boom),
+    "find_regions": ("fx_passes.pipeline", "find_regions", lambda real: boom),
     # second region, after the first region has been rewritten and the second's views replayed
-    "emit_stats_second_region": ("fx_passes.rewrite", "emit_stats", lambda real: on_call(2, real)),
+    "emit_stats_second_region": ("fx_passes.rewrite.logits", "emit_stats", lambda real: on_call(2, real)),
     # after every region is rewritten
-    "remove_div_by_one": ("fx_passes.passes", "remove_div_by_one", lambda real: boom),
+    "remove_div_by_one": ("fx_passes.pipeline", "remove_div_by_one", lambda real: boom),
     # no exception from our code: the graph is left broken and graph.lint() raises
-    "graph_left_broken": ("fx_passes.passes", "remove_div_by_one", lambda real: break_graph),
+    "graph_left_broken": ("fx_passes.pipeline", "remove_div_by_one", lambda real: break_graph),
 }
 
 
@@ -216,7 +216,7 @@ def test_transform_returns_the_original_graph_untouched(monkeypatch) -> None:
     inject(monkeypatch, "emit_stats_second_region")
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        out = fx_passes.passes.transform(gm, Config())
+        out = fx_passes.pipeline.transform(gm, Config())
     assert out is gm and gm.code == before
     gm.graph.lint()
 
@@ -227,9 +227,9 @@ def test_keyboard_interrupt_is_not_swallowed(monkeypatch) -> None:
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(fx_passes.passes, "find_regions", interrupt)
+    monkeypatch.setattr(fx_passes.pipeline, "find_regions", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        fx_passes.passes.transform(graphs[0], Config())
+        fx_passes.pipeline.transform(graphs[0], Config())
 
 
 # ---- counters after a failure, and failures inside Inductor on the rewritten graph ---------------
@@ -243,7 +243,7 @@ def test_counters_after_a_failure_claim_no_rewrite(monkeypatch) -> None:
     inject(monkeypatch, "emit_stats_second_region")
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        fx_passes.passes.transform(graphs[0], Config())
+        fx_passes.pipeline.transform(graphs[0], Config())
     assert dict(counters["chunked_logits"]) == {"pass_failed": 1}
     assert [e.kind for e in session.events[n_events:]] == []
 
@@ -265,7 +265,8 @@ INDUCTOR_WARNING = ("chunked_logits: Inductor failed on the rewritten graph; com
 
 
 def test_backend_falls_back_when_compiling_the_rewritten_graph_fails(monkeypatch, caplog, stock) -> None:
-    monkeypatch.setattr(fx_passes.ops.RowStats, "forward", _fails_under_aot(fx_passes.ops.RowStats.forward))
+    row_stats = fx_passes.kernels.stats.RowStats
+    monkeypatch.setattr(row_stats, "forward", _fails_under_aot(row_stats.forward))
     caplog.set_level(logging.WARNING, logger="fx_passes")
     counters.clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -282,7 +283,8 @@ def test_backend_falls_back_when_compiling_the_rewritten_graph_fails(monkeypatch
 
 
 def test_backend_strict_raises_when_compiling_the_rewritten_graph_fails(monkeypatch) -> None:
-    monkeypatch.setattr(fx_passes.ops.RowStats, "forward", _fails_under_aot(fx_passes.ops.RowStats.forward))
+    row_stats = fx_passes.kernels.stats.RowStats
+    monkeypatch.setattr(row_stats, "forward", _fails_under_aot(row_stats.forward))
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
                        match="injected fault while Inductor compiles the rewritten graph"):
         run(torch.compile(two_regions, backend="chunked_logits", options={"strict": True}), train=False)
@@ -295,7 +297,8 @@ def test_backend_strict_raises_when_compiling_the_rewritten_graph_fails(monkeypa
                           "compiles the rewritten graph (e.g. tracing RowStats under AOTAutograd) fails the "
                           "compile, there is no untouched graph to retry with")
 def test_pre_grad_pass_falls_back_when_compiling_the_rewritten_graph_fails(monkeypatch, stock) -> None:
-    monkeypatch.setattr(fx_passes.ops.RowStats, "forward", _fails_under_aot(fx_passes.ops.RowStats.forward))
+    row_stats = fx_passes.kernels.stats.RowStats
+    monkeypatch.setattr(row_stats, "forward", _fails_under_aot(row_stats.forward))
     with no_caches(), torch._inductor.config.patch(pre_grad_custom_pass=ChunkedLogitsPass()), \
             warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -351,7 +354,7 @@ def test_transformed_copy_keeps_what_dynamo_attached() -> None:
 
 def test_contained_rolls_back_reports_and_lets_control_flow_through() -> None:
     """The one containment every entry point uses (passes and backend)."""
-    from fx_passes.containment import contained
+    from fx_passes.reporting.containment import contained
 
     def compile_something():
         with contained(False) as attempt:

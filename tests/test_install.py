@@ -24,8 +24,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 import fx_passes
-from fx_passes import Config, env, hook
-from fx_passes.session import session
+from fx_passes import Config, env
+from fx_passes.entry import install as hook
+from fx_passes.reporting.session import session
 from tests.codegen import full_fp32_buffers
 from tests.helpers import clean_env
 
@@ -210,7 +211,7 @@ def test_user_joint_and_post_grad_passes_run(how):
 def test_pass_failure_falls_back_to_stock_under_install(monkeypatch):
     """Early pre-grad timing: the fall-back rebuilds the graph before AOT autograd reads
     Dynamo's placeholder metadata; the compile must still succeed, unchanged."""
-    import fx_passes.passes
+    import fx_passes.pipeline
 
     def boom(graph, config):
         raise RuntimeError("injected")
@@ -218,7 +219,7 @@ def test_pass_failure_falls_back_to_stock_under_install(monkeypatch):
     x, tok = inputs()
     _, stock = run_and_get_code(torch.compile(logprob), x, tok)
     torch._dynamo.reset()
-    monkeypatch.setattr(fx_passes.passes, "run_passes", boom)
+    monkeypatch.setattr(fx_passes.pipeline, "run_passes", boom)
     fx_passes.install()
     with pytest.warns(UserWarning, match="the pass failed on this graph"):
         out, codes = run_and_get_code(torch.compile(logprob), x, tok)
@@ -334,10 +335,10 @@ def test_env_switch_fresh_processes(tmp_path):
     assert off["at_start"] == [] and off["after_torch"] == [] and off["after_compile"] == []
     assert off["counters"] == {} and "chunked_logits" not in off_err
 
-    started = ["fx_passes", "fx_passes._autoinstall", "fx_passes.env"]
+    started = ["fx_passes", "fx_passes.entry.autoinstall", "fx_passes.env"]
     assert on["at_start"] == started  # no torch at start
     assert on["after_torch"] == started  # lazy until Inductor
-    assert "fx_passes.hook" in on["after_compile"]
+    assert "fx_passes.entry.install" in on["after_compile"]
     assert on["counters"] == {"rewritten": 1}
     assert on["code"] != off["code"]
     assert "chunked_logits summary" in on_err and "1 region rewritten" in on_err
@@ -355,7 +356,8 @@ def test_pth_file_is_installed():
     found = [p for p in paths if p.exists()]
     assert found, f"chunked_logits.pth not in {site.getsitepackages()}: reinstall with pip install -e ."
     text = found[0].read_text()
-    assert text.startswith("import os;") and "CHUNKED_LOGITS" in text and "fx_passes._autoinstall" in text
+    assert text.startswith("import os;") and "CHUNKED_LOGITS" in text
+    assert "fx_passes.entry.autoinstall" in text
 
 
 def test_build_backend_adds_pth_to_a_wheel(tmp_path):
@@ -391,7 +393,7 @@ def test_normal_wheel_install_env_switch(tmp_path):
     assert (target / "chunked_logits.pth").exists()
     # -S: no site-packages of this venv (whose own .pth would import the editable copy);
     # addsitedir processes the target's .pth files as site.py does for site-packages.
-    code = ("import site, sys; site.addsitedir(sys.argv[1]); a = sys.modules['fx_passes._autoinstall']; "
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); a = sys.modules['fx_passes.entry.autoinstall']; "
             "print(a.__file__, a._hooks in sys.meta_path, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-S", "-c", code, str(target)], capture_output=True, text=True,
                          env=clean_env(CHUNKED_LOGITS="1"), timeout=120, check=True, cwd=tmp_path).stdout
@@ -418,8 +420,8 @@ def test_install_marks_row_stats_cacheable_and_uninstall_restores():
     with inductor_config.patch(unsafe_marked_cacheable_functions={"mine.op": "1"}):
         with fx_passes.install():
             marks = dict(inductor_config.unsafe_marked_cacheable_functions)
-            assert marks["mine.op"] == "1" and "fx_passes.ops.row_stats" in marks
-            assert marks["fx_passes.ops.row_stats"].startswith("chunked_logits-")
+            assert marks["mine.op"] == "1" and "fx_passes.kernels.stats.row_stats" in marks
+            assert marks["fx_passes.kernels.stats.row_stats"].startswith("chunked_logits-")
         assert inductor_config.unsafe_marked_cacheable_functions == {"mine.op": "1"}
 
 
@@ -435,7 +437,7 @@ def test_package_and_env_module_import_no_torch():
 def test_session_collects_what_the_summary_says_and_resets():
     """One owner of the session's events: install notes its config, the pass records events,
     a replaced pre_grad_custom_pass shows as dropped, and reset starts over."""
-    from fx_passes import summary
+    from fx_passes.reporting import summary
 
     fx_passes.install(report_only=True)
     x = torch.randn(8, 32).bfloat16()

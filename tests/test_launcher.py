@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from fx_passes import cli
 from fx_passes.config import Config
+from fx_passes.entry import launcher as cli
 from tests.helpers import clean_env, last_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_kill_switch_under_the_launcher(tmp_path):
     = stock code).  Here: the launcher says so, installs nothing and exports nothing."""
     (tmp_path / "job.py").write_text(
         "import json, os, sys\nprint(json.dumps({'env': os.environ.get('CHUNKED_LOGITS'), "
-        "'installed': 'fx_passes.hook' in sys.modules}))\n")
+        "'installed': 'fx_passes.entry.install' in sys.modules}))\n")
     proc = launch(["run", "--", "job.py"], cwd=tmp_path, env=clean_env(CHUNKED_LOGITS_DISABLE="1"))
     assert proc.returncode == 0, proc.stderr
     assert last_json(proc.stdout) == {"env": None, "installed": False}
@@ -179,7 +179,7 @@ def test_torchrun_rank0_prints_each_rank_writes_its_own(script, tmp_path):
 
 @pytest.fixture
 def summary_settings():
-    from fx_passes import summary
+    from fx_passes.reporting import summary
 
     saved = dataclasses.replace(summary._settings)
     yield summary
@@ -211,7 +211,7 @@ def test_summary_ranks_and_files(summary_settings, capfd, tmp_path):
 
 
 def test_summary_text_cases():
-    from fx_passes.summary import format_text
+    from fx_passes.reporting.summary import format_text
 
     twice = _data(events=_data()["events"] * 2)
     assert "(x2 compiles)" in format_text(twice) and "1 region rewritten" in format_text(twice)

@@ -31,3 +31,75 @@ def test_tests_import_no_test_module(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
 def test_benchmarks_import_no_tests(path):
     assert not [n for n in imported(path) if n == "tests" or n.startswith("tests.")]
+
+
+# The package's stages, lowest first (issue 20): a module imports only from its own
+# folder (acyclically) or from a lower stage.  Each folder's __init__ says what it holds.
+STAGES = (("config",), ("env", "compat"), ("reporting",), ("fx",), ("kernels",), ("match",), ("rewrite",),
+          ("distributed",), ("pipeline",), ("entry",), ("__init__", "__main__"))
+LEVEL = {name: i for i, names in enumerate(STAGES) for name in names}
+PACKAGE = ROOT / "fx_passes"
+
+
+def _module(path: pathlib.Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _stage(module: str) -> str:
+    return module.split(".")[1] if module != "fx_passes" else "__init__"
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each fx_passes module -> the fx_passes modules it imports (anywhere in the file)."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        package = package.removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = (package.rsplit(".", node.level - 1)[0] if node.level > 1 else package) \
+                    if node.level else ""
+                mod = ".".join(filter(None, [base, node.module or ""]))
+                for alias in node.names:
+                    full = f"{mod}.{alias.name}"
+                    deps.add(full if full in modules or f"{full}.__init__" in modules else mod)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d.removesuffix(".__init__") for d in deps
+                       if d.startswith("fx_passes") and d.removesuffix(".__init__") != name
+                       and (d in modules or f"{d}.__init__" in modules)}
+    return {k.removesuffix(".__init__"): v for k, v in graph.items()}
+
+
+def test_package_imports_point_down_only():
+    bad = []
+    for name, deps in package_imports().items():
+        for dep in deps - {"fx_passes"}:  # (the package's lazy public names)
+            mine, theirs = _stage(name), _stage(dep)
+            if mine == theirs and mine not in STAGES[0] + STAGES[1]:
+                continue  # inside one folder: test_package_has_no_import_cycle
+            if LEVEL[theirs] >= LEVEL[mine]:
+                bad.append(f"{name} imports {dep} (stage {theirs} is not below {mine})")
+    assert not bad, "\n".join(bad)
+
+
+def test_package_has_no_import_cycle():
+    graph = package_imports()
+    state: dict[str, int] = {}
+
+    def visit(n, path):
+        state[n] = 1
+        for d in graph.get(n, ()):
+            if d == "fx_passes":
+                continue  # the package's lazy public names
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [n, d]))
+            if d not in state:
+                visit(d, path + [n])
+        state[n] = 2
+
+    for n in graph:
+        if n not in state:
+            visit(n, [])

@@ -72,7 +72,7 @@ CPU_PLANS = ["two_sweeps", "fp32_tiles"]
 
 @pytest.fixture
 def plan(request, monkeypatch):
-    import fx_passes.lm_head as lm_head
+    import fx_passes.kernels.lm_head as lm_head
     monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: request.param)
     return request.param
 
@@ -185,7 +185,7 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
     """Was a gap (issue 10): grad_hidden was accumulated in an FP32 [T, H] buffer.  Now
     a group of rows at a time is (an FP32 [S, H] buffer, S from the budget), and the
     gradients are the same with one sweep or several."""
-    import fx_passes.lm_head as lm_head
+    import fx_passes.kernels.lm_head as lm_head
     monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)  # eager bodies: every op is seen
     monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: "fp32_tiles")
     T, H, V = 300, 64, 512
@@ -222,7 +222,7 @@ def test_two_sweeps_model_precision_matmuls_each_a_whole_sum(monkeypatch):
     """On a CPU with bf16 units (issue 10): no FP32 matmul and no FP32 buffer of [T, H];
     every matmul writing a gradient covers its whole sum (all V for a row chunk of
     grad_hidden, all T for a block of grad_weight), so each element is rounded once."""
-    import fx_passes.lm_head as lm_head
+    import fx_passes.kernels.lm_head as lm_head
     monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)
     monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: "two_sweeps")
     T, H, V = 300, 64, 512
@@ -247,7 +247,7 @@ def test_two_sweeps_model_precision_matmuls_each_a_whole_sum(monkeypatch):
 def test_frozen_weight_computes_no_weight_gradient(plan, monkeypatch):
     """A frozen lm_head (LoRA, a frozen head): the backward skips grad_weight's matmuls,
     and grad_hidden is the same bits as with the weight trainable."""
-    import fx_passes.lm_head as lm_head
+    import fx_passes.kernels.lm_head as lm_head
     fn, inputs, _ = _inputs("logprob_entropy", torch.bfloat16)
     fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1})
     _, (gh_all, _) = run(fused, inputs, (0, 1))

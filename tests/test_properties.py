@@ -2,12 +2,12 @@
 
 Each case is a small program (tests/property_programs.py) built from the patterns the
 matcher knows and their neighbours, with the outcome it must have: rewritten, or
-declined with a named :class:`~fx_passes.report.Reason`.  The outcome is asserted
+declined with a named :class:`~fx_passes.reporting.report.Reason`.  The outcome is asserted
 through the ``chunked_logits`` counters, so a pass that declines everything fails.
 
 Two ways to run a case:
 
-* cheap (every case): Dynamo captures the graph, ``fx_passes.passes.transform`` rewrites
+* cheap (every case): Dynamo captures the graph, ``fx_passes.pipeline.transform`` rewrites
   a copy and the rewritten graph runs eagerly on the real inputs;
 * full (a fixed subset; more in the dev/long profiles): ``backend="chunked_logits"``
   against stock Inductor.
@@ -39,8 +39,8 @@ import torch
 from hypothesis import assume, example, given, reject, settings
 from torch._dynamo.utils import counters
 
-import fx_passes.rewrite
-from fx_passes.report import Decline, Reason
+import fx_passes.rewrite.logits
+from fx_passes.reporting.report import Decline, Reason
 from tests.codegen import full_fp32_buffers
 from tests.property_profiles import FULL_COMPILES, PROFILE
 from tests.property_programs import (
@@ -283,23 +283,23 @@ def test_examples_cover_every_reason_and_pattern() -> None:
 def test_harness_fails_a_pass_that_declines_everything(monkeypatch) -> None:
     def decline_all(graph, *settings):
         return [(n, Decline(Reason.UNKNOWN_OP, "test")) for n in graph.nodes if n.op == "placeholder"][:1]
-    monkeypatch.setattr("fx_passes.passes.find_regions", decline_all)
+    monkeypatch.setattr("fx_passes.pipeline.find_regions", decline_all)
     with pytest.raises(AssertionError):
         check_transformed(EXAMPLES["logprob_W1"])
 
 
 def test_harness_fails_a_pass_that_changes_a_result(monkeypatch) -> None:
-    real = fx_passes.rewrite.row_stats
+    real = fx_passes.rewrite.logits.row_stats
 
     def off_by_a_bit(x, tokens, scale, is_div, want_entropy):  # forgets the temperature
         return real(x, tokens, None, is_div, want_entropy)
-    monkeypatch.setattr(fx_passes.rewrite, "row_stats", off_by_a_bit)
+    monkeypatch.setattr(fx_passes.rewrite.logits, "row_stats", off_by_a_bit)
     with pytest.raises(AssertionError, match="worse than stock"):
         check_transformed(EXAMPLES["logprob_W1"])
 
 
 def test_harness_fails_a_wrong_gradient(monkeypatch) -> None:
-    real = fx_passes.rewrite.row_stats
+    real = fx_passes.rewrite.logits.row_stats
 
     class Wrong(torch.autograd.Function):  # right values, gradient of half the size
         @staticmethod
@@ -312,7 +312,7 @@ def test_harness_fails_a_wrong_gradient(monkeypatch) -> None:
 
     def halved_grad(x, tokens, scale, is_div, want_entropy):
         return real(Wrong.apply(x), tokens, scale, is_div, want_entropy)
-    monkeypatch.setattr(fx_passes.rewrite, "row_stats", halved_grad)
+    monkeypatch.setattr(fx_passes.rewrite.logits, "row_stats", halved_grad)
     with pytest.raises(AssertionError, match="grad of x"):
         check_transformed(dataclasses.replace(EXAMPLES["logprob_W1"], train=True))
 

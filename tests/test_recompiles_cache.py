@@ -23,9 +23,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import fx_passes
-import fx_passes.passes
+import fx_passes.pipeline
 from fx_passes import ChunkedLogitsPass, Config
-from fx_passes.backend import chunked_logits
+from fx_passes.entry.backend import chunked_logits
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHILD = pathlib.Path(__file__).resolve().parent / "cache_child.py"
@@ -105,10 +105,10 @@ def package_copy(tmp_path, monkeypatch):
     copy = tmp_path / "fx_passes"
     shutil.copytree(pathlib.Path(fx_passes.__file__).parent, copy,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(fx_passes.passes, "__file__", str(copy / "passes.py"))
-    fx_passes.passes.source_hash.cache_clear()
+    monkeypatch.setattr(fx_passes.pipeline, "__file__", str(copy / "passes.py"))
+    fx_passes.pipeline.source_hash.cache_clear()
     yield copy
-    fx_passes.passes.source_hash.cache_clear()
+    fx_passes.pipeline.source_hash.cache_clear()
 
 
 def test_uuid_is_stable_for_the_same_code_and_config() -> None:
@@ -125,17 +125,17 @@ def test_uuid_changes_with_the_config() -> None:
 @pytest.mark.parametrize("file", ["passes.py", "ops.py", "match.py", "config.py"])
 def test_uuid_changes_when_a_source_file_changes(package_copy, file) -> None:
     before = ChunkedLogitsPass().uuid()
-    fx_passes.passes.source_hash.cache_clear()
+    fx_passes.pipeline.source_hash.cache_clear()
     assert ChunkedLogitsPass().uuid() == before  # a copy with the same content: the same key
     (package_copy / file).write_text((package_copy / file).read_text() + "\n# changed\n")
-    fx_passes.passes.source_hash.cache_clear()
+    fx_passes.pipeline.source_hash.cache_clear()
     assert ChunkedLogitsPass().uuid() != before
 
 
 def test_uuid_changes_when_a_source_file_is_added(package_copy) -> None:
     before = ChunkedLogitsPass().uuid()
     (package_copy / "extra.py").write_text("X = 1\n")
-    fx_passes.passes.source_hash.cache_clear()
+    fx_passes.pipeline.source_hash.cache_clear()
     assert ChunkedLogitsPass().uuid() != before
 
 

@@ -162,7 +162,7 @@ def test_a_loss_all_reduced_for_logging_stays_single_process(spelling):
     assert chunked_counters() == {"rewritten": 1}
 
 
-# --- the lm_head matmul inside the loop (fx_passes.shard_lm_head) ---------------------
+# --- the lm_head matmul inside the loop (fx_passes.kernels.shard_lm_head) ---------------------
 
 @pytest.mark.parametrize("head", HEADS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
@@ -425,7 +425,7 @@ def test_lm_head_graph_after_one_pass(head):
 def test_a_body_that_fails_to_compile_runs_eagerly(monkeypatch, caplog):
     """A compile failure inside the step (the stage bodies compile on first use) must not
     end the user's step: the body runs eagerly, the same maths, with a warning."""
-    from fx_passes import shard_bodies
+    from fx_passes.kernels import shard_bodies
 
     def broken(fn):
         def call(*args):

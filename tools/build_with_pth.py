@@ -1,7 +1,7 @@
 """PEP 517 build backend: setuptools, plus ``chunked_logits.pth`` in every wheel.
 
 The .pth file is the environment switch: at interpreter start, site.py runs its one
-line, which imports ``fx_passes._autoinstall`` only when ``CHUNKED_LOGITS`` is set
+line, which imports ``fx_passes.entry.autoinstall`` only when ``CHUNKED_LOGITS`` is set
 (and otherwise costs one ``os.environ`` look-up).  setuptools has no option to put
 a file at the root of site-packages for both a normal and an editable
 (``pip install -e .``) install, so this backend lets setuptools build the wheel and
@@ -20,7 +20,7 @@ from setuptools.build_meta import *  # noqa: F403  (the rest of the PEP 517/660 
 
 PTH_NAME = "chunked_logits.pth"
 PTH_TEXT = ("import os; os.environ.get('CHUNKED_LOGITS') and "
-            "__import__('fx_passes._autoinstall')\n")
+            "__import__('fx_passes.entry.autoinstall')\n")
 
 
 def _record_line(name: str, data: bytes) -> str:

@@ -12,10 +12,7 @@ that may never have compiled anything.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional
-
-if TYPE_CHECKING:
-    from .report import Reason
+from typing import Any, Callable, Optional
 
 __all__ = ["Event", "Session", "session"]
 
@@ -26,7 +23,7 @@ class Event:
     where: str
     what: str
     fp32_bytes_avoided: int = 0
-    reason: Optional[Reason] = None
+    reason: Any = None  # a report.Reason (not imported: report imports this module)
 
 
 @dataclasses.dataclass

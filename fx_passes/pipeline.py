@@ -20,12 +20,12 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import compat, env
 from .config import Config
-from .containment import contained
-from .match import Region, _upcast_behind, _upcast_input, find_regions
-from .report import COUNTER, Decline, log, record_decline, record_rewrite
-from .rewrite import fp32_bytes, rewrite_region
-from .unit_scale import remove_div_by_one
-from .vocab_parallel import find_shard_regions, rewrite_shard_region
+from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
+from .match.logits import Region, _upcast_behind, _upcast_input, find_regions
+from .reporting.containment import contained
+from .reporting.report import COUNTER, Decline, log, record_decline, record_rewrite
+from .rewrite.logits import fp32_bytes, rewrite_region
+from .rewrite.unit_scale import remove_div_by_one
 
 __all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash"]
 
@@ -162,9 +162,10 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 # ``unsafe_marked_cacheable_functions``) with a value that changes with this package's
 # sources (the value is part of the cache key), so a warm start reuses the compiled
 # forward and backward and a changed package never gets stale ones.
-CACHEABLE = ("fx_passes.ops.row_stats", "fx_passes.lm_head.lm_head_row_stats",
-             "fx_passes.vocab_parallel.shard_reduce", "fx_passes.shard_lm_head.shard_lm_head",
-             "fx_passes.shard_one_pass.shard_lm_head_stages")
+CACHEABLE = ("fx_passes.kernels.stats.row_stats", "fx_passes.kernels.lm_head.lm_head_row_stats",
+             "fx_passes.distributed.vocab_parallel.shard_reduce",
+             "fx_passes.kernels.shard_lm_head.shard_lm_head",
+             "fx_passes.distributed.one_pass.shard_lm_head_stages")
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:
@@ -176,8 +177,9 @@ def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:
 def source_hash() -> str:
     """Hash of this package's source files: part of every cache key the pass gives."""
     h = hashlib.sha256()
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode())
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):  # every stage's folder
+        h.update(path.relative_to(root).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 

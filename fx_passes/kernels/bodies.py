@@ -1,9 +1,9 @@
 """The lm_head loop's per-chunk bodies, each compiled by Inductor once.
 
-The loops of :mod:`fx_passes.lm_head` run in Python; what they call per row chunk
+The loops of :mod:`fx_passes.kernels.lm_head` run in Python; what they call per row chunk
 (forward) and per vocabulary block x row tile (backward) is a small function of plain
 torch ops compiled here (``dynamic=True``), so generated kernels carry the hot path.
-The maths is :mod:`fx_passes.ops`'s, applied to logits formed by the chunk's matmul.
+The maths is :mod:`fx_passes.kernels.stats`'s, applied to logits formed by the chunk's matmul.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import compat
-from .ops import grad_of_logits, stats_of_logits
+from .. import compat
+from .stats import grad_of_logits, stats_of_logits
 
 __all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms"]
 

@@ -21,8 +21,8 @@ it sees what they saw:
 Grad mode and autocast switches show in a Dynamo graph as calls
 (``torch._C._set_grad_enabled``, ``_enter_autocast`` / ``_exit_autocast``,
 ``_enter_inference_mode`` / ``_exit_inference_mode``); :func:`states` replays them in
-graph order.  The single-process rewrite (:mod:`fx_passes.rewrite`) and the
-vocab-parallel one (:mod:`fx_passes.vocab_parallel`) both call this module.
+graph order.  The single-process rewrite (:mod:`fx_passes.rewrite.logits`) and the
+vocab-parallel one (:mod:`fx_passes.distributed.vocab_parallel`) both call this module.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.fx import Graph, Node
 
+from ..reporting.report import Decline, Reason
 from .graph_ops import (
     GRAD_SWITCH,
     MODE_CLOSERS,
@@ -44,7 +45,6 @@ from .graph_ops import (
     meta,
     mutates,
 )
-from .report import Decline, Reason
 
 __all__ = ["State", "states", "changes_state", "first_mutation",
            "check_placement", "same_state", "view_family", "mutation_of"]

@@ -3,14 +3,14 @@
 ``chunked_logits.pth`` (put into site-packages by ``pip install``) runs, at every
 interpreter start::
 
-    import os; os.environ.get('CHUNKED_LOGITS') and __import__('fx_passes._autoinstall')
+    import os; os.environ.get('CHUNKED_LOGITS') and __import__('fx_passes.entry.autoinstall')
 
 so with the switch unset nothing of this package is imported.  With it set, this
 module must stay cheap too (it runs before the user's program, in every Python
 process, including ``pip`` itself): it imports no torch.  It only registers a
 post-import hook; when ``torch._inductor.config`` is first imported (that is, when
 the process first compiles with Inductor), the hook calls
-:func:`fx_passes.hook.install_from_env`, which puts the passes into Inductor's
+:func:`fx_passes.entry.install.install_from_env`, which puts the passes into Inductor's
 ``pre_grad_custom_pass`` and arranges the exit summary.
 
 The variables and their parsing are in
@@ -94,7 +94,7 @@ def when_imported(name: str, callback) -> None:
 
 
 def _install(_module) -> None:
-    from fx_passes.hook import install_from_env
+    from fx_passes.entry.install import install_from_env
 
     install_from_env()
 

@@ -1,4 +1,4 @@
-"""The compiled bodies of vocab-parallel stages (:mod:`fx_passes.vocab_parallel`).
+"""The compiled bodies of vocab-parallel stages (:mod:`fx_passes.distributed.vocab_parallel`).
 
 A rewritten stage's reductions are an FX graph ``fn(x, *operands) -> tuple`` (the region's
 own ops replayed), registered under a key that the rewritten graph passes to the stage's
@@ -16,8 +16,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule
 
-from . import compat
-from .report import COUNTER, log
+from .. import compat
+from ..reporting.report import COUNTER, log
 
 __all__ = ["register", "function", "body", "backward_body"]
 

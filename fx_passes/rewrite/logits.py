@@ -1,4 +1,4 @@
-"""Rewrite a matched region into one call of :func:`fx_passes.ops.row_stats`.
+"""Rewrite a matched region into one call of :func:`fx_passes.kernels.stats.row_stats`.
 
 Before (what users write; Dynamo graph)::
 
@@ -10,7 +10,7 @@ Before (what users write; Dynamo graph)::
 After::
 
     squeeze = index.squeeze(-1)
-    stats   = fx_passes.ops.row_stats(logits, squeeze, 0.7, True, False)
+    stats   = fx_passes.kernels.stats.row_stats(logits, squeeze, 0.7, True, False)
     logprob = stats[1]
     gather  = logprob.unsqueeze(-1)
 
@@ -28,14 +28,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Graph, Node
 
-from .config import Config
-from .graph_ops import canon, get_arg, is_pure, meta
-from .lm_head import lm_head_row_stats
-from .lm_head_match import LMHead, match_lm_head
-from .match import Region, Role
-from .ops import row_stats
-from .placement import check_placement
-from .report import Decline, Reason
+from ..config import Config
+from ..fx.graph_ops import canon, get_arg, is_pure, meta
+from ..fx.placement import check_placement
+from ..kernels.lm_head import lm_head_row_stats
+from ..kernels.stats import row_stats
+from ..match.lm_head import LMHead, match_lm_head
+from ..match.logits import Region, Role
+from ..reporting.report import Decline, Reason
 
 __all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes"]
 
@@ -155,7 +155,7 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
     anchor = min((s.node for s in region.sinks), key=order.__getitem__)
     late = _late_index_nodes(graph, region, anchor)
     # The rewrite reads x, the temperature and the token indices at the anchor, where the
-    # graph read them anywhere from the first to the last region node (fx_passes.placement).
+    # graph read them anywhere from the first to the last region node (fx_passes.fx.placement).
     absorbed = [*region.roles, *([region.moved_scale] if region.moved_scale else [])]
     results = [s.node for s in region.sinks]
     last = max([*absorbed, *late], key=order.__getitem__)

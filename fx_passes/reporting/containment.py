@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from torch._dynamo.utils import counters
 
-from . import compat
+from .. import compat
 from .report import COUNTER, log
 from .session import session
 

@@ -1,8 +1,8 @@
 """A fused vocab-parallel region's stages in one pass over the rows: each row chunk's
 logits are computed once in the forward, not once per stage.
 
-With the lm_head fused (:mod:`fx_passes.shard_lm_head`) each stage of a region
-(:mod:`fx_passes.vocab_parallel`) computes every row chunk's logits again, because its
+With the lm_head fused (:mod:`fx_passes.kernels.shard_lm_head`) each stage of a region
+(:mod:`fx_passes.distributed.vocab_parallel`) computes every row chunk's logits again, because its
 per-row operands (the all-reduced max) exist only after the previous stage has seen all
 rows.  But rows are independent: the code *between* the stages (the *glue*: an
 all-reduce of the row max, ``wait_tensor``, ``unsqueeze``) is per row.  So one loop over
@@ -11,7 +11,7 @@ chunk's rows (its collectives included, on ``[rows]`` tensors as before), stage 
 One GEMM in the forward instead of one per stage, the same values: every op is the
 user's, on the same elements (a collective on a chunk of rows reduces the same numbers).
 
-Before (two stages, each a :func:`~fx_passes.shard_lm_head.shard_lm_head` call)::
+Before (two stages, each a :func:`~fx_passes.kernels.shard_lm_head.shard_lm_head` call)::
 
     amax = shard_lm_head("<key0>", False, budget, h, w)[0]
     m    = wait_tensor(all_reduce(amax, "max", group)).unsqueeze(-1)
@@ -28,7 +28,7 @@ mutated between the first stage and the last.  Anything else (an in-place
 ``dist.all_reduce`` is a ``copy_``) keeps one call per stage, as before; the log says why.
 The collectives run once per row chunk, on every rank alike (the chunks depend only on
 shapes every rank shares).  The backward is the stage with a gradient's, unchanged
-(:func:`fx_passes.shard_lm_head` ``_backward_loops``), with its glue operands saved from
+(:func:`fx_passes.kernels.shard_lm_head` ``_backward_loops``), with its glue operands saved from
 the forward.
 """
 
@@ -42,12 +42,12 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from . import shard_bodies
-from .graph_ops import is_collective, meta
-from .placement import changes_state
-from .report import Decline, Reason
-from .shard_lm_head import _shard_lm_head_backward, row_chunks
-from .tiling import even_splits, sweep_sizes
+from ..fx.graph_ops import is_collective, is_elementwise, meta
+from ..fx.placement import changes_state
+from ..kernels import shard_bodies
+from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
+from ..kernels.tiling import even_splits, sweep_sizes
+from ..reporting.report import Decline, Reason
 
 __all__ = ["OnePass", "plan_one_pass", "shard_lm_head_stages"]
 
@@ -82,7 +82,6 @@ class OnePass:
 
 def _row_wise(node: Node, rows: int) -> Optional[str]:
     """Why glue ``node`` cannot run on a chunk of rows (None when it can)."""
-    from .vocab_parallel import _elementwise  # (module cycle)
     v = meta(node)
     if not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != rows or v.numel() != rows:
         return f"{node.name} is not one value per row"
@@ -93,7 +92,7 @@ def _row_wise(node: Node, rows: int) -> Optional[str]:
     if is_collective(node):
         name = getattr(node.target, "__name__", str(node.target))
         return None if name.split(".")[0] in ("all_reduce", "wait_tensor") else f"{node.name} is {name}"
-    if _elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS) or _row_view(node):
+    if is_elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS) or _row_view(node):
         return None
     return f"{node.name} ({node.target}) is not an elementwise op"
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from .graph_ops import canon, get_arg, is_pure, meta, tensor_input
-from .placement import mutates, view_family
+from ..fx.graph_ops import canon, get_arg, is_pure, meta, tensor_input
+from ..fx.placement import mutates, view_family
 
 __all__ = ["remove_div_by_one"]
 

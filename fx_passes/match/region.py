@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from .graph_ops import canon, get_arg, last_dim, meta, tensor_input
-from .report import Decline, Reason
+from ..fx.graph_ops import canon, get_arg, last_dim, meta, tensor_input
+from ..reporting.report import Decline, Reason
 
 __all__ = ["Role", "Sink", "Region", "SINK_ROLES", "TERMINAL_ROLES", "ENTROPY_ROLES", "make_sink",
            "region_index"]

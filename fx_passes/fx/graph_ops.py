@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from . import compat
+from .. import compat
 
 __all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective",
-           "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS"]
+           "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS",
+           "is_elementwise"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -212,3 +213,29 @@ def is_collective(node: Node) -> bool:
     ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
     return (node.op == "call_function" and isinstance(node.target, ops)
             and str(node.target).startswith("_c10d_functional."))
+
+
+# Elementwise ops a vocab-parallel region may apply to FP32 logits (functions, Tensor methods).
+_ELEMENTWISE_FUNCTIONS = {
+    operator.truediv: "div", torch.div: "div", operator.mul: "mul", torch.mul: "mul",
+    operator.sub: "sub", torch.sub: "sub", operator.add: "add", torch.add: "add",
+    operator.neg: "neg", torch.neg: "neg", torch.exp: "exp", torch.log: "log", torch.tanh: "tanh",
+    torch.where: "where", torch.detach: "detach", torch.clamp: "clamp", torch.maximum: "maximum",
+    torch.minimum: "minimum",
+}
+_ELEMENTWISE_METHODS = {
+    "div", "__truediv__", "mul", "__mul__", "__rmul__", "sub", "__sub__", "__rsub__", "add",
+    "__add__", "__radd__", "neg", "__neg__", "exp", "log", "tanh", "detach", "clamp", "clamp_min",
+    "clamp_max", "maximum", "minimum", "float", "to", "contiguous",
+}
+
+def is_elementwise(node: Node) -> bool:
+    """An op that maps each element on its own (a vocab-parallel region's FP32 steps)."""
+    if node.op == "call_method":
+        return node.target in _ELEMENTWISE_METHODS
+    if node.op == "call_function":
+        try:
+            return node.target in _ELEMENTWISE_FUNCTIONS
+        except TypeError:
+            return False
+    return False

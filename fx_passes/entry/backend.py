@@ -7,12 +7,12 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.fx import GraphModule
 
-from . import compat, env
-from .config import Config
-from .containment import contained
-from .hook import backend_compiling
-from .passes import transform, with_cacheable_marks
-from .session import session
+from .. import compat, env
+from ..config import Config
+from ..pipeline import transform, with_cacheable_marks
+from ..reporting.containment import contained
+from ..reporting.session import session
+from .install import backend_compiling
 
 __all__ = ["chunked_logits"]
 

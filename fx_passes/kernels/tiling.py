@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compat
+from .. import compat
 
 __all__ = ["forward_rows", "backward_tiles", "sweep_sizes", "accumulator_rows", "even_splits",
            "backward_plan"]

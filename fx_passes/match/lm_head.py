@@ -2,7 +2,7 @@
 
 A region's logits are ``hidden @ weight.T`` (``linear`` / ``matmul``, with or without
 bias) when this module says so: then the rewrite calls
-:func:`fx_passes.lm_head.lm_head_row_stats` on ``hidden`` and the logits never exist.
+:func:`fx_passes.kernels.lm_head.lm_head_row_stats` on ``hidden`` and the logits never exist.
 
 Between the matmul and the upcast some model families transform the logits in
 model precision: Gemma2 softcaps them (``tanh(x / c) * c``), Granite divides them by
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .graph_ops import canon, get_arg, is_low_precision, meta, tensor_input
+from ..fx.graph_ops import canon, get_arg, is_low_precision, meta, tensor_input
 
 __all__ = ["LMHead", "match_lm_head", "producer", "TRANSFORMS_KNOWN"]
 

@@ -1,6 +1,6 @@
 """The exit summary of the launcher and the environment switch.
 
-What the passes rewrote and declined in this process (``fx_passes.session`` and
+What the passes rewrote and declined in this process (``fx_passes.reporting.session`` and
 the ``chunked_logits`` counters), printed once at interpreter exit to stderr as
 one write, so that ranks under torchrun do not interleave line by line.  By default
 only rank 0 (``RANK`` unset or 0) prints; ``ranks="all"`` makes every rank print
@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from . import env
+from .. import env
 from .session import session
 
 __all__ = ["configure", "arm", "arm_from_env", "collect", "format_text", "rank", "write_summary"]

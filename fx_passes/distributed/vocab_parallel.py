@@ -48,44 +48,30 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from . import shard_bodies
-from .graph_ops import canon, get_arg, is_collective, is_fp32, is_low_precision, last_dim, meta, tensor_input
-from .lm_head_match import LMHead, producer
-from .match import _upcast_input
-from .placement import changes_state, first_mutation, mutates, mutation_of, same_state
-from .report import Decline, Reason
-from .shard_lm_head import gather_index_positions, shard_lm_head
-from .shard_one_pass import getitems, plan_one_pass, shard_lm_head_stages
-from .shard_one_pass import register as register_one_pass
+from ..fx.graph_ops import (
+    canon,
+    get_arg,
+    is_collective,
+    is_elementwise,
+    is_fp32,
+    is_low_precision,
+    last_dim,
+    meta,
+    tensor_input,
+)
+from ..fx.placement import changes_state, first_mutation, mutates, mutation_of, same_state
+from ..kernels import shard_bodies
+from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
+from ..match.lm_head import LMHead, producer
+from ..match.logits import _upcast_input
+from ..reporting.report import Decline, Reason
+from .one_pass import getitems, plan_one_pass, shard_lm_head_stages
+from .one_pass import register as register_one_pass
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
 
-# Elementwise ops a region may apply to the FP32 shard (canonical names or Tensor methods).
-_ELEMENTWISE_FUNCTIONS = {
-    operator.truediv: "div", torch.div: "div", operator.mul: "mul", torch.mul: "mul",
-    operator.sub: "sub", torch.sub: "sub", operator.add: "add", torch.add: "add",
-    operator.neg: "neg", torch.neg: "neg", torch.exp: "exp", torch.log: "log", torch.tanh: "tanh",
-    torch.where: "where", torch.detach: "detach", torch.clamp: "clamp", torch.maximum: "maximum",
-    torch.minimum: "minimum",
-}
-_ELEMENTWISE_METHODS = {
-    "div", "__truediv__", "mul", "__mul__", "__rmul__", "sub", "__sub__", "__rsub__", "add",
-    "__add__", "__radd__", "neg", "__neg__", "exp", "log", "tanh", "detach", "clamp", "clamp_min",
-    "clamp_max", "maximum", "minimum", "float", "to", "contiguous",
-}
 # Reductions over the last dim that end a region.
 _REDUCTIONS = {"sum", "amax", "logsumexp", "gather", "mean"}
-
-
-def _elementwise(node: Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _ELEMENTWISE_METHODS
-    if node.op == "call_function":
-        try:
-            return node.target in _ELEMENTWISE_FUNCTIONS
-        except TypeError:
-            return False
-    return False
 
 
 def _reduction(node: Node) -> Optional[str]:
@@ -158,7 +144,7 @@ def _grow(upcast: Node, x: Node) -> ShardRegion:
                 continue
             if _reduction(u) and tensor_input(u) is n:
                 region.reductions.append(u)
-            elif _elementwise(u) and is_fp32(u) and tuple(meta(u).shape) == shape:
+            elif is_elementwise(u) and is_fp32(u) and tuple(meta(u).shape) == shape:
                 inside.add(u)
                 stack.append(u)
             else:
@@ -374,7 +360,7 @@ def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]
 
 def _check_order(region: ShardRegion) -> None:
     """The rewrite reads the logits and each stage's per-row operands where the stage's
-    first reduction was (:mod:`fx_passes.placement`'s rule).  The region's nodes run
+    first reduction was (:mod:`fx_passes.fx.placement`'s rule).  The region's nodes run
     under one grad mode and the same autocast / inference_mode blocks; between the
     upcast and the last reduction nothing may mutate the logits, and an in-place op must
     not fall between a region node that reads a per-row operand and its stage's first
@@ -434,7 +420,7 @@ def _reduction_copy(n: Node, region: ShardRegion) -> bool:
 
 def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
     """The lm_head matmul that makes the shard, when every stage can compute it per
-    chunk (:mod:`fx_passes.shard_lm_head`); else None and why not."""
+    chunk (:mod:`fx_passes.kernels.shard_lm_head`); else None and why not."""
     head = producer(region.x) if isinstance(region.x, Node) else None
     if head is None:
         return None, ""  # no matmul: nothing to say
@@ -524,7 +510,7 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool =
                          budget: int = 32 << 20) -> str:
     """One :func:`shard_reduce` call per stage (:func:`shard_lm_head` when the shard is a
     fusable lm_head matmul and ``fuse_lm_head``; one :func:`shard_lm_head_stages` call
-    for all stages when their glue allows, :mod:`fx_passes.shard_one_pass`); the FP32
+    for all stages when their glue allows, :mod:`fx_passes.distributed.one_pass`); the FP32
     ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
     Returns "lm_head_fused", or why the lm_head matmul stays ("" when there is none);
     sets ``region.one_pass`` (True, or why not; None when it does not apply)."""

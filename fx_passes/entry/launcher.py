@@ -23,8 +23,10 @@ import runpy
 import sys
 from typing import Any, Optional, Sequence
 
-from . import _autoinstall, env, summary
-from .config import Config
+from .. import env
+from ..config import Config
+from ..reporting import summary
+from . import autoinstall as _autoinstall
 
 __all__ = ["main", "build_parser", "config_options"]
 
@@ -117,7 +119,7 @@ def _run_target(target: list[str]) -> None:
 
 def _install_later(options: dict[str, Any]) -> None:
     def install(_module: Any) -> None:
-        from .hook import install as do_install
+        from .install import install as do_install
 
         do_install(**options)
 

@@ -39,9 +39,9 @@ import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
-from . import compat, env
-from .config import Config
-from .session import session
+from .. import compat, env
+from ..config import Config
+from ..reporting.session import session
 
 __all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
            "install_from_env", "backend_compiling"]
@@ -74,14 +74,14 @@ class InstalledPass(CustomGraphPass):
         if env.disabled() or _backend_active.get():
             return
         if self._impl is None:
-            from .passes import ChunkedLogitsPass
+            from ..pipeline import ChunkedLogitsPass
 
             self._impl = ChunkedLogitsPass(self.config)
         session.count_graph()
         self._impl(graph)  # its fall-back keeps the graph's own placeholders (passes._restore)
 
     def uuid(self) -> str:
-        from .passes import source_hash
+        from ..pipeline import source_hash
 
         state = "off" if env.disabled() else "on"
         return f"chunked_logits-installed-{source_hash()[:16]}-{self.config.key()}-{state}"
@@ -144,7 +144,7 @@ def _put(new: InstalledPass) -> bool:
         inductor_config.pre_grad_pass_timing = "early"
         _state.timing_changed = True
     if compat.CACHEABLE_MARKS:  # AOTAutograd's cache may store rewritten graphs
-        from .passes import with_cacheable_marks
+        from ..pipeline import with_cacheable_marks
         inductor_config.unsafe_marked_cacheable_functions = with_cacheable_marks(
             inductor_config.unsafe_marked_cacheable_functions)
     _state.current = new
@@ -166,7 +166,7 @@ def _remove() -> bool:
     if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":  # set: it exists
         inductor_config.pre_grad_pass_timing = "default"
     if removed and compat.CACHEABLE_MARKS:
-        from .passes import CACHEABLE
+        from ..pipeline import CACHEABLE
         inductor_config.unsafe_marked_cacheable_functions = {
             k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items()
             if k not in CACHEABLE}
@@ -229,7 +229,7 @@ def install_from_env() -> Optional[Installation]:
         return None
     config = Config.from_options(env.options())
     result = install(config)
-    from . import summary
+    from ..reporting import summary
 
     summary.arm_from_env()
     return result

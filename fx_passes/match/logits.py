@@ -11,7 +11,7 @@ scalar temperature, and ends in per-row reductions over the vocabulary:
 
 Every FP32 ``[.., V]`` tensor of the region must be read only inside the region;
 the per-row results ("sinks") may be read by anything.  A region that breaks a
-rule raises :class:`~fx_passes.report.Decline` with the reason.
+rule raises :class:`~fx_passes.reporting.report.Decline` with the reason.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, Node
 
-from . import compat
-from .graph_ops import (
+from .. import compat
+from ..fx.graph_ops import (
     canon,
     get_arg,
     is_fp32,
@@ -32,8 +32,8 @@ from .graph_ops import (
     meta,
     tensor_input,
 )
+from ..reporting.report import Decline, Reason, log
 from .region import SINK_ROLES, TERMINAL_ROLES, Region, Role, Sink, make_sink, region_index
-from .report import Decline, Reason, log
 
 __all__ = ["Region", "Role", "Sink", "find_regions"]
 

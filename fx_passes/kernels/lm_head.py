@@ -1,7 +1,7 @@
 """lm_head inside the chunk: never materialise the logits when a matmul makes them.
 
 When a region's logits are ``hidden @ weight.T`` in the same graph and nothing else
-reads them (:mod:`fx_passes.lm_head_match`), the rewrite calls
+reads them (:mod:`fx_passes.match.lm_head`), the rewrite calls
 :func:`lm_head_row_stats`, which runs the custom op ``chunked_logits::lm_head_stats``:
 
 * forward: a loop over row chunks; per chunk the logits chunk is computed in model
@@ -21,8 +21,8 @@ When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` 
 same loop and also writes each chunk's logits into the returned tensor; its backward
 adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
 
-Sizes come from :mod:`fx_passes.tiling`; the per-chunk bodies are compiled by
-Inductor (:mod:`fx_passes.bodies`).  The loops run in Python, which is why the op is
+Sizes come from :mod:`fx_passes.kernels.tiling`; the per-chunk bodies are compiled by
+Inductor (:mod:`fx_passes.kernels.bodies`).  The loops run in Python, which is why the op is
 opaque to the outer graph.
 """
 
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
-from .ops import softmax_lse
+from .stats import softmax_lse
 from .tiling import accumulator_rows, backward_plan, backward_tiles, even_splits, forward_rows, sweep_sizes
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",

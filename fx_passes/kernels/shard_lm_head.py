@@ -1,19 +1,19 @@
 """The lm_head inside a vocab-parallel region: no rank holds its logits shard whole.
 
-When the shard a vocab-parallel region reads (:mod:`fx_passes.vocab_parallel`) is
+When the shard a vocab-parallel region reads (:mod:`fx_passes.distributed.vocab_parallel`) is
 ``hidden @ weight_shard.T`` in the same graph, and nothing else reads it, each stage calls
 :func:`shard_lm_head` on ``hidden`` and the weight shard instead of
-:func:`~fx_passes.vocab_parallel.shard_reduce` on the logits:
+:func:`~fx_passes.distributed.vocab_parallel.shard_reduce` on the logits:
 
 * forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are
   computed in model precision and the stage's reductions (its compiled body,
-  :mod:`fx_passes.shard_bodies`) run on them.  Called per stage, each stage computes
+  :mod:`fx_passes.kernels.shard_bodies`) run on them.  Called per stage, each stage computes
   its chunks again (a stage's per-row operands, the all-reduced max, exist only after the
-  previous stage); :mod:`fx_passes.shard_one_pass` runs all stages in one such loop when
+  previous stage); :mod:`fx_passes.distributed.one_pass` runs all stages in one such loop when
   the code between them is per row.
 * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
-  model precision, and :func:`fx_passes.lm_head.two_sweeps` runs the tiles: row chunks
+  model precision, and :func:`fx_passes.kernels.lm_head.two_sweeps` runs the tiles: row chunks
   over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
   write ``grad_weight[block]``, one model-precision matmul each, so every element is one
   FP32 sum rounded once.  The backward stays local, as stock's: no collective.
