@@ -23,6 +23,7 @@ from .config import Config
 from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
 from .match.logits import Region, _upcast_behind, _upcast_input, find_regions
 from .reporting.containment import contained
+from .reporting.outcome import LMHead, Outcome
 from .reporting.report import COUNTER, Decline, log, record_decline, record_rewrite
 from .rewrite.logits import fp32_bytes, rewrite_region
 from .rewrite.unit_scale import remove_div_by_one
@@ -55,33 +56,32 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
             record_rewrite(where, what, nbytes, report_only=True)
             continue
         try:
-            how = rewrite_shard_region(graph, found, config.fuse_lm_head, config.chunk_budget_bytes)
+            outcome = rewrite_shard_region(graph, found, config)
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue
         counters[COUNTER]["vocab_parallel"] += 1
-        what = _lm_head_outcome(how, what, "vocab_parallel_lm_head")
-        if found.one_pass is True:
-            counters[COUNTER]["vocab_parallel_one_pass"] += 1
-            what += ", its stages in one pass over the rows"
-        elif found.one_pass:
-            what += f", one lm_head pass per stage: {found.one_pass}"
-        record_rewrite(where, what, nbytes, report_only=False)
+        record_rewrite(where, _counted(outcome, what, "vocab_parallel_lm_head"), nbytes, report_only=False)
     return seen
 
 
-def _lm_head_outcome(how: str, what: str, fused: str) -> str:
-    """Count what became of the region's lm_head matmul (``how``, from the rewrite;
-    ``fused``: the counter of a fusion) and add it to the description ``what``."""
-    if how in ("lm_head_fused", "lm_head_fused_returned"):
+def _counted(outcome: Outcome, what: str, fused: str) -> str:
+    """Count what a rewrite's ``outcome`` says (``fused``: the counter of a fused lm_head)
+    and add it to the rewrite's description ``what``: the one reader of outcomes."""
+    if outcome.lm_head is LMHead.FUSED:
         counters[COUNTER][fused] += 1
         what += ", lm_head matmul fused into the chunk loop"
-        if how == "lm_head_fused_returned":
+        if outcome.returns_logits:
             counters[COUNTER]["lm_head_returns_logits"] += 1
             what += ", which also writes the logits the graph returns"
-    elif how:
+    elif outcome.lm_head is LMHead.NOT_FUSED:
         counters[COUNTER]["lm_head_not_fused"] += 1
-        what += f", lm_head not fused: {how}"
+        what += f", lm_head not fused: {outcome.why}"
+    if outcome.one_pass:
+        counters[COUNTER]["vocab_parallel_one_pass"] += 1
+        what += ", its stages in one pass over the rows"
+    elif outcome.one_pass is False:
+        what += f", one lm_head pass per stage: {outcome.one_pass_why}"
     return what
 
 
@@ -93,7 +93,7 @@ def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
 def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
     shard_upcasts = _shard_regions(graph, config)
-    for found in find_regions(graph, config.temperature_after_upcast, config.upgrade_low_precision):
+    for found in find_regions(graph, config):
         if shard_upcasts and _handled(found, shard_upcasts):
             continue
         if isinstance(found, tuple):
@@ -108,11 +108,11 @@ def run_passes(graph: Graph, config: Config) -> None:
             log.debug("chunked_logits: region before rewrite:\n%s",
                       "\n".join(n.format_node() for n in region.roles))
         try:
-            how = rewrite_region(graph, region, config)
+            outcome = rewrite_region(graph, region, config)
         except Decline as d:  # raised before the graph is touched
             record_decline(where, d)
             continue
-        record_rewrite(where, _lm_head_outcome(how, what, "lm_head_fused"), nbytes, report_only=False)
+        record_rewrite(where, _counted(outcome, what, "lm_head_fused"), nbytes, report_only=False)
         if region.unit_scale_dropped:
             counters[COUNTER]["div_by_one_removed"] += 1
     if config.remove_div_by_one and not config.report_only:

@@ -277,12 +277,12 @@ def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> l
     return [vals[r] for r in plan.outputs]
 
 
-def _splits(plan: _Plan, hidden, weight, budget: int) -> list[tuple[int, int]]:
+def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
     """The row chunks, the same on every rank of the glue's groups: each rank's budget
     gives its own count (vocabulary shards may differ in width), the largest is taken,
     so every rank runs the same collectives on the same rows, each within its budget."""
     n = hidden.shape[0]
-    rows, _ = sweep_sizes(budget, n, weight.shape[0])
+    rows, _ = sweep_sizes(budget_bytes, n, weight.shape[0])
     count = len(even_splits(n, rows))
     collectives = torch.ops._c10d_functional
     for group in plan.groups:
@@ -291,14 +291,14 @@ def _splits(plan: _Plan, hidden, weight, budget: int) -> list[tuple[int, int]]:
     return even_splits(n, -(-n // max(1, count)))
 
 
-def _forward(name: str, hidden, weight, externals, budget: int) -> list[torch.Tensor]:
+def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     plan = _PLANS[name]
-    outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget),
+    outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget_bytes),
                       lambda x, *chunk: _run(plan, x, list(chunk), shard_bodies.body))
-    return outs if outs is not None else _fake(name, hidden, weight, externals, budget)
+    return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
 
-def _fake(name: str, hidden, weight, externals, budget: int) -> list[torch.Tensor]:
+def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
     got = _run(_PLANS[name], x, list(externals), shard_bodies.function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
@@ -306,16 +306,16 @@ def _fake(name: str, hidden, weight, externals, budget: int) -> list[torch.Tenso
 
 @torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=())
 def _stages(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
-            budget: int) -> list[torch.Tensor]:
-    return _forward(name, hidden, weight, externals, budget)
+            budget_bytes: int) -> list[torch.Tensor]:
+    return _forward(name, hidden, weight, externals, budget_bytes)
 
 
 _stages.register_fake(_fake)
 
 
 def _setup(ctx, inputs, output):
-    name, hidden, weight, externals, budget = inputs
-    ctx.name, ctx.budget, ctx.n_externals = name, budget, len(externals)
+    name, hidden, weight, externals, budget_bytes = inputs
+    ctx.name, ctx.budget_bytes, ctx.n_externals = name, budget_bytes, len(externals)
     ctx.outputs = [(o.shape, o.dtype) for o in output]
     _, where, _ = _PLANS[name].grad or (None, (), ())
     saved = [output[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
@@ -333,21 +333,21 @@ def _backward(ctx, grads):
         stage_grads.append(grads[p] if grads[p] is not None else
                            torch.zeros(shape, dtype=dtype, device=hidden.device))
     need_hidden, need_weight = ctx.needs_input_grad[1:3]
-    gh, gw = _shard_lm_head_backward(key, hidden, weight, operands, stage_grads, ctx.budget, need_hidden,
-                                     need_weight)
+    gh, gw = _shard_lm_head_backward(key, hidden, weight, operands, stage_grads, ctx.budget_bytes,
+                                     need_hidden, need_weight)
     return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(externals), None
 
 
 _stages.register_autograd(_backward, setup_context=_setup)
 
 
-def shard_lm_head_stages(name: str, differentiable: bool, budget: int, hidden: torch.Tensor,
+def shard_lm_head_stages(name: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
                          weight: torch.Tensor, *externals: torch.Tensor):
     """All stages of a rewritten vocab-parallel region whose logits shard is
     ``hidden @ weight.T``, in one pass over row chunks (see the module doc)."""
     if not differentiable:
         hidden, weight = hidden.detach(), weight.detach()
-    return tuple(_stages(name, hidden, weight, [e.detach() for e in externals], budget))
+    return tuple(_stages(name, hidden, weight, [e.detach() for e in externals], budget_bytes))
 
 
 def getitems(graph: Graph, call: Node, nodes: list[Node]) -> None:

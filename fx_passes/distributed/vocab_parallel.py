@@ -43,206 +43,41 @@ value, and a backward that is pointwise (a gather's backward scatters into a zer
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ..config import Config
 from ..fx.graph_ops import (
-    canon,
     get_arg,
     is_collective,
-    is_elementwise,
-    is_fp32,
     is_low_precision,
-    last_dim,
     meta,
+    requires_grad,
     tensor_input,
 )
-from ..fx.placement import changes_state, first_mutation, mutates, mutation_of, same_state
+from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
 from ..kernels import shard_bodies
 from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
 from ..match.lm_head import LMHead, producer
-from ..match.logits import _upcast_input
+from ..reporting.outcome import LMHead as LMHeadOutcome
+from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 from .one_pass import getitems, plan_one_pass, shard_lm_head_stages
 from .one_pass import register as register_one_pass
+from .regions import (
+    ShardRegion,
+    ancestors,
+    cone,
+    find_shard_regions,
+    numel,
+    operands_of,
+    reduction_kind,
+    symbolic_scalar,
+)
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
-
-# Reductions over the last dim that end a region.
-_REDUCTIONS = {"sum", "amax", "logsumexp", "gather", "mean"}
-
-
-def _reduction(node: Node) -> Optional[str]:
-    """The reduction ``node`` is ('sum', 'amax', ...) if it reduces its input's last dim."""
-    op = canon(node)
-    if op is None:
-        if node.op == "call_method" and node.target in ("amax", "mean"):
-            op = node.target
-        elif node.op == "call_function" and node.target in (torch.amax, torch.mean):
-            op = node.target.__name__
-    if op not in _REDUCTIONS:
-        return None
-    src = tensor_input(node)
-    if not isinstance(src, Node) or not isinstance(meta(src), torch.Tensor):
-        return None
-    if op == "gather":
-        dim = get_arg(node, "dim")
-    else:
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        if op in ("sum", "mean") and (node.kwargs.get("dtype") is not None or len(node.args) > 3):
-            return None
-    return op if last_dim(dim, meta(src).dim()) else None
-
-
-def _reaches_collective(nodes: list[Node], rows: Any, depth: int = 6) -> bool:
-    """Does a per-row result (``rows`` values) of ``nodes`` reach a functional collective
-    while it is still per-row?  A vocabulary shard's statistics do; a loss all-reduced
-    for logging (one value) does not make its region vocab-parallel."""
-    frontier, seen = list(nodes), set(nodes)
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                if is_collective(u):
-                    return True
-                v = meta(u)
-                if u not in seen and isinstance(v, torch.Tensor) and v.numel() == rows:
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
-    return False
-
-
-class ShardRegion:
-    """The FP32 ``[.., V]`` nodes grown from one upcast, and the reductions that end them."""
-
-    def __init__(self, upcast: Node, x: Node) -> None:
-        self.upcast, self.x = upcast, x
-        self.nodes: list[Node] = []  # elementwise FP32 [.., V] nodes, the upcast first
-        self.reductions: list[Node] = []
-        self.stages: list[list[Node]] = []
-        self.one_pass: Optional[bool | str] = None  # set by the rewrite (rewrite_shard_region)
-
-    def describe(self) -> str:
-        kinds = "+".join(sorted({_reduction(r) for r in self.reductions}))
-        return (f"vocab-parallel shard reductions ({kinds}) over {tuple(meta(self.upcast).shape)} "
-                f"in {len(self.stages)} stage(s)")
-
-
-def _grow(upcast: Node, x: Node) -> ShardRegion:
-    """The region from ``upcast``; Decline if an FP32 ``[.., V]`` node has a reader that is
-    neither an elementwise op nor a last-dim reduction."""
-    region = ShardRegion(upcast, x)
-    shape = tuple(meta(upcast).shape)
-    inside, stack = {upcast}, [upcast]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in inside or u in region.reductions:
-                continue
-            if _reduction(u) and tensor_input(u) is n:
-                region.reductions.append(u)
-            elif is_elementwise(u) and is_fp32(u) and tuple(meta(u).shape) == shape:
-                inside.add(u)
-                stack.append(u)
-            else:
-                raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads the FP32 shard {n.name}")
-    order = {n: i for i, n in enumerate(upcast.graph.nodes)}
-    region.nodes = sorted(inside, key=order.__getitem__)
-    region.reductions.sort(key=order.__getitem__)
-    return region
-
-
-_SYMBOLIC_SCALARS = (torch.SymFloat, torch.SymInt, float, int)
-
-
-def _symbolic_scalar(node: Node) -> bool:
-    """A Python number the graph computes (``dynamic=True`` makes a temperature one)."""
-    v = meta(node)
-    return isinstance(v, _SYMBOLIC_SCALARS) and not isinstance(v, bool)
-
-
-def _operands(region: ShardRegion, nodes: list[Node]) -> list[Node]:
-    """The graph values ``nodes`` read that are not the region's: per-row or scalar
-    tensors, and symbolic scalars (passed to the stage as 0-d tensors)."""
-    inside = set(region.nodes)
-    out: list[Node] = []
-    rows = tuple(meta(region.upcast).shape[:-1])
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a in inside or a in out or a is region.x:
-                continue
-            v = meta(a)
-            if _symbolic_scalar(a):
-                out.append(a)
-                continue
-            if not isinstance(v, torch.Tensor):
-                raise Decline(Reason.UNKNOWN_OP, f"{n.name} reads {a.name}, not a tensor")
-            per_row = v.dim() == 0 or (v.shape[-1] == 1 and v.numel() <= max(1, _numel(rows)))
-            if not per_row:
-                raise Decline(Reason.UNKNOWN_OP, f"{n.name} reads {a.name} of shape {tuple(v.shape)}: "
-                              "not one value per row")
-            out.append(a)
-    return out
-
-
-def _numel(shape: tuple) -> Any:
-    out = 1
-    for d in shape:
-        out = out * d
-    return out
-
-
-def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a not in seen and a not in stop:
-                seen.add(a)
-                stack.append(a)
-    return seen
-
-
-def _cone(region: ShardRegion, reduction: Node) -> list[Node]:
-    """The region's nodes ``reduction`` is computed from, the reduction last."""
-    inside = set(region.nodes)
-    need, stack = {reduction}, [reduction]
-    while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a in inside and a not in need:
-                need.add(a)
-                stack.append(a)
-    return [n for n in region.nodes if n in need] + [reduction]
-
-
-def _stages(region: ShardRegion) -> list[list[Node]]:
-    """Group the reductions: stage k holds those whose operands depend on stage < k only."""
-    stage: dict[Node, int] = {}
-    for r in region.reductions:  # graph order: a reduction's dependencies come first
-        ops = _operands(region, _cone(region, r))
-        before = set()
-        for o in ops:
-            before |= _ancestors(o, set()) | {o}
-        deps = [stage[q] for q in region.reductions if q in before and q in stage]
-        if any(q in before for q in region.reductions if q not in stage):
-            raise Decline(Reason.ORDER, f"{r.name} reads a value computed from a later reduction")
-        stage[r] = 1 + max(deps, default=-1)
-    out: list[list[Node]] = [[] for _ in range(1 + max(stage.values(), default=-1))]
-    for r in region.reductions:
-        out[stage[r]].append(r)
-    return out
-
-
-def _requires_grad(node: Node) -> bool:
-    v = meta(node)
-    return isinstance(v, torch.Tensor) and v.requires_grad
-
-
-# --- the call a rewritten graph makes ------------------------------------------------
 
 def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) -> GraphModule:
     """``fn(x, *operands) -> tuple(reductions)``: the region's ops for these reductions,
@@ -253,11 +88,11 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
         env[o] = g.placeholder(f"operand{i}")
     nodes: list[Node] = []
     for r in reductions:
-        nodes += [n for n in _cone(region, r) if n not in nodes]
+        nodes += [n for n in cone(region, r) if n not in nodes]
     order = {n: i for i, n in enumerate(region.upcast.graph.nodes)}
-    differentiable = any(_requires_grad(r) for r in reductions)
+    differentiable = any(requires_grad(r) for r in reductions)
     for n in sorted(nodes, key=order.__getitem__):
-        if _reduction(n) == "gather":
+        if reduction_kind(n) == "gather":
             src, index = env[tensor_input(n)], env[get_arg(n, "index")]
             width = g.call_method("size", (src, -1))  # (read at run time: a block of columns too)
             ar = g.call_function(torch.arange, (width,), {"device": meta(n).device})
@@ -266,7 +101,7 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
             env[n] = g.call_method("sum", (picked, -1), {"keepdim": True})
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
-            no_grad = not _requires_grad(n) and _requires_grad(region.x)
+            no_grad = not requires_grad(n) and requires_grad(region.x)
             if differentiable and n is not region.upcast and no_grad:  # computed without grad
                 env[n] = g.call_method("detach", (env[n],))
     g.output(tuple(env[r] for r in reductions))
@@ -326,91 +161,6 @@ def shard_reduce(key: str, differentiable: bool, x: torch.Tensor, *operands: tor
 
 # --- finding and rewriting ---------------------------------------------------------
 
-def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]:
-    """Regions whose reductions feed a functional collective (vocab-parallel code)."""
-    out: list[ShardRegion | tuple[Node, Decline]] = []
-    for node in list(graph.nodes):
-        x = _upcast_input(node)
-        if x is None:
-            continue
-        try:
-            region = _grow(node, x)
-        except Decline:
-            continue  # not the shape of a shard region: the single-process matcher's to judge
-        rows = _numel(tuple(meta(node).shape[:-1]))
-        if not region.reductions or not _reaches_collective(region.reductions, rows):
-            continue
-        try:
-            region.stages = _stages(region)
-            grads = [i for i, s in enumerate(region.stages) if any(_requires_grad(r) for r in s)]
-            if len(grads) > 1:
-                raise Decline(Reason.UNKNOWN_OP, f"reductions in {len(grads)} dependent stages need a "
-                              "gradient (the logits gradient would be rounded once per stage); detach "
-                              "what is only a shift (the max) or compute the later sums from the earlier")
-            for s in region.stages:
-                if {_requires_grad(r) for r in s} == {True, False}:
-                    raise Decline(Reason.UNKNOWN_OP, "a stage mixes reductions with and without grad")
-            _check_order(region)
-        except Decline as d:
-            out.append((node, d))
-            continue
-        out.append(region)
-    return out
-
-
-def _check_order(region: ShardRegion) -> None:
-    """The rewrite reads the logits and each stage's per-row operands where the stage's
-    first reduction was (:mod:`fx_passes.fx.placement`'s rule).  The region's nodes run
-    under one grad mode and the same autocast / inference_mode blocks; between the
-    upcast and the last reduction nothing may mutate the logits, and an in-place op must
-    not fall between a region node that reads a per-row operand and its stage's first
-    reduction (it could change that operand).  In-place ops elsewhere are fine:
-    ``dist.all_reduce(m)`` on a reduction's result (Dynamo's ``m.copy_(wait_tensor(...))``)
-    before the next stage."""
-    graph = region.upcast.graph
-    same_state(graph, [region.upcast, *region.nodes, *region.reductions])
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    spans = []  # (first operand read, stage anchor) per stage
-    inside = set(region.nodes)
-    for stage in region.stages:
-        reads = [n for r in stage for n in _cone(region, r)
-                 if any(a not in inside and a is not region.x for a in n.all_input_nodes)]
-        if reads:
-            spans.append((min(order[n] for n in reads), order[stage[0]]))
-    last = region.reductions[-1]
-    changed = mutation_of(graph, [region.x], last) if _requires_grad(region.x) else None
-    if changed is not None:  # the stage ops save the logits for their backward; the upcast did not
-        raise Decline(Reason.MUTATION, f"{changed.name} changes the logits in place after the region")
-    for n in graph.nodes:
-        if order[n] <= order[region.upcast] or not (mutates(n) and not is_collective(n)):
-            if n is last:
-                return
-            continue
-        target = n.args[0] if n.args else None
-        in_place = (n.op == "call_method" and isinstance(target, Node) and target not in inside
-                    and not _view_of(target, region.x))
-        if not in_place or any(lo < order[n] < hi for lo, hi in spans):
-            raise Decline(Reason.MUTATION, f"{n.name} ({n.target}) runs inside the region")
-        if n is last:
-            return
-
-
-_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand", "flatten",
-          "narrow", "select", "detach", "as_strided", "view_as", "contiguous", "__getitem__"}
-
-
-def _view_of(node: Node, x: Node) -> bool:
-    """Is ``node`` ``x`` or a view of it (it may share ``x``'s storage)?"""
-    while isinstance(node, Node):
-        if node is x:
-            return True
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if name not in _VIEWS and name != "getitem":
-            return False
-        node = node.args[0] if node.args else None
-    return False
-
-
 def _reduction_copy(n: Node, region: ShardRegion) -> bool:
     """Megatron's in-place all-reduce of a stage result: ``m.copy_(...)`` into a reduction
     (or a collective): it changes no operand of the lm_head."""
@@ -434,7 +184,7 @@ def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
     graph = region.x.graph
     first = head.transpose if head.transpose is not None else head.logits
     changed = first_mutation(graph, first, region.reductions[-1], lambda n: _reduction_copy(n, region))
-    if changed is None and _requires_grad(region.x):
+    if changed is None and requires_grad(region.x):
         changed = mutation_of(graph, [head.hidden, head.weight], region.reductions[-1])
     if changed is not None:
         return None, f"{changed.name} ({changed.target}) may change the lm_head's operands after its matmul"
@@ -447,22 +197,22 @@ def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
             and w.dim() == 2 and h.dtype == w.dtype == x.dtype and is_low_precision(region.x)):
         return None, "the shard is not a model-precision [T, H] x [V / world, H] matmul"
     for stage in region.stages:
-        operands = _operands(region, [n for r in stage for n in _cone(region, r)])
-        if any(_requires_grad(o) for o in operands):
+        operands = operands_of(region, [n for r in stage for n in cone(region, r)])
+        if any(requires_grad(o) for o in operands):
             return None, "a stage's per-row operand needs a gradient"
-        if any(_requires_grad(r) for r in stage) and {_reduction(r) for r in stage} - {"sum", "gather"}:
+        if any(requires_grad(r) for r in stage) and {reduction_kind(r) for r in stage} - {"sum", "gather"}:
             return None, "the stage with a gradient has a reduction other than sum and gather"
     return head, ""
 
 
 def _index_positions(region: ShardRegion, reductions: list[Node], operands: list[Node]) -> tuple[int, ...]:
     """The operands that are a gather's index and read by nothing else in the stage."""
-    cone = {n for r in reductions for n in _cone(region, r)}
+    nodes = {n for r in reductions for n in cone(region, r)}
     out = []
     for r in reductions:
-        if _reduction(r) == "gather":
+        if reduction_kind(r) == "gather":
             index = get_arg(r, "index")
-            if any(index in n.all_input_nodes for n in cone if n is not r):
+            if any(index in n.all_input_nodes for n in nodes if n is not r):
                 raise Decline(Reason.UNKNOWN_OP, f"the gather index {index.name} is read elsewhere too")
             out.append(operands.index(index))
     return tuple(out)
@@ -493,7 +243,7 @@ def _late(region: ShardRegion, operands: list[Node], anchor: Node, order: dict[N
     late: set[Node] = set()
     for o in operands:
         if order[o] > order[anchor]:
-            late |= {a for a in _ancestors(o, set()) if order[a] > order[anchor]} | {o}
+            late |= {a for a in ancestors(o, set()) if order[a] > order[anchor]} | {o}
     for n in late:
         if n in inside or is_collective(n) or changes_state(n):
             raise Decline(Reason.ORDER, f"operand {n.name} is computed after the first reduction")
@@ -506,19 +256,18 @@ def _late(region: ShardRegion, operands: list[Node], anchor: Node, order: dict[N
     return sorted(late, key=order.__getitem__)
 
 
-def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool = False,
-                         budget: int = 32 << 20) -> str:
+def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> Outcome:
     """One :func:`shard_reduce` call per stage (:func:`shard_lm_head` when the shard is a
-    fusable lm_head matmul and ``fuse_lm_head``; one :func:`shard_lm_head_stages` call
-    for all stages when their glue allows, :mod:`fx_passes.distributed.one_pass`); the FP32
-    ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
-    Returns "lm_head_fused", or why the lm_head matmul stays ("" when there is none);
-    sets ``region.one_pass`` (True, or why not; None when it does not apply)."""
+    fusable lm_head matmul and ``config.fuse_lm_head``; one :func:`shard_lm_head_stages`
+    call for all stages when their glue allows, :mod:`fx_passes.distributed.one_pass`); the
+    FP32 ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
+    Returns what became of the lm_head matmul and of the one pass."""
+    fuse_lm_head, budget_bytes = config.fuse_lm_head, config.chunk_budget_bytes
     head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
     for reductions in region.stages:
-        operands = _operands(region, [n for r in reductions for n in _cone(region, r)])
+        operands = operands_of(region, [n for r in reductions for n in cone(region, r)])
         late = _late(region, operands, reductions[0], order)
         indexes: tuple[int, ...] = ()
         if head is not None:
@@ -526,50 +275,48 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, fuse_lm_head: bool =
                 indexes = _index_positions(region, reductions, operands)
             except Decline as d:
                 head, why = None, d.detail
-        plans.append(_Stage(reductions, operands, late, any(_requires_grad(r) for r in reductions),
+        plans.append(_Stage(reductions, operands, late, any(requires_grad(r) for r in reductions),
                             _build(region, reductions, operands), indexes))
-    one = _one_pass(region, plans, order) if head is not None and len(plans) > 1 else None
+    one, one_pass_why = _one_pass(region, plans, order) if head is not None and len(plans) > 1 else (None, "")
     if one is not None:
-        _rewrite_one_pass(graph, region, plans, one, head, budget)
+        _rewrite_one_pass(graph, region, plans, one, head, budget_bytes)
     else:
-        _rewrite_stages(graph, region, plans, head, budget)
+        _rewrite_stages(graph, region, plans, head, budget_bytes)
     for n in reversed(list(graph.nodes)):
         if (n in region.reductions or n in region.nodes) and not n.users:
             graph.erase_node(n)
     if head is None:
-        return why
+        return Outcome.not_fused(why)
     for n in (region.x, head.transpose):
         if n is not None and not n.users:
             graph.erase_node(n)
-    return "lm_head_fused"
+    one_pass = None if len(plans) < 2 else one is not None
+    return Outcome(LMHeadOutcome.FUSED, one_pass=one_pass, one_pass_why=one_pass_why)
 
 
 def _one_pass(region: ShardRegion, plans: list, order: dict[Node, int]):
-    """The one-pass plan and what to move before the first stage, or None (and
-    ``region.one_pass`` says why)."""
-    rows = _numel(tuple(meta(region.upcast).shape[:-1]))
+    """(the one-pass plan and what to move before the first stage, ""), or (None, why not)."""
+    rows = numel(tuple(meta(region.upcast).shape[:-1]))
     try:
         one = plan_one_pass(region, [(p.reductions, p.operands) for p in plans], rows, order)
         late = _late(region, one.externals, plans[0].reductions[0], order)
     except Decline as d:
-        region.one_pass = d.detail
-        return None
-    region.one_pass = True
-    return one, late
+        return None, d.detail
+    return (one, late), ""
 
 
 def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head: Optional[LMHead],
-                    budget: int) -> None:
+                    budget_bytes: int) -> None:
     for p in plans:
         anchor = p.reductions[0]
         for n in p.late:
             anchor.prepend(n)
         key = shard_bodies.register(p.body)
         with graph.inserting_before(anchor):
-            operands = [_as_tensor(graph, o) if _symbolic_scalar(o) else o for o in p.operands]
+            operands = [_as_tensor(graph, o) if symbolic_scalar(o) else o for o in p.operands]
         if head is not None:
             gather_index_positions(key, p.indexes)
-            args = (shard_lm_head, (key, p.differentiable, budget, head.hidden, head.weight, *operands))
+            args = (shard_lm_head, (key, p.differentiable, budget_bytes, head.hidden, head.weight, *operands))
         else:
             args = (shard_reduce, (key, p.differentiable, region.x, *operands))
         with graph.inserting_before(anchor):
@@ -577,7 +324,7 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
 
 
 def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], planned, head: LMHead,
-                      budget: int) -> None:
+                      budget_bytes: int) -> None:
     one, late = planned
     anchor = plans[0].reductions[0]
     for n in late:
@@ -589,8 +336,8 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
     name = register_one_pass(one, [p.reductions for p in plans], keys)
     differentiable = any(p.differentiable for p in plans)
     with graph.inserting_before(anchor):
-        externals = [_as_tensor(graph, o) if _symbolic_scalar(o) else o for o in one.externals]
-        call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget, head.hidden,
+        externals = [_as_tensor(graph, o) if symbolic_scalar(o) else o for o in one.externals]
+        call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget_bytes, head.hidden,
                                                           head.weight, *externals))
         getitems(graph, call, one.outputs)
     for n in reversed(one.glue):

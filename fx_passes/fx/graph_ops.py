@@ -20,7 +20,7 @@ from .. import compat
 
 __all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective",
            "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS",
-           "is_elementwise"]
+           "is_elementwise", "requires_grad"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -120,6 +120,12 @@ def meta(value: Any) -> Any:
 def is_low_precision(value: Any) -> bool:
     v = meta(value)
     return isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION
+
+
+def requires_grad(value: Any) -> bool:
+    """Does ``value``'s example tensor require grad (as Dynamo traced it)?"""
+    v = meta(value)
+    return isinstance(v, torch.Tensor) and v.requires_grad
 
 
 def is_fp32(value: Any) -> bool:

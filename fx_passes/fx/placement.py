@@ -42,8 +42,8 @@ from .graph_ops import (
     call_name,
     is_collective,
     is_mode_switch,
-    meta,
     mutates,
+    requires_grad,
 )
 
 __all__ = ["State", "states", "changes_state", "first_mutation",
@@ -160,10 +160,6 @@ def first_mutation(graph: Graph, start: Node, end: Node,
     return None
 
 
-def _requires_grad(node: Node) -> bool:
-    v = meta(node)
-    return isinstance(v, torch.Tensor) and v.requires_grad
-
 
 def _describe(state: State) -> str:
     return " and ".join(kind for kind, _, _ in state.blocks) or "no autocast or inference_mode block"
@@ -203,10 +199,10 @@ def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, result
     def enabled(n: Node) -> bool:
         return state[n].grad if isinstance(state[n].grad, bool) else bool(entry)
 
-    gives_grad = enabled(anchor) and any(_requires_grad(i) for i in inputs if isinstance(i, Node))
+    gives_grad = enabled(anchor) and any(requires_grad(i) for i in inputs if isinstance(i, Node))
     detach = set()
     for r in results:
-        if not _requires_grad(r):
+        if not requires_grad(r):
             if gives_grad:
                 detach.add(r)  # the original computed it (or a step to it) under no_grad
             continue

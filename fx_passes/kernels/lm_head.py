@@ -115,7 +115,7 @@ class _Backward:
     g_entropy: torch.Tensor
     scale: Optional[torch.Tensor]
     scale_is_div: bool
-    budget: int
+    budget_bytes: int
     transforms: str
     plan: str  # tiling.backward_plan
     g_logits: Optional[torch.Tensor] = None  # the returned logits' gradient [N, V], if they are returned
@@ -137,7 +137,7 @@ class _Backward:
         (vocab, width), body = weight.shape, compiled(backward_block)
         first, last = (0, hidden.shape[0]) if grad_weight is not None else (r0, r1)
         fp32 = self.plan == "fp32_tiles"
-        cols, rows = backward_tiles(self.budget, last - first, vocab, width, fp32)
+        cols, rows = backward_tiles(self.budget_bytes, last - first, vocab, width, fp32)
         for v0, v1 in even_splits(vocab, cols):
             w32 = weight[v0:v1].float()
             b_blk = bias[v0:v1] if bias is not None else None
@@ -175,7 +175,7 @@ class _Backward:
                                  v0, v1, t0, t1)
 
 
-def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget: int, grad_of_tile,
+def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: int, grad_of_tile,
                grad_hidden: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
                grad_bias: Optional[torch.Tensor] = None) -> None:
     """The ``"two_sweeps"`` backward of ``hidden @ weight.T`` (``tiling.backward_plan``):
@@ -185,7 +185,7 @@ def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget: int, grad_of_
     model-precision matmul each, its whole sum inside it; one tile exists at a time.
     A gradient given as None is not computed."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    rows, cols = sweep_sizes(budget, n, vocab)
+    rows, cols = sweep_sizes(budget_bytes, n, vocab)
     if grad_hidden is not None:
         for t0, t1 in even_splits(n, rows):
             g = grad_of_tile(t0, t1, 0, vocab)
@@ -267,7 +267,7 @@ def _setup(ctx, inputs, output):
     hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms = inputs
     lse, _, entropy = output[:3]  # (not the returned logits: the backward recomputes them)
     ctx.save_for_backward(hidden, weight, bias, tokens, scale, lse, entropy if want_entropy else None)
-    ctx.has_tokens, ctx.scale_is_div, ctx.budget = tokens is not None, scale_is_div, budget_bytes
+    ctx.has_tokens, ctx.scale_is_div, ctx.budget_bytes = tokens is not None, scale_is_div, budget_bytes
     ctx.transforms = transforms
     ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
 
@@ -290,7 +290,7 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
         g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
-                                        g_entropy, scale, ctx.scale_is_div, ctx.budget, ctx.transforms,
+                                        g_entropy, scale, ctx.scale_is_div, ctx.budget_bytes, ctx.transforms,
                                         g_logits, need_hidden, need_weight or need_bias)
     return (gh if need_hidden else None, gw if need_weight else None,
             gb if bias is not None and need_bias else None, None, None, None, None, None, None)

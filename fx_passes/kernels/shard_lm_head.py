@@ -76,8 +76,8 @@ def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Ten
     return outs
 
 
-def _forward(key: str, hidden, weight, operands, budget: int) -> list[torch.Tensor]:
-    rows, _ = sweep_sizes(budget, hidden.shape[0], weight.shape[0])
+def _forward(key: str, hidden, weight, operands, budget_bytes: int) -> list[torch.Tensor]:
+    rows, _ = sweep_sizes(budget_bytes, hidden.shape[0], weight.shape[0])
     outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), shard_bodies.body(key))
     return outs if outs is not None else _fake(key, hidden, weight, operands)
 
@@ -89,16 +89,16 @@ def _fake(key: str, hidden, weight, operands) -> list[torch.Tensor]:
 
 @torch.library.custom_op("chunked_logits::shard_lm_head", mutates_args=())
 def _shard_lm_head(key: str, hidden: torch.Tensor, weight: torch.Tensor, operands: list[torch.Tensor],
-                   budget: int) -> list[torch.Tensor]:
-    return _forward(key, hidden, weight, operands, budget)
+                   budget_bytes: int) -> list[torch.Tensor]:
+    return _forward(key, hidden, weight, operands, budget_bytes)
 
 
 @_shard_lm_head.register_fake
-def _(key, hidden, weight, operands, budget):
+def _(key, hidden, weight, operands, budget_bytes):
     return _fake(key, hidden, weight, operands)
 
 
-def _backward_loops(key: str, hidden, weight, operands, grads, budget: int, need_hidden: bool,
+def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int, need_hidden: bool,
                     need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n = hidden.shape[0]
     vjp = shard_bodies.backward_body(key, (0,))
@@ -109,27 +109,27 @@ def _backward_loops(key: str, hidden, weight, operands, grads, budget: int, need
         x = F.linear(hidden[t0:t1], weight[v0:v1])
         return vjp(x, *_rows(_columns(key, operands, v0), t0, t1, n), *_rows(grads, t0, t1, n))[0]
     with torch.no_grad():
-        two_sweeps(hidden, weight, budget, grad_of_tile, grad_hidden if need_hidden else None,
+        two_sweeps(hidden, weight, budget_bytes, grad_of_tile, grad_hidden if need_hidden else None,
                    grad_weight if need_weight else None)
     return grad_hidden, grad_weight
 
 
 @torch.library.custom_op("chunked_logits::shard_lm_head_backward", mutates_args=())
 def _shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
-                            operands: list[torch.Tensor], grads: list[torch.Tensor], budget: int,
+                            operands: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
                             need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_loops(key, hidden, weight, operands, grads, budget, need_hidden, need_weight)
+    return _backward_loops(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight)
 
 
 @_shard_lm_head_backward.register_fake
-def _(key, hidden, weight, operands, grads, budget, need_hidden, need_weight):
+def _(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
-    key, hidden, weight, operands, budget = inputs
-    ctx.key, ctx.budget = key, budget
+    key, hidden, weight, operands, budget_bytes = inputs
+    ctx.key, ctx.budget_bytes = key, budget_bytes
     ctx.outputs = [(o.shape, o.dtype) for o in output]
     ctx.save_for_backward(hidden, weight, *operands)
 
@@ -139,7 +139,7 @@ def _backward(ctx, grads):
     grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=hidden.device)
              for g, (shape, dtype) in zip(grads, ctx.outputs)]
     need_hidden, need_weight = ctx.needs_input_grad[1:3]
-    gh, gw = _shard_lm_head_backward(ctx.key, hidden, weight, operands, grads, ctx.budget, need_hidden,
+    gh, gw = _shard_lm_head_backward(ctx.key, hidden, weight, operands, grads, ctx.budget_bytes, need_hidden,
                                      need_weight)
     return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(operands), None
 
@@ -147,11 +147,11 @@ def _backward(ctx, grads):
 _shard_lm_head.register_autograd(_backward, setup_context=_setup)
 
 
-def shard_lm_head(key: str, differentiable: bool, budget: int, hidden: torch.Tensor, weight: torch.Tensor,
-                  *operands: torch.Tensor):
+def shard_lm_head(key: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
+                  weight: torch.Tensor, *operands: torch.Tensor):
     """The reductions of one stage of a rewritten vocab-parallel region whose logits shard
     is ``hidden @ weight.T`` (see the module doc)."""
     if not differentiable:
         hidden, weight = hidden.detach(), weight.detach()
     operands = tuple(o.detach() for o in operands)
-    return tuple(_shard_lm_head(key, hidden, weight, list(operands), budget))
+    return tuple(_shard_lm_head(key, hidden, weight, list(operands), budget_bytes))

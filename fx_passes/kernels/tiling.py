@@ -27,7 +27,7 @@ def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
     return max(1, _budget(budget_bytes, n, vocab) // (4 * vocab))
 
 
-def backward_tiles(budget: int, n: int, vocab: int, width: int, fp32: bool) -> tuple[int, int]:
+def backward_tiles(budget_bytes: int, n: int, vocab: int, width: int, fp32: bool) -> tuple[int, int]:
     """(columns per vocabulary block, rows per row tile) of a vocabulary-block sweep over
     ``n`` rows (within the budget, capped for small problems as the forward's); ``fp32``:
     the ``"fp32_tiles"`` plan (``backward_plan``), else ``"blocks"``.
@@ -41,27 +41,27 @@ def backward_tiles(budget: int, n: int, vocab: int, width: int, fp32: bool) -> t
     (per element: bf16 logits, bf16 and FP32 gradient, FP32 matmul output; plus the
     FP32 copy of the ``hidden`` rows).
     """
-    budget = _budget(budget, n, vocab)
+    budget_bytes = _budget(budget_bytes, n, vocab)
     if not fp32:
-        return max(1, budget // (8 * max(1, n))), max(1, n)
-    cols = max(1, min(vocab, budget // (16 * width)))
-    rows = max(1, min(n, (budget // 2) // (12 * cols + 4 * width)))
+        return max(1, budget_bytes // (8 * max(1, n))), max(1, n)
+    cols = max(1, min(vocab, budget_bytes // (16 * width)))
+    rows = max(1, min(n, (budget_bytes // 2) // (12 * cols + 4 * width)))
     return cols, rows
 
 
-def sweep_sizes(budget: int, n: int, vocab: int) -> tuple[int, int]:
+def sweep_sizes(budget_bytes: int, n: int, vocab: int) -> tuple[int, int]:
     """(rows per row chunk, columns per vocabulary block) of the ``two_sweeps`` backward:
     a chunk's or a block's model-precision logits and gradient (4 bytes an element) fill
     the budget (capped for small problems as the forward's)."""
-    budget = _budget(budget, n, vocab)
-    return max(1, budget // (4 * vocab)), max(1, budget // (4 * max(1, n)))
+    budget_bytes = _budget(budget_bytes, n, vocab)
+    return max(1, budget_bytes // (4 * vocab)), max(1, budget_bytes // (4 * max(1, n)))
 
 
-def accumulator_rows(budget: int, n: int, width: int) -> int:
+def accumulator_rows(budget_bytes: int, n: int, width: int) -> int:
     """Rows whose ``grad_hidden`` one backward sweep accumulates in FP32: an FP32
     ``[rows, H]`` buffer of at most half the budget, so never one of ``[T, H]``
     (all rows when ``4 T H`` bytes fit)."""
-    return max(1, min(n, (budget // 2) // (4 * max(1, width))))
+    return max(1, min(n, (budget_bytes // 2) // (4 * max(1, width))))
 
 
 def even_splits(total: int, most: int) -> list[tuple[int, int]]:

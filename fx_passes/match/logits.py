@@ -22,6 +22,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .. import compat
+from ..config import Config
 from ..fx.graph_ops import (
     canon,
     get_arg,
@@ -413,9 +414,10 @@ def _not_logits(root: Node, decline: Decline) -> bool:
     return True
 
 
-def find_regions(graph: Graph, temperature_after_upcast: bool = True,
-                 upgrade_low_precision: bool = False) -> list[Region | tuple[Node, Decline]]:
+def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple[Node, Decline]]:
     """Every candidate region, in graph order: a Region, or (root node, Decline)."""
+    temperature_after_upcast, upgrade_low_precision = config.temperature_after_upcast, \
+        config.upgrade_low_precision
     out: list[Region | tuple[Node, Decline]] = []
     seen: set[Node] = set()
     for node in list(graph.nodes):

@@ -29,12 +29,14 @@ import torch
 from torch.fx import Graph, Node
 
 from ..config import Config
-from ..fx.graph_ops import canon, get_arg, is_pure, meta
+from ..fx.graph_ops import canon, get_arg, is_pure, meta, requires_grad
 from ..fx.placement import check_placement
 from ..kernels.lm_head import lm_head_row_stats
 from ..kernels.stats import row_stats
 from ..match.lm_head import LMHead, match_lm_head
 from ..match.logits import Region, Role
+from ..reporting.outcome import LMHead as LMHeadOutcome
+from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 
 __all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes"]
@@ -102,10 +104,6 @@ def _replay_view(e: _Emitter, view: Node, src: Node, on_hidden: bool = False) ->
     return e.function(torch.reshape, src, tuple(shape))
 
 
-def _requires_grad(node: Node) -> bool:
-    v = meta(node)
-    return isinstance(v, torch.Tensor) and v.requires_grad
-
 
 def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
     """The index node and its ancestors defined after ``anchor``, in graph order."""
@@ -161,7 +159,7 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
     last = max([*absorbed, *late], key=order.__getitem__)
     inputs = [region.x, region.scale]
     # (the upcast saves nothing for the backward; row_stats saves x)
-    saved = [region.x] if _requires_grad(region.x) else []
+    saved = [region.x] if requires_grad(region.x) else []
     detach = check_placement(graph, absorbed, anchor, results, inputs, last, saved)
     loss_sinks = [s for s in region.sinks if s.role == Role.LOSS]
     ignore = loss_sinks[0].ignore_index if loss_sinks else None
@@ -175,18 +173,16 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
             detach = check_placement(graph, [*absorbed, *head_nodes], anchor,
                                      results + ([region.x] if lm_head.returned else []),
                                      [*operands, region.scale], last,
-                                     operands if _requires_grad(region.x) else [])
+                                     operands if requires_grad(region.x) else [])
         except Decline as d:
             lm_head, why = None, f"{d.reason.name}: {d.detail}"
     return _Plan(order=order, anchor=anchor, late=late, lm_head=lm_head, detach=detach, why=why,
                  loss=bool(loss_sinks), ignore_index=ignore)
 
 
-def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
+def rewrite_region(graph: Graph, region: Region, config: Config) -> Outcome:
     """Replace the region's nodes; raises Decline before touching the graph if it can't.
-
-    Returns how the logits are read: "lm_head_fused" or the reason they stay.
-    """
+    Returns what became of the lm_head matmul."""
     plan = plan_rewrite(graph, region, config)  # the only place that declines
     for n in plan.late:  # hoist what the token indices need to before the anchor
         plan.anchor.prepend(n)
@@ -212,8 +208,8 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> str:
             user.replace_input_with(fp32_node, twins.get(fp32_node, xv))
     _erase_region(graph, region, plan)
     if lm_head is not None:
-        return "lm_head_fused_returned" if lm_head.returned else "lm_head_fused"
-    return plan.why
+        return Outcome(LMHeadOutcome.FUSED, returns_logits=lm_head.returned)
+    return Outcome.not_fused(plan.why)
 
 
 def _emit_tokens(e: _Emitter, region: Region, plan: _Plan) -> tuple[Node | None, Node | None]:
