@@ -29,9 +29,9 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-import fx_passes.kernels.lm_head
 from fx_passes.config import Config
 from fx_passes.fx.graph_ops import canon
+from fx_passes.kernels.compiler import compiling_with
 from fx_passes.kernels.lm_head import lm_head_row_stats
 from fx_passes.kernels.stats import row_stats
 from fx_passes.pipeline import transform
@@ -690,15 +690,11 @@ class CaptureAndTransform:
 
 @contextlib.contextmanager
 def eager_lm_head_chunks():
-    """Run the lm_head chunk loop's bodies eagerly (fx_passes.kernels.lm_head compiles them with
-    Inductor, seconds per variant): the cheap path checks the rewrite and the loop, the
-    full-compile tests check the compiled bodies."""
-    real = fx_passes.kernels.lm_head.compiled
-    fx_passes.kernels.lm_head.compiled = lambda fn: fn
-    try:
+    """Run the chunk loops' bodies eagerly (Inductor compiles each, seconds per variant):
+    the cheap path checks the rewrite and the loop, the full-compile tests check the
+    compiled bodies.  (``fx_passes.kernels.compiler.compiling_with``, the documented seam.)"""
+    with compiling_with(lambda fn, options: fn):
         yield
-    finally:
-        fx_passes.kernels.lm_head.compiled = real
 
 
 CHECKED_KEYS = ("rewritten", "would_rewrite", "declined", "pass_failed", "lm_head_fused", "lm_head_not_fused")

@@ -45,6 +45,7 @@ from torch.fx import Graph, GraphModule, Node
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
 from ..kernels import shard_bodies
+from ..kernels.registry import ONE_PASS_PLANS
 from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
 from ..kernels.tiling import even_splits, sweep_sizes
 from ..reporting.report import Decline, Reason
@@ -196,7 +197,6 @@ class _Plan:
     groups: tuple[str, ...]  # the process groups of the glue's collectives
 
 
-_PLANS: dict[str, _Plan] = {}
 
 
 def register(one: OnePass, reductions: list[list[Node]], keys: list[str]) -> str:
@@ -228,7 +228,7 @@ def register(one: OnePass, reductions: list[list[Node]], keys: list[str]) -> str
     groups = tuple(sorted({_group(g) for g in one.glue if _group(g) is not None}))
     plan = _Plan(tuple(steps), outputs, grad, groups)
     name = hashlib.sha256("".join(desc + [repr(outputs), repr(grad), repr(groups)]).encode()).hexdigest()[:24]
-    _PLANS.setdefault(name, plan)
+    ONE_PASS_PLANS.add(name, plan)
     return name
 
 
@@ -292,7 +292,7 @@ def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, i
 
 
 def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
-    plan = _PLANS[name]
+    plan = ONE_PASS_PLANS[name]
     outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget_bytes),
                       lambda x, *chunk: _run(plan, x, list(chunk), shard_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
@@ -300,7 +300,7 @@ def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[to
 
 def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    got = _run(_PLANS[name], x, list(externals), shard_bodies.function)
+    got = _run(ONE_PASS_PLANS[name], x, list(externals), shard_bodies.function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
 
 
@@ -317,7 +317,7 @@ def _setup(ctx, inputs, output):
     name, hidden, weight, externals, budget_bytes = inputs
     ctx.name, ctx.budget_bytes, ctx.n_externals = name, budget_bytes, len(externals)
     ctx.outputs = [(o.shape, o.dtype) for o in output]
-    _, where, _ = _PLANS[name].grad or (None, (), ())
+    _, where, _ = ONE_PASS_PLANS[name].grad or (None, (), ())
     saved = [output[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
     ctx.save_for_backward(hidden, weight, *externals, *saved)
 
@@ -325,7 +325,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grads):
     hidden, weight, *saved = ctx.saved_tensors
     externals, outputs = saved[:ctx.n_externals], iter(saved[ctx.n_externals:])
-    key, where, positions = _PLANS[ctx.name].grad
+    key, where, positions = ONE_PASS_PLANS[ctx.name].grad
     operands = [externals[i] if kind == "in" else next(outputs) for kind, i in where]
     stage_grads = []
     for p in positions:

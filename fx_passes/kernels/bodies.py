@@ -8,34 +8,22 @@ The maths is :mod:`fx_passes.kernels.stats`'s, applied to logits formed by the c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from .. import compat
+from .compiler import compile_body
 from .stats import grad_of_logits, stats_of_logits
 
 __all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms"]
 
 
-@functools.lru_cache(None)
 def compiled(fn):
-    """``fn`` compiled once: detached inputs, one dispatch-key set, no_grad."""
+    """``fn`` compiled once (:func:`fx_passes.kernels.compiler.compile_body`: detached
+    inputs, one dispatch-key set, no_grad, eager if compiling fails)."""
     # emulate_precision_casts: round the logits to the model dtype where the bodies say
     # so (``.to(dtype)``), as the unfused graph does; without it Inductor keeps FP32 in
     # registers, and the backward's recomputed logits would not match the forward's lse.
-    body = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
-
-    @functools.wraps(fn)
-    def call(*args):
-        # The op's first call and later ones can see different requires_grad flags,
-        # thread-local dispatch-key sets and grad modes (Dynamo guards on all three):
-        # detached tensors, one key set and no_grad, so each body compiles once.
-        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        with compat.below_autograd_no_grad():
-            return body(*args)
-    return call
+    return compile_body(fn, fn, fn.__name__, "lm_head_body_eager", {"emulate_precision_casts": True})
 
 
 def parse_transforms(transforms: str) -> tuple[tuple[str, float], ...]:

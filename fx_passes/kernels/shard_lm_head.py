@@ -33,17 +33,17 @@ import torch.nn.functional as F
 
 from . import shard_bodies
 from .lm_head import two_sweeps
+from .registry import GATHER_INDEXES
 from .tiling import even_splits, sweep_sizes
 
 __all__ = ["shard_lm_head", "gather_index_positions", "row_chunks"]
 
 # Per stage key: which operands are a gather's index (shifted per block of columns).
-_INDEXES: dict[str, tuple[int, ...]] = {}
 
 
 def gather_index_positions(key: str, positions: tuple[int, ...]) -> None:
     """Record which of stage ``key``'s operands are gather indexes (see the module doc)."""
-    _INDEXES[key] = positions
+    GATHER_INDEXES.add(key, positions)
 
 
 def _rows(operands, t0: int, t1: int, n: int) -> list[torch.Tensor]:
@@ -54,7 +54,7 @@ def _rows(operands, t0: int, t1: int, n: int) -> list[torch.Tensor]:
 def _columns(key: str, operands, v0: int) -> list[torch.Tensor]:
     """The operands of a block of columns starting at ``v0``: gather indexes shifted
     (an index outside the block then matches no column of it)."""
-    positions = _INDEXES.get(key, ())
+    positions = GATHER_INDEXES.get(key, ())
     return [o - v0 if i in positions else o for i, o in enumerate(operands)]
 
 
