@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from fx_passes.reporting.session import session
@@ -19,3 +20,15 @@ def _fresh_dynamo(request):
     if failed and request.node.get_closest_marker("injects_faults") is None:
         pytest.fail(f"the pass failed {failed} time(s) in this test (counters['chunked_logits']"
                     "['pass_failed']); only a test marked injects_faults may see that")
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo group for the module's vocab-parallel graphs (the collectives run,
+    the graph is what a rank of many compiles)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

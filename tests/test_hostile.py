@@ -34,15 +34,7 @@ from tests.property_programs import (
     fresh,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # (conftest)
 
 
 def execute(fn, inputs: dict, names: tuple[str, ...], train: bool, up: torch.dtype):
