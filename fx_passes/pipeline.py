@@ -21,7 +21,8 @@ from torch.fx import Graph, GraphModule, Node
 from . import compat, env
 from .config import Config
 from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
-from .match.logits import Region, _upcast_behind, _upcast_input, find_regions
+from .match.logits import Region, find_regions
+from .match.upcast import upcast_behind, upcast_input
 from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome
 from .reporting.report import COUNTER, Decline, log, record_decline, record_rewrite
@@ -87,7 +88,7 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
 
 def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
     node = found.upcast if isinstance(found, Region) else found[0]
-    return node in upcasts or (_upcast_input(node) is None and _upcast_behind(node) in upcasts)
+    return node in upcasts or (upcast_input(node) is None and upcast_behind(node) in upcasts)
 
 
 def run_passes(graph: Graph, config: Config) -> None:

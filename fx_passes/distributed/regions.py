@@ -24,7 +24,7 @@ from ..fx.graph_ops import (
     tensor_input,
 )
 from ..fx.placement import mutates, mutation_of, same_state, view_family
-from ..match.logits import _upcast_input
+from ..match.upcast import upcast_input
 from ..reporting.report import Decline, Reason
 
 __all__ = ["ShardRegion", "find_shard_regions"]
@@ -203,7 +203,7 @@ def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]
     """Regions whose reductions feed a functional collective (vocab-parallel code)."""
     out: list[ShardRegion | tuple[Node, Decline]] = []
     for node in list(graph.nodes):
-        x = _upcast_input(node)
+        x = upcast_input(node)
         if x is None:
             continue
         try:

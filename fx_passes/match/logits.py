@@ -33,82 +33,21 @@ from ..fx.graph_ops import (
     meta,
     tensor_input,
 )
-from ..reporting.report import Decline, Reason, log
+from ..reporting.report import Decline, Reason
 from .region import SINK_ROLES, TERMINAL_ROLES, Region, Role, Sink, make_sink, region_index
+from .upcast import (
+    HEADS,
+    implicit_root,
+    is_row_view,
+    not_logits,
+    scalar_operand,
+    scaled_operand,
+    upcast_behind,
+    upcast_input,
+    walk_back,
+)
 
 __all__ = ["Region", "Role", "Sink", "find_regions"]
-
-ROW_VIEWS = {"getitem", "reshape", "flatten", "contiguous"}
-HEADS = {"log_softmax", "softmax", "logsumexp", "cross_entropy"}
-
-
-def _scalar_operand(node: Node, chain: Node) -> Optional[tuple[Any, bool]]:
-    """For ``chain / s`` or ``chain * s`` (either order) with a scalar s: (s, is_div)."""
-    op = canon(node)
-    if op not in ("div", "mul") or get_arg(node, "rounding_mode") is not None:
-        return None
-    a, b = tensor_input(node), get_arg(node, "other")
-    if op == "div" and a is not chain:
-        return None
-    other = b if a is chain else a if b is chain else None
-    if other is None or other is chain:
-        return None
-    if isinstance(other, bool):
-        raise Decline(Reason.TEMPERATURE, f"boolean operand of {node.name}")
-    if isinstance(other, (int, float)):
-        return other, op == "div"
-    if isinstance(other, Node):
-        v = meta(other)
-        if isinstance(v, (torch.SymFloat, torch.SymInt)):
-            return other, op == "div"
-        if isinstance(v, torch.Tensor):
-            if v.dim() != 0 or v.requires_grad or not v.is_floating_point():
-                raise Decline(Reason.TEMPERATURE, f"{other.name} has shape {tuple(v.shape)}"
-                              f"{' and requires grad' if v.requires_grad else ''}")
-            return other, op == "div"
-    return None
-
-
-def _is_row_view(node: Node, src: Node) -> bool:
-    """A view that only selects or regroups rows, keeping each row's V entries whole."""
-    op = canon(node)
-    if op not in ROW_VIEWS or tensor_input(node) is not src:
-        return False
-    vin, vout = meta(src), meta(node)
-    if not (isinstance(vin, torch.Tensor) and isinstance(vout, torch.Tensor)) or vout.dim() < 1 \
-            or vout.shape[-1] != vin.shape[-1]:  # (a getitem of sort's / topk's tuple is no row view)
-        return False
-    if op == "getitem":
-        index = get_arg(node, "index")
-        index = index if isinstance(index, tuple) else (index,)
-        if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index):
-            return False  # tensor / symbolic indexing
-        if Ellipsis in index:
-            index = index[index.index(Ellipsis) + 1:]
-        else:
-            used = [i for i in index if i is not None]
-            if len(used) < vin.dim():
-                return True
-            index = used
-        used = [i for i in index if i is not None]
-        return not used or used[-1] == slice(None, None, None)
-    if op in ("reshape", "flatten"):
-        return vout.numel() == vin.numel() and vout.dim() >= 1
-    return True  # contiguous
-
-
-def _upcast_input(node: Node) -> Optional[Node]:
-    """The model-precision input if ``node`` upcasts it to FP32, else None."""
-    if canon(node) != "convert" or not is_fp32(node):
-        return None
-    src = tensor_input(node)
-    if not isinstance(src, Node) or not is_low_precision(src):
-        return None
-    vin, vout = meta(src), meta(node)
-    if vin.shape != vout.shape or vin.device != vout.device:
-        return None
-    return src
-
 
 # The structural kind of the scaled FP32 logits themselves, next to Role.LOG_SOFTMAX and
 # Role.SOFTMAX (z is the end of the upcast chain, whatever role that node has).
@@ -164,10 +103,10 @@ class _Matcher:
             if len(users) != 1:
                 break
             (u,) = users
-            if _is_row_view(u, cur):
+            if is_row_view(u, cur):
                 views.append(u)
                 self.roles[u] = Role.VIEW
-            elif (s := _scalar_operand(u, cur)) is not None:
+            elif (s := scalar_operand(u, cur)) is not None:
                 if scale is not None:
                     raise Decline(Reason.TEMPERATURE, "several scalings of the FP32 logits")
                 (scale, is_div), self.roles[u] = s, Role.SCALE
@@ -187,9 +126,9 @@ class _Matcher:
 
     def _moved_scale(self, node: Node) -> Optional[tuple[Node, Any, bool]]:
         """A model-precision ``x / t`` feeding only the region: (x, t, is_div) to divide after."""
-        src = _scaled_operand(node)
+        src = scaled_operand(node)
         try:
-            s = _scalar_operand(node, src)
+            s = scalar_operand(node, src)
         except Decline:
             return None  # e.g. a per-row temperature: it stays where it is
         if s is None or not isinstance(src, Node) or not is_low_precision(src):
@@ -317,103 +256,6 @@ def _check_softmax_like(node: Node) -> None:
         raise Decline(Reason.UNKNOWN_OP, f"{node.name} casts to {get_arg(node, 'dtype')}")
 
 
-def _scaled_operand(node: Node) -> Optional[Node]:
-    """The tensor that ``node`` scales by a scalar (``x / s``, ``x * s`` or ``s * x``)."""
-    if canon(node) not in ("div", "mul"):
-        return None
-    for cand in (tensor_input(node), get_arg(node, "other")):
-        shape = getattr(meta(cand), "shape", None) if isinstance(cand, Node) else None
-        if shape is not None and shape == meta(node).shape:
-            try:
-                if _scalar_operand(node, cand) is not None:
-                    return cand
-            except Decline:
-                return cand  # a scaling the matcher will decline with its reason
-    return None
-
-
-def _walk_back(head: Node) -> Node:
-    """From a head's input, back through FP32 row views and scalings, to the root."""
-    cur = tensor_input(head)
-    while isinstance(cur, Node) and is_fp32(cur):
-        src = tensor_input(cur)
-        if isinstance(src, Node) and _is_row_view(cur, src):
-            cur = src
-            continue
-        scaled = _scaled_operand(cur)
-        if scaled is not None and is_fp32(scaled):
-            cur = scaled
-            continue
-        break
-    return cur
-
-
-def _implicit_root(head: Node, upgrade: bool) -> Optional[Node]:
-    """The low-precision input of a head that computes in FP32 with no upcast node."""
-    src = tensor_input(head)
-    if not isinstance(src, Node) or not is_low_precision(src):
-        return None
-    if is_fp32(head) or (upgrade and is_low_precision(head)):
-        return src
-    return None
-
-
-def _upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
-    """An upcast of model-precision logits that ``node`` (FP32, not itself an upcast)
-    is computed from through FP32 tensors of the same shape, a few ops back: then an op
-    the pass does not know sits between the upcast and the head."""
-    frontier, seen = [node], {node}
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for src in n.all_input_nodes:
-                if src in seen or not is_fp32(src) or getattr(meta(src), "shape", None) != meta(node).shape:
-                    continue
-                if _upcast_input(src) is not None:
-                    return src
-                seen.add(src)
-                nxt.append(src)
-        frontier = nxt
-    return None
-
-
-# Ops that reduce rows over the last dim: a candidate whose FP32 tensors reach none of
-# them is not a vocabulary reduction (an attention softmax, an MoE router).
-_ROW_REDUCTIONS = {"gather", "take_along_dim", "cross_entropy", "nll_loss", "logsumexp"}
-
-
-def _reduces_rows(root: Node, depth: int = 12) -> bool:
-    """Do the tensors computed from ``root`` with its last dim (its ``[.., V]`` family)
-    reach a reduction over that dim within ``depth`` ops?  Token log-probs, entropy and
-    losses do; attention probabilities (next a matmul with the values, whose last dim
-    is the head's) and router weights (next ``topk``) do not."""
-    width = getattr(meta(root), "shape", (None,))[-1:]
-    frontier, seen = [root], {root}
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for u in n.users:
-                op = canon(u)
-                if op in _ROW_REDUCTIONS or (op == "sum" and last_dim(get_arg(u, "dim"), meta(n).dim())):
-                    return True
-                shape = getattr(meta(u), "shape", None)
-                if u not in seen and shape is not None and len(shape) and tuple(shape[-1:]) == tuple(width):
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
-    return False
-
-
-def _not_logits(root: Node, decline: Decline) -> bool:
-    """An op the pass does not know reads a candidate that is not a vocabulary reduction
-    at all: said at debug level, not counted as a decline (a decline means logits the
-    pass saw and could not take)."""
-    if decline.reason is not Reason.UNKNOWN_OP or _reduces_rows(root):
-        return False
-    log.debug("chunked_logits: skipped %s: not a reduction over a vocabulary (%s)", root.name, decline)
-    return True
-
-
 def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple[Node, Decline]]:
     """Every candidate region, in graph order: a Region, or (root node, Decline)."""
     temperature_after_upcast, upgrade_low_precision = config.temperature_after_upcast, \
@@ -423,14 +265,14 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
     for node in list(graph.nodes):
         if canon(node) not in HEADS:
             continue
-        implicit = _implicit_root(node, upgrade_low_precision)
+        implicit = implicit_root(node, upgrade_low_precision)
         if implicit is not None:
             root, matcher = implicit, _Matcher(implicit, temperature_after_upcast, implicit=True,
                                                upgrade=upgrade_low_precision)
         else:
             if not is_fp32(tensor_input(node)):
                 continue
-            root = _walk_back(node)
+            root = walk_back(node)
             matcher = _Matcher(root, temperature_after_upcast)
         if not isinstance(root, Node) or root in seen:
             continue
@@ -439,18 +281,18 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
             placements = getattr(meta(root), "placements", ())
             out.append((root, Decline(Reason.DTENSOR, f"{root.name} has placements {tuple(placements)}")))
             continue
-        if implicit is None and _upcast_input(root) is None:
+        if implicit is None and upcast_input(root) is None:
             if is_fp32(root):
-                up = _upcast_behind(root)
+                up = upcast_behind(root)
                 d = (Decline(Reason.UNKNOWN_OP, f"{root.name} ({root.target}) is between the upcast "
                              f"{up.name} and {node.name}") if up is not None else
                      Decline(Reason.NOT_LOW_PRECISION, f"{root.name} is FP32 already"))
-                if not _not_logits(root, d):
+                if not not_logits(root, d):
                     out.append((root, d))
             continue
         try:
             out.append(matcher.match())
         except Decline as d:
-            if not _not_logits(root, d):
+            if not not_logits(root, d):
                 out.append((root, d))
     return out
