@@ -6,7 +6,10 @@ import dataclasses
 import difflib
 from typing import Any, Mapping
 
-__all__ = ["Config"]
+__all__ = ["Config", "LM_HEAD_PLANS"]
+
+# The lm_head backward's plans (kernels/tiling.py says what each does); "auto" picks by device.
+LM_HEAD_PLANS = ("auto", "two_sweeps", "fp32_tiles", "blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,10 @@ class Config:
         chunk_budget_mib: working-set budget of one chunk of that loop: rows per
             forward chunk are ``budget / (4 V)``, vocabulary columns per backward
             block ``budget / (8 T)``.
+        lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "blocks"
+            on GPUs, "two_sweeps" on CPUs that multiply bf16/fp16 in hardware,
+            "fp32_tiles" on other CPUs), or one of those names to force it on any
+            device (tests run every plan on one CPU this way).
     """
 
     rewrite: bool = True
@@ -47,6 +54,7 @@ class Config:
     upgrade_low_precision: bool = False
     fuse_lm_head: bool = True
     chunk_budget_mib: float = 32.0
+    lm_head_plan: str = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -60,6 +68,12 @@ class Config:
             raise ValueError(
                 f"chunked_logits option 'chunk_budget_mib' must be a positive number of MiB, "
                 f"got {budget!r}; e.g. chunk_budget_mib=32"
+            )
+
+        if self.lm_head_plan not in LM_HEAD_PLANS:
+            raise ValueError(
+                f"chunked_logits option 'lm_head_plan' must be one of {', '.join(map(repr, LM_HEAD_PLANS))}, "
+                f"got {self.lm_head_plan!r}; e.g. lm_head_plan='auto'"
             )
 
     @property

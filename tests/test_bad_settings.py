@@ -82,6 +82,14 @@ def test_bad_chunk_budget(value) -> None:
                                f"MiB, got {value!r}; e.g. chunk_budget_mib=32")
 
 
+@pytest.mark.parametrize("value", ["gpu2", "", None, 1])
+def test_bad_lm_head_plan_names_the_plans(value):
+    with pytest.raises(ValueError) as info:
+        Config.from_options({"lm_head_plan": value})
+    assert str(info.value) == ("chunked_logits option 'lm_head_plan' must be one of 'auto', 'two_sweeps', "
+                               f"'fp32_tiles', 'blocks', got {value!r}; e.g. lm_head_plan='auto'")
+
+
 def test_good_options_round_trip() -> None:
     cfg = Config.from_options({"strict": True}, report_only=True)
     assert cfg.strict and cfg.report_only and cfg == Config(strict=True, report_only=True)

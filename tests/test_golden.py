@@ -221,7 +221,7 @@ def forward(self, L_w_ : torch.Tensor, L_h_ : torch.Tensor, L_tok_ : torch.Tenso
     l_w_ = L_w_
     l_h_ = L_h_
     l_tok_ = L_tok_
-    lm_head_row_stats = fx_passes_kernels_lm_head_lm_head_row_stats(l_h_, l_w_, None, l_tok_, 0.7, True, False, 1048576, '');  l_h_ = l_w_ = l_tok_ = None
+    lm_head_row_stats = fx_passes_kernels_lm_head_lm_head_row_stats(l_h_, l_w_, None, l_tok_, 0.7, True, False, 1048576, '', 'auto');  l_h_ = l_w_ = l_tok_ = None
     getitem = lm_head_row_stats[1];  lm_head_row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.workloads import WORKLOADS, run_step
+from fx_passes.kernels.compiler import compiling_with
 from tests.cases import lm_logprob_entropy
 from tests.codegen import allocations, compiled_codes, step_codes
 from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, max_err, reference, run
@@ -66,14 +67,15 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
     raise KeyError(name)
 
 
-# The CPU backward plans (tiling.backward_plan), each run whatever this CPU would pick.
-CPU_PLANS = ["two_sweeps", "fp32_tiles"]
+# The backward plans (tiling.backward_plan), each forced on this CPU (lm_head_plan), whatever it would pick;
+# "blocks" is the GPU plan.
+CPU_PLANS = ["two_sweeps", "fp32_tiles", "blocks"]
+EAGER = lambda fn, options: fn  # noqa: E731 - compiler.compiling_with(EAGER): chunk bodies run eagerly
 
 
 @pytest.fixture
-def plan(request, monkeypatch):
-    import fx_passes.kernels.lm_head as lm_head
-    monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: request.param)
+def plan(request):
+    """The backward plan, forced through the public option (``lm_head_plan``)."""
     return request.param
 
 
@@ -87,7 +89,8 @@ def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol, 
     torch._dynamo.reset()
     counters.clear()
     # a small budget: several row chunks and vocabulary blocks, T not divisible by either
-    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1})
+    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1,
+                                                                 "lm_head_plan": plan})
     outs, grads = run(fused, inputs, grad_pos)
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
     assert_no_less_accurate((outs, grads), (stock_outs, stock_grads), (ref_outs, ref_grads),
@@ -181,18 +184,16 @@ def _grads64(hidden, weight, tokens, g_lse, g_lp):
 
 
 @pytest.mark.parametrize("budget", [2**20, 48 * 2**10])  # one sweep; several (T rows in groups of 96)
-def test_backward_has_no_fp32_buffer_of_all_rows(budget, monkeypatch):
+def test_backward_has_no_fp32_buffer_of_all_rows(budget):
     """Was a gap (issue 10): grad_hidden was accumulated in an FP32 [T, H] buffer.  Now
     a group of rows at a time is (an FP32 [S, H] buffer, S from the budget), and the
     gradients are the same with one sweep or several."""
     import fx_passes.kernels.lm_head as lm_head
-    monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)  # eager bodies: every op is seen
-    monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: "fp32_tiles")
     T, H, V = 300, 64, 512
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
-    with _LargestFP32() as mode:
+    with _LargestFP32() as mode, compiling_with(EAGER):  # eager bodies: every op is seen
         gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
-                                          None, False, budget)
+                                          None, False, budget, plan="fp32_tiles")
     groups = -(-T // lm_head.accumulator_rows(budget, T, H))
     assert (groups == 1) == (budget == 2**20)
     if groups > 1:
@@ -218,19 +219,17 @@ class _Matmuls(TorchDispatchMode):
         return out
 
 
-def test_two_sweeps_model_precision_matmuls_each_a_whole_sum(monkeypatch):
+def test_two_sweeps_model_precision_matmuls_each_a_whole_sum():
     """On a CPU with bf16 units (issue 10): no FP32 matmul and no FP32 buffer of [T, H];
     every matmul writing a gradient covers its whole sum (all V for a row chunk of
     grad_hidden, all T for a block of grad_weight), so each element is rounded once."""
     import fx_passes.kernels.lm_head as lm_head
-    monkeypatch.setattr(lm_head, "compiled", lambda fn: fn)
-    monkeypatch.setattr(lm_head, "backward_plan", lambda device, dtype: "two_sweeps")
     T, H, V = 300, 64, 512
     budget = 48 * 2**10  # several row chunks and several blocks
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
-    with _Matmuls() as mm, _LargestFP32() as big:
+    with _Matmuls() as mm, _LargestFP32() as big, compiling_with(EAGER):
         gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
-                                          None, False, budget)
+                                          None, False, budget, plan="two_sweeps")
     rows, cols = lm_head.sweep_sizes(budget, T, V)
     assert 1 < rows < T and 1 < cols < V
     assert all(dtypes == {torch.bfloat16} for dtypes, _ in mm.calls), mm.calls
@@ -249,7 +248,8 @@ def test_frozen_weight_computes_no_weight_gradient(plan, monkeypatch):
     and grad_hidden is the same bits as with the weight trainable."""
     import fx_passes.kernels.lm_head as lm_head
     fn, inputs, _ = _inputs("logprob_entropy", torch.bfloat16)
-    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1})
+    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1,
+                                                                 "lm_head_plan": plan})
     _, (gh_all, _) = run(fused, inputs, (0, 1))
     sweeps, loops = [], []
     real_sweep, real_two = lm_head._Backward.sweep, lm_head.two_sweeps
@@ -319,7 +319,7 @@ def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rt
     inputs, grad_pos = _returns_logits_inputs(dtype, fn=fn), (0, 1)
     ref = reference(fn, inputs, grad_pos)
     stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
-    ours = run(_fused(fn), inputs, grad_pos)
+    ours = run(_fused(fn, lm_head_plan=plan), inputs, grad_pos)
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     assert torch.equal(ours[0][1], stock[0][1]), "the returned logits differ from stock's"
@@ -336,7 +336,7 @@ def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_r
     ref = _step_using_logits(fn, [t.double() if t.is_floating_point() else t for t in inputs],
                              up=torch.float64)
     stock = _step_using_logits(torch.compile(fn, backend="inductor"), inputs)
-    ours = _step_using_logits(_fused(fn), inputs)
+    ours = _step_using_logits(_fused(fn, lm_head_plan=plan), inputs)
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     # positive control: the logits' gradient moves the result (a test that drops it fails)
     loss_only = run(torch.compile(fn, backend="inductor"), inputs, (0, 1))

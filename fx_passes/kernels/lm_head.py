@@ -69,13 +69,13 @@ def _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_
 def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                   want_entropy: bool, budget_bytes: int,
-                  transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  transforms: str, plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes,
                          transforms)
 
 
 @lm_head_stats.register_fake
-def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms):
+def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
     n = hidden.shape[0]
     return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
 
@@ -84,7 +84,8 @@ def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_by
 def lm_head_stats_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                          want_entropy: bool, budget_bytes: int,
-                         transforms: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         transforms: str,
+                         plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lm_head_stats`` that also returns the model-precision logits ``[N, V]`` (the
     graph returns them): written chunk by chunk, and never an input of the backward."""
     logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
@@ -94,7 +95,7 @@ def lm_head_stats_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 
 @lm_head_stats_logits.register_fake
-def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms):
+def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
     n = hidden.shape[0]
     return (*(hidden.new_empty(n, dtype=torch.float32) for _ in range(3)),
             hidden.new_empty(n, weight.shape[0]))
@@ -203,7 +204,8 @@ def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: int, gr
 def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
                   scale_is_div: bool, budget_bytes: int, transforms: str = "",
                   g_logits: Optional[torch.Tensor] = None, need_hidden: bool = True,
-                  need_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  need_weight: bool = True,
+                  plan: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden``, ``weight`` and ``bias`` (an empty tensor for one not
     needed: ``need_weight`` covers the bias), with no FP32 ``[T, H]`` buffer.
 
@@ -223,7 +225,7 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
     grad_bias = torch.zeros(weight.shape[0] if bias is not None and need_weight else 0, dtype=weight.dtype,
                             device=weight.device)
     with_bias = grad_bias if bias is not None and need_weight else None
-    plan = backward_plan(hidden.device, hidden.dtype)
+    plan = backward_plan(hidden.device, hidden.dtype, plan)
     bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
                     scale_is_div, budget_bytes, transforms, plan, g_logits)
     if plan == "two_sweeps":
@@ -249,26 +251,26 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            g_lse: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
                            scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
                            transforms: str, g_logits: Optional[torch.Tensor] = None,
-                           need_hidden: bool = True, need_weight: bool = True,
+                           need_hidden: bool = True, need_weight: bool = True, plan: str = "auto",
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                         scale_is_div, budget_bytes, transforms, g_logits, need_hidden, need_weight)
+                         scale_is_div, budget_bytes, transforms, g_logits, need_hidden, need_weight, plan)
 
 
 @lm_head_stats_backward.register_fake
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-      budget_bytes, transforms, g_logits=None, need_hidden=True, need_weight=True):
+      budget_bytes, transforms, g_logits=None, need_hidden=True, need_weight=True, plan="auto"):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms = inputs
+    hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan = inputs
     lse, _, entropy = output[:3]  # (not the returned logits: the backward recomputes them)
     ctx.save_for_backward(hidden, weight, bias, tokens, scale, lse, entropy if want_entropy else None)
     ctx.has_tokens, ctx.scale_is_div, ctx.budget_bytes = tokens is not None, scale_is_div, budget_bytes
-    ctx.transforms = transforms
+    ctx.transforms, ctx.plan = transforms, plan
     ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
 
 
@@ -291,9 +293,9 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
                                         g_entropy, scale, ctx.scale_is_div, ctx.budget_bytes, ctx.transforms,
-                                        g_logits, need_hidden, need_weight or need_bias)
+                                        g_logits, need_hidden, need_weight or need_bias, ctx.plan)
     return (gh if need_hidden else None, gw if need_weight else None,
-            gb if bias is not None and need_bias else None, None, None, None, None, None, None)
+            gb if bias is not None and need_bias else None, None, None, None, None, None, None, None)
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup)
@@ -301,9 +303,10 @@ lm_head_stats_logits.register_autograd(_backward, setup_context=_setup)
 
 
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
-                      budget_bytes: int, transforms: str = "", returned_like=None):
+                      budget_bytes: int, transforms: str = "", plan: str = "auto", returned_like=None):
     """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after
-    the logit ``transforms`` (``lm_head_match.LMHead.transforms``).
+    the logit ``transforms`` (``match.lm_head.LMHead.transforms``); ``plan``: the
+    backward's (``Config.lm_head_plan``, ``tiling.backward_plan``).
 
     ``hidden`` is ``[.., H]``; results have ``hidden``'s shape without the last dim.
     With ``returned_like`` (the lm_head's hidden states before the region's row views,
@@ -317,7 +320,7 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
         scale = torch.scalar_tensor(scale, dtype=torch.float32, device=hidden.device)
     op = lm_head_stats_logits if returned_like is not None else lm_head_stats
     lse, logprob, entropy, *logits = op(h2, weight, bias, tok2, scale, scale_is_div, want_entropy,
-                                        budget_bytes, transforms)
+                                        budget_bytes, transforms, plan)
     stats = (lse.reshape(rows_shape), logprob.reshape(rows_shape) if tokens is not None else None,
              entropy.reshape(rows_shape) if want_entropy else None)
     if returned_like is None:

@@ -77,7 +77,7 @@ def even_splits(total: int, most: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def backward_plan(device: torch.device, dtype: torch.dtype) -> str:
+def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") -> str:
     """How the lm_head backward computes ``grad_hidden`` and ``grad_weight``.
 
     Each gradient element is one sum (``grad_hidden[t]`` over the vocabulary,
@@ -99,6 +99,8 @@ def backward_plan(device: torch.device, dtype: torch.dtype) -> str:
     * ``"blocks"`` (GPUs): vocabulary blocks over all rows, ``grad_weight[block]`` in one
       model-precision matmul, ``grad_hidden`` accumulated in FP32 per group of rows.
     """
+    if plan != "auto":
+        return plan
     if device.type != "cpu":
         return "blocks"
     return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"
