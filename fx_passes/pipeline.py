@@ -174,12 +174,23 @@ def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:
     return {**marked, **dict.fromkeys(CACHEABLE, f"chunked_logits-{source_hash()[:16]}")}
 
 
+PACKAGE = pathlib.Path(__file__).parent
+
+
+def source_hash(root: pathlib.Path | None = None) -> str:
+    """Hash of the package's source files (every stage's folder) under ``root`` (this
+    package's, hashed once per process): part of every cache key the pass gives."""
+    return _package_hash() if root is None else _hash(pathlib.Path(root))
+
+
 @functools.lru_cache(None)
-def source_hash() -> str:
-    """Hash of this package's source files: part of every cache key the pass gives."""
+def _package_hash() -> str:
+    return _hash(PACKAGE)
+
+
+def _hash(root: pathlib.Path) -> str:
     h = hashlib.sha256()
-    root = pathlib.Path(__file__).parent
-    for path in sorted(root.rglob("*.py")):  # every stage's folder
+    for path in sorted(root.rglob("*.py")):
         h.update(path.relative_to(root).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -335,7 +335,7 @@ def test_env_switch_fresh_processes(tmp_path):
     assert off["at_start"] == [] and off["after_torch"] == [] and off["after_compile"] == []
     assert off["counters"] == {} and "chunked_logits" not in off_err
 
-    started = ["fx_passes", "fx_passes.entry.autoinstall", "fx_passes.env"]
+    started = ["fx_passes", "fx_passes.entry", "fx_passes.entry.autoinstall", "fx_passes.env"]
     assert on["at_start"] == started  # no torch at start
     assert on["after_torch"] == started  # lazy until Inductor
     assert "fx_passes.entry.install" in on["after_compile"]

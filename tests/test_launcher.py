@@ -145,7 +145,6 @@ def test_usage_errors(tmp_path):
 
 def test_every_config_field_has_a_flag():
     text = cli.build_parser()._subparsers._group_actions[0].choices["run"].format_help()
-    import dataclasses
 
     for f in dataclasses.fields(Config):
         flag = f.name.replace("_", "-")
@@ -181,9 +180,9 @@ def test_torchrun_rank0_prints_each_rank_writes_its_own(script, tmp_path):
 def summary_settings():
     from fx_passes.reporting import summary
 
-    saved = dataclasses.replace(summary._settings)
+    saved = summary.settings()
     yield summary
-    summary._settings = saved
+    summary.restore(saved)
 
 
 def _data(**over):

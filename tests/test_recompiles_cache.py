@@ -100,15 +100,11 @@ def test_default_dynamic_compiles_at_most_twice() -> None:
 # ---- uuid ------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def package_copy(tmp_path, monkeypatch):
-    """A copy of fx_passes that source_hash() reads instead of the real one."""
+def package_copy(tmp_path):
+    """A copy of fx_passes, for source_hash(root) to read."""
     copy = tmp_path / "fx_passes"
-    shutil.copytree(pathlib.Path(fx_passes.__file__).parent, copy,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(fx_passes.pipeline, "__file__", str(copy / "passes.py"))
-    fx_passes.pipeline.source_hash.cache_clear()
-    yield copy
-    fx_passes.pipeline.source_hash.cache_clear()
+    shutil.copytree(fx_passes.pipeline.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
 
 
 def test_uuid_is_stable_for_the_same_code_and_config() -> None:
@@ -122,21 +118,22 @@ def test_uuid_changes_with_the_config() -> None:
     assert len(uuids) == len(names) and ChunkedLogitsPass().uuid() not in uuids
 
 
-@pytest.mark.parametrize("file", ["passes.py", "ops.py", "match.py", "config.py"])
-def test_uuid_changes_when_a_source_file_changes(package_copy, file) -> None:
-    before = ChunkedLogitsPass().uuid()
-    fx_passes.pipeline.source_hash.cache_clear()
-    assert ChunkedLogitsPass().uuid() == before  # a copy with the same content: the same key
+def test_uuid_carries_the_source_hash() -> None:
+    assert fx_passes.pipeline.source_hash()[:16] in ChunkedLogitsPass().uuid()
+
+
+@pytest.mark.parametrize("file", ["pipeline.py", "kernels/stats.py", "match/logits.py", "config.py",
+                                  "distributed/one_pass.py"])
+def test_source_hash_changes_when_a_source_file_changes(package_copy, file) -> None:
+    source_hash = fx_passes.pipeline.source_hash
+    assert source_hash(package_copy) == source_hash()  # a copy with the same content: the same key
     (package_copy / file).write_text((package_copy / file).read_text() + "\n# changed\n")
-    fx_passes.pipeline.source_hash.cache_clear()
-    assert ChunkedLogitsPass().uuid() != before
+    assert source_hash(package_copy) != source_hash()
 
 
-def test_uuid_changes_when_a_source_file_is_added(package_copy) -> None:
-    before = ChunkedLogitsPass().uuid()
-    (package_copy / "extra.py").write_text("X = 1\n")
-    fx_passes.pipeline.source_hash.cache_clear()
-    assert ChunkedLogitsPass().uuid() != before
+def test_source_hash_changes_when_a_source_file_is_added(package_copy) -> None:
+    (package_copy / "kernels" / "extra.py").write_text("X = 1\n")
+    assert fx_passes.pipeline.source_hash(package_copy) != fx_passes.pipeline.source_hash()
 
 
 # ---- FX graph cache across processes ---------------------------------------------------------------
@@ -206,9 +203,9 @@ def test_fx_graph_cache_missed_when_the_pass_code_changes(cold, tmp_path) -> Non
     cache, first = cold
     pkg = tmp_path / "pkg"
     shutil.copytree(ROOT / "fx_passes", pkg / "fx_passes", ignore=shutil.ignore_patterns("__pycache__"))
-    ops = pkg / "fx_passes" / "ops.py"
+    ops = pkg / "fx_passes" / "kernels" / "stats.py"
     text = ops.read_text()
-    assert text.count("return grad_z.to(x.dtype)\n") == 1, "ops.py changed: update this test"
+    assert text.count("return grad_z.to(x.dtype)\n") == 1, "kernels/stats.py changed: update this test"
     ops.write_text(text.replace("return grad_z.to(x.dtype)\n", "return (2 * grad_z).to(x.dtype)\n"))
 
     changed = run_child(cache, {"train": {}, "pre_grad": {}}, pythonpath=pkg)

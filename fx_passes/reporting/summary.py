@@ -20,7 +20,8 @@ from typing import Any, Optional
 from .. import env
 from .session import session
 
-__all__ = ["configure", "arm", "arm_from_env", "collect", "format_text", "rank", "write_summary"]
+__all__ = ["configure", "settings", "restore", "arm", "arm_from_env", "collect", "format_text", "rank",
+           "write_summary"]
 
 MODES = env.SUMMARY_MODES
 
@@ -53,6 +54,17 @@ def configure(mode: Optional[str] = None, ranks: Optional[str] = None, directory
     if json_path is not None:
         _settings.json_path = json_path or None
     _settings.locked = _settings.locked or lock
+
+
+def settings() -> _Settings:
+    """A copy of the summary's settings (``restore`` puts one back)."""
+    return dataclasses.replace(_settings)
+
+
+def restore(saved: _Settings) -> None:
+    """Put back settings taken with :func:`settings` (tests, tools that configure twice)."""
+    global _settings
+    _settings = dataclasses.replace(saved)
 
 
 def arm() -> None:
