@@ -69,8 +69,8 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
 }
 
 # Each change: ("insert", statement) or ("wrap", with-header); {V} is the vocabulary size.
-# Mutations of an input (``x``, ``h``, ``w`` before ``* 1``) only run without grad (eager
-# refuses an in-place change of a leaf that requires grad).
+# Inserts go after ``h = h * 1`` / ``x = x * 1``, so they change non-leaf tensors (and the
+# token input); a program eager refuses (a tensor saved for the backward changed) is skipped.
 CHANGES: dict[str, tuple[str, str]] = {
     "no_grad": ("wrap", "with torch.no_grad():"),
     "enable_grad": ("wrap", "with torch.enable_grad():"),  # (a switch when scoring under no_grad)

@@ -197,8 +197,6 @@ class _Plan:
     groups: tuple[str, ...]  # the process groups of the glue's collectives
 
 
-
-
 def register(one: OnePass, reductions: list[list[Node]], keys: list[str]) -> str:
     """The key of the run-time plan of ``one`` (``reductions`` and ``keys``: each
     stage's reductions and body)."""

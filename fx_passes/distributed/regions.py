@@ -196,7 +196,6 @@ def _stages(region: ShardRegion) -> list[list[Node]]:
     return out
 
 
-
 # --- the call a rewritten graph makes ------------------------------------------------
 
 def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]:

@@ -235,6 +235,7 @@ _ELEMENTWISE_METHODS = {
     "clamp_max", "maximum", "minimum", "float", "to", "contiguous",
 }
 
+
 def is_elementwise(node: Node) -> bool:
     """An op that maps each element on its own (a vocab-parallel region's FP32 steps)."""
     if node.op == "call_method":

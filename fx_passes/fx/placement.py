@@ -49,6 +49,7 @@ from .graph_ops import (
 __all__ = ["State", "states", "changes_state", "first_mutation",
            "check_placement", "same_state", "view_family", "mutation_of"]
 
+
 def changes_state(node: Node) -> bool:
     """:func:`mutates` or :func:`is_mode_switch`; a functional collective does neither."""
     return not is_collective(node) and (mutates(node) or is_mode_switch(node))
@@ -107,7 +108,7 @@ class State:
     before any), and the autocast / inference-mode blocks open around it."""
 
     grad: Any  # "entry", True or False
-    blocks: tuple  # ((kind, args), ...) outermost first
+    blocks: tuple  # ((kind, args, opening node), ...) outermost first
 
 
 def states(graph: Graph) -> tuple[dict[Node, State], Optional[bool]]:
@@ -160,7 +161,6 @@ def first_mutation(graph: Graph, start: Node, end: Node,
     return None
 
 
-
 def _describe(state: State) -> str:
     return " and ".join(kind for kind, _, _ in state.blocks) or "no autocast or inference_mode block"
 
@@ -196,6 +196,7 @@ def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, result
                           f"{anchor.name} under {_describe(at)}")
     if all(state[n].grad == at.grad for n in absorbed):
         return set()  # one grad mode throughout: each result requires grad as before
+
     def enabled(n: Node) -> bool:
         return state[n].grad if isinstance(state[n].grad, bool) else bool(entry)
 

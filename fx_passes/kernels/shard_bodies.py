@@ -20,7 +20,6 @@ from .registry import STAGE_FUNCTIONS
 __all__ = ["register", "function", "body", "backward_body"]
 
 
-
 def register(gm: GraphModule) -> str:
     """The key of ``gm`` (by its code: the same stage in two graphs shares one body)."""
     key = hashlib.sha256(gm.code.encode()).hexdigest()[:24]

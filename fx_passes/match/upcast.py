@@ -100,7 +100,6 @@ def upcast_input(node: Node) -> Optional[Node]:
     return src
 
 
-
 def scaled_operand(node: Node) -> Optional[Node]:
     """The tensor that ``node`` scales by a scalar (``x / s``, ``x * s`` or ``s * x``)."""
     if canon(node) not in ("div", "mul"):

@@ -104,7 +104,6 @@ def _replay_view(e: _Emitter, view: Node, src: Node, on_hidden: bool = False) ->
     return e.function(torch.reshape, src, tuple(shape))
 
 
-
 def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
     """The index node and its ancestors defined after ``anchor``, in graph order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
