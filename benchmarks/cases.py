@@ -17,13 +17,19 @@ import types
 from typing import Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.workloads import ALL_WORKLOADS, WORKLOADS, Workload, run_step  # noqa: E402, F401 (run.py reads WORKLOADS here)
+from fx_passes.testing.workloads import (  # noqa: E402, F401 (run.py reads WORKLOADS here)
+    ALL_WORKLOADS,
+    WORKLOADS,
+    UpcastToFp64,
+    Workload,
+    ensure_backend,
+    run_step,
+)
 
 __all__ = ["MODES", "STOCK", "default_modes", "Case", "make_case", "make_inputs", "compile_mode", "sizes",
            "limit_bytes", "reference", "errors", "pass_report", "snapshot"]
@@ -52,7 +58,7 @@ def default_modes(name: str) -> list[str]:
 
 
 STOCK = "inductor"
-LM_HEAD_WORKLOADS = ("W4", "W4L", "WV")  # the lm_head matmul is in the graph
+LM_HEAD_WORKLOADS = ("W4", "W4L", "WV", "WD")  # the lm_head matmul is in the graph
 LM_HEAD_HIDDEN = 1024  # H of W4 (workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
@@ -154,9 +160,9 @@ def make_case(name: str, mode: str, T: int, V: int, inputs: tuple | None = None)
 def limit_bytes(name: str, T: int, V: int) -> int:
     """The memory one step must allocate at least (the physical limit).
 
-    Scoring (W1, W2, U1, U2): the FP32 [T] outputs.  W3, W5, U3: the bf16 logits
+    Scoring (W1, W2, U1, U2): the FP32 [T] outputs.  W3, W5, WP, U3: the bf16 logits
     gradient.  W4, W4L, WV (lm_head in the graph): bf16 grad of hidden and of weight,
-    plus one FP32 chunk of 256 rows of logits.
+    plus one FP32 chunk of 256 rows of logits; WD also a chunk of the teacher's.
     """
     if name in ("W1", "U1"):
         return 4 * T
@@ -164,20 +170,9 @@ def limit_bytes(name: str, T: int, V: int) -> int:
         return 2 * 4 * T
     if name in LM_HEAD_WORKLOADS:
         H = LM_HEAD_HIDDEN
-        return 2 * T * H + 2 * V * H + 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
+        chunks = 2 if name == "WD" else 1  # (the teacher's logits chunk too)
+        return 2 * T * H + 2 * V * H + chunks * 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
     return 2 * T * V
-
-
-class UpcastToFp64(TorchFunctionMode):
-    """Turns the workloads' ``.float()`` upcasts into ``.double()`` (FP64 reference)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.float:
-            return args[0].double()
-        if func is torch.Tensor.to and torch.float32 in (*args[1:], kwargs.get("dtype")):
-            return args[0].double()
-        return func(*args, **kwargs)
 
 
 def reference(case: Case):
@@ -236,16 +231,3 @@ def pass_report(mode: str, since: dict | None = None) -> dict:
 
 snapshot = _compile_counts
 
-
-def ensure_backend() -> None:
-    """Register ``backend="chunked_logits"`` when the package is importable but not
-    installed (``PYTHONPATH=.`` on a machine without ``pip install``): the name
-    normally comes from the package's entry point."""
-    from torch._dynamo.backends.registry import lookup_backend, register_backend
-    from torch._dynamo.exc import InvalidBackend
-
-    from fx_passes.entry.backend import chunked_logits
-    try:
-        lookup_backend("chunked_logits")
-    except InvalidBackend:
-        register_backend(chunked_logits, name="chunked_logits")

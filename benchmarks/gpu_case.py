@@ -44,9 +44,9 @@ from benchmarks.cases import (  # noqa: E402
     reference,
     snapshot,
 )
-from benchmarks.codegen import full_fp32_buffers  # noqa: E402
 from benchmarks.gpu_report import write_json  # noqa: E402
-from benchmarks.workloads import ALL_WORKLOADS, on_device  # noqa: E402
+from fx_passes.testing.codegen import full_fp32_buffers  # noqa: E402
+from fx_passes.testing.workloads import ALL_WORKLOADS, on_device  # noqa: E402
 
 STOCK = "inductor"
 COMPILED = (STOCK, "chunked_logits", "chunked_logits_dyn")

@@ -49,7 +49,7 @@ MIN_CASE_S = 20  # less budget left than this: the remaining workloads are skipp
 
 
 def case_sizes(name: str, dry_run: bool) -> tuple[int, int]:
-    """(T, V) of workload ``name``: the issue's sizes (benchmarks/workloads.py), or the dry run's."""
+    """(T, V) of workload ``name``: the issue's sizes (fx_passes/testing/workloads.py), or the dry run's."""
     if not dry_run:
         return sizes(name)
     return DRY_T, DRY_V_WV if name == "WV" else DRY_V

@@ -24,9 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.memory import MALLOC_ENV  # noqa: E402
-from benchmarks.model_families import FAMILIES  # noqa: E402
 from benchmarks.run import parse_names  # noqa: E402
 from fx_passes.env import without_ours  # noqa: E402
+from fx_passes.testing.models import FAMILIES  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
 STEP_MODES = ("stock", "chunked", "install", "stock_nologits", "chunked_nologits")

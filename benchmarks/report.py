@@ -106,10 +106,11 @@ def _mode_targets(by: dict, mode: str) -> list[str]:
     for w in ("W1", "W5"):
         if w in has:
             lines.append(_peak_vs_stock(by, w, mode, f"{w} peak MiB <= stock + {NOISE_MIB:g} MiB"))
-    for w in ("W4", "W4L"):
+    for w in ("W4", "W4L", "WD", "WP"):  # (WD, WP: issue 21's row-local losses)
         if w in has:
             lines.append(_check(f"{w} peak/limit", _ratio(by[(w, mode)]), LM_HEAD_PEAK, ".2f"))
-    for w, limit in (("W2", 1.0), ("W3", 1.0), ("W1", 1.05), ("W5", 1.05), ("W4", 1.1), ("W4L", 1.1)):
+    for w, limit in (("W2", 1.0), ("W3", 1.0), ("W1", 1.05), ("W5", 1.05), ("W4", 1.1), ("W4L", 1.1),
+                     ("WD", 1.0), ("WP", 1.0)):
         if w in has:
             lines.append(_check(f"{w} time vs stock", get(w, "t_ratio_vs_stock"), limit, ".3f"))
     return lines

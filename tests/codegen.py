@@ -1,12 +1,13 @@
 """Get the code Inductor generates for a step, to read its allocations with
-``benchmarks.codegen`` (re-exported here for the tests)."""
+``fx_passes.testing.codegen`` (re-exported here for the tests)."""
 
 from __future__ import annotations
 
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from benchmarks.codegen import allocations, full_fp32_buffers
+from fx_passes.testing.codegen import allocations, full_fp32_buffers
+from fx_passes.testing.workloads import run_step
 
 
 def compiled_codes(fn, *args, **kwargs) -> tuple[object, list[str]]:
@@ -15,7 +16,6 @@ def compiled_codes(fn, *args, **kwargs) -> tuple[object, list[str]]:
 
 
 def step_codes(workload, compiled, inputs) -> list[str]:
-    from benchmarks.workloads import run_step
     _, codes = run_and_get_code(run_step, workload, compiled, inputs)
     return codes
 

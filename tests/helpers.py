@@ -6,6 +6,7 @@ import json
 
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes import Config, env
 from fx_passes.pipeline import transform
@@ -67,3 +68,18 @@ def clean_env(**extra: str) -> dict:
 def last_json(stdout: str) -> dict:
     """The JSON object a child process printed on its last line."""
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+class LargestFP32(TorchDispatchMode):
+    """The element count of the largest FP32 tensor any op allocates (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t._is_view():
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from benchmarks.workloads import Workload
+from fx_passes.testing.workloads import Workload
 from tests.codegen import allocations, full_fp32_buffers, step_codes
 from tests.helpers import chunked_counters, clean_env, last_json, rewrite
 

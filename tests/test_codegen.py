@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from benchmarks.workloads import WORKLOADS
+from fx_passes.testing.workloads import WORKLOADS
 from tests.codegen import allocations, full_fp32_buffers, step_codes
 
 T, V = 256, 4096  # small enough for CPU CI, distinct so [T, V] is recognisable

@@ -14,9 +14,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from benchmarks.cases import ensure_backend
-from benchmarks.codegen import full_fp32_buffers
-from benchmarks.workloads import WORKLOADS, on_device
+from fx_passes.testing.codegen import full_fp32_buffers
+from fx_passes.testing.workloads import WORKLOADS, ensure_backend, on_device
 from tests.cases import (
     cross_entropy,
     labels_for,

@@ -1,5 +1,6 @@
-"""The repository's import rules: tests import only support modules (never a test_*.py),
-and benchmarks never import tests (the workloads live in benchmarks/workloads.py)."""
+"""The repository's import rules: tests import only support modules (never a test_*.py)
+and no benchmark, benchmarks never import tests (what both need, the workloads and the
+generated-code check, is ``fx_passes.testing``), and the package's stages import downwards."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ def test_tests_import_no_test_module(path):
     assert not [n for n in imported(path) if n.split(".")[-1].startswith("test_")]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("*.py")), ids=lambda p: p.name)
+def test_tests_import_no_benchmark(path):
+    assert not [n for n in imported(path) if n == "benchmarks" or n.startswith("benchmarks.")]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").rglob("*.py")), ids=lambda p: p.name)
 def test_benchmarks_import_no_tests(path):
     assert not [n for n in imported(path) if n == "tests" or n.startswith("tests.")]
 
@@ -36,7 +42,7 @@ def test_benchmarks_import_no_tests(path):
 # The package's stages, lowest first (issue 20): a module imports only from its own
 # folder (acyclically) or from a lower stage.  Each folder's __init__ says what it holds.
 STAGES = (("config",), ("env", "compat"), ("reporting",), ("fx",), ("kernels",), ("match",), ("rewrite",),
-          ("distributed",), ("pipeline",), ("entry",), ("__init__", "__main__"))
+          ("distributed",), ("pipeline",), ("entry",), ("__init__", "__main__"), ("testing",))
 LEVEL = {name: i for i, names in enumerate(STAGES) for name in names}
 PACKAGE = ROOT / "fx_passes"
 

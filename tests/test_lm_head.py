@@ -7,10 +7,11 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.workloads import WORKLOADS, run_step
 from fx_passes.kernels.compiler import compiling_with
+from fx_passes.testing.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
 from tests.codegen import allocations, compiled_codes, step_codes
+from tests.helpers import LargestFP32
 from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, max_err, reference, run
 
 
@@ -148,21 +149,6 @@ def test_loop_bodies_compile_once_across_calls_and_grad_modes():
     assert counters["stats"]["unique_graphs"] == compiled + 1
 
 
-class _LargestFP32(TorchDispatchMode):
-    """The element count of the largest FP32 tensor any op allocates (views excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t._is_view():
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def _backward_inputs(T, H, V, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=g).bfloat16()
@@ -191,7 +177,7 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget):
     import fx_passes.kernels.lm_head as lm_head
     T, H, V = 300, 64, 512
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
-    with _LargestFP32() as mode, compiling_with(EAGER):  # eager bodies: every op is seen
+    with LargestFP32() as mode, compiling_with(EAGER):  # eager bodies: every op is seen
         gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
                                           None, False, budget, plan="fp32_tiles")
     groups = -(-T // lm_head.accumulator_rows(budget, T, H))
@@ -227,7 +213,7 @@ def test_two_sweeps_model_precision_matmuls_each_a_whole_sum():
     T, H, V = 300, 64, 512
     budget = 48 * 2**10  # several row chunks and several blocks
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
-    with _Matmuls() as mm, _LargestFP32() as big, compiling_with(EAGER):
+    with _Matmuls() as mm, LargestFP32() as big, compiling_with(EAGER):
         gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
                                           None, False, budget, plan="two_sweeps")
     rows, cols = lm_head.sweep_sizes(budget, T, V)

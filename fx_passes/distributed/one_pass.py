@@ -44,17 +44,20 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
-from ..kernels import shard_bodies
+from ..kernels import graph_bodies
 from ..kernels.registry import ONE_PASS_PLANS
 from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
 from ..kernels.tiling import even_splits, sweep_sizes
 from ..reporting.report import Decline, Reason
+from .regions import needs_grad
 
 __all__ = ["OnePass", "plan_one_pass", "shard_lm_head_stages"]
 
-# Views a glue node may take of a per-row tensor (its rows stay its rows: numel == T),
+# Views a glue node may take of a per-row vector (its rows stay its rows: numel == T),
 # whatever the number of rows; "view" / "reshape" only to (-1,) or (-1, 1) (_row_view).
-_ROW_VIEWS = {"unsqueeze", "squeeze", "flatten", "view_as", "contiguous"}
+# Not match.upcast.ROW_VIEWS (views of [.., V] logits that keep each row's V entries),
+# nor fx.placement's views (anything that may share storage).
+_PER_ROW_VIEWS = {"unsqueeze", "squeeze", "flatten", "view_as", "contiguous"}
 
 
 def _row_view(node: Node) -> bool:
@@ -93,7 +96,8 @@ def _row_wise(node: Node, rows: int) -> Optional[str]:
     if is_collective(node):
         name = getattr(node.target, "__name__", str(node.target))
         return None if name.split(".")[0] in ("all_reduce", "wait_tensor") else f"{node.name} is {name}"
-    if is_elementwise(node) or (node.op == "call_method" and node.target in _ROW_VIEWS) or _row_view(node):
+    per_row_view = node.op == "call_method" and node.target in _PER_ROW_VIEWS
+    if is_elementwise(node) or per_row_view or _row_view(node):
         return None
     return f"{node.name} ({node.target}) is not an elementwise op"
 
@@ -177,7 +181,7 @@ def plan_one_pass(region, stages: list[tuple[list[Node], list[Node]]], rows: int
     outputs = [r for red, _ in stages for r in red]
     outputs += [g for g in sorted(glue, key=order.__getitem__) if any(u not in inside for u in g.users)]
     for (red, _), ops in zip(stages, operands):  # the stage with a gradient: its glue operands
-        if any(meta(r).requires_grad for r in red):
+        if any(needs_grad(r) for r in red):
             outputs += [o for o in ops if o in glue and o not in outputs]
     return OnePass(externals, sorted(glue, key=order.__getitem__), outputs, operands, read)
 
@@ -219,7 +223,7 @@ def register(one: OnePass, reductions: list[list[Node]], keys: list[str]) -> str
     outputs = tuple(refs[o] for o in one.outputs)
     grad = None
     for reds, operands, key in zip(reductions, one.operands, keys):
-        if any(meta(r).requires_grad for r in reds):
+        if any(needs_grad(r) for r in reds):
             where = tuple(("in", one.externals.index(o)) if o in one.externals else
                           ("out", one.outputs.index(o)) for o in operands)
             grad = (key, where, tuple(one.outputs.index(r) for r in reds))
@@ -292,13 +296,13 @@ def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, i
 def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     plan = ONE_PASS_PLANS[name]
     outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget_bytes),
-                      lambda x, *chunk: _run(plan, x, list(chunk), shard_bodies.body))
+                      lambda x, *chunk: _run(plan, x, list(chunk), graph_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
 
 def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    got = _run(ONE_PASS_PLANS[name], x, list(externals), shard_bodies.function)
+    got = _run(ONE_PASS_PLANS[name], x, list(externals), graph_bodies.function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
 
 

@@ -18,12 +18,13 @@ from ..fx.graph_ops import (
     is_collective,
     is_elementwise,
     is_fp32,
+    is_scalar,
     last_dim,
     meta,
     requires_grad,
     tensor_input,
 )
-from ..fx.placement import mutates, mutation_of, same_state, view_family
+from ..fx.placement import mutation_of, same_state, view_family, writes_in_place
 from ..match.upcast import upcast_input
 from ..reporting.report import Decline, Reason
 
@@ -114,15 +115,6 @@ def _grow(upcast: Node, x: Node) -> ShardRegion:
     return region
 
 
-_SYMBOLIC_SCALARS = (torch.SymFloat, torch.SymInt, float, int)
-
-
-def symbolic_scalar(node: Node) -> bool:
-    """A Python number the graph computes (``dynamic=True`` makes a temperature one)."""
-    v = meta(node)
-    return isinstance(v, _SYMBOLIC_SCALARS) and not isinstance(v, bool)
-
-
 def operands_of(region: ShardRegion, nodes: list[Node]) -> list[Node]:
     """The graph values ``nodes`` read that are not the region's: per-row or scalar
     tensors, and symbolic scalars (passed to the stage as 0-d tensors)."""
@@ -134,7 +126,7 @@ def operands_of(region: ShardRegion, nodes: list[Node]) -> list[Node]:
             if a in inside or a in out or a is region.x:
                 continue
             v = meta(a)
-            if symbolic_scalar(a):
+            if is_scalar(a):
                 out.append(a)
                 continue
             if not isinstance(v, torch.Tensor):
@@ -196,6 +188,36 @@ def _stages(region: ShardRegion) -> list[list[Node]]:
     return out
 
 
+def needs_grad(reduction: Node) -> bool:
+    """Does ``reduction`` carry a gradient: it requires grad and something reads it other
+    than ``.detach()`` (``z.amax(-1).detach()``, a shift, carries none)?"""
+    def detach(u: Node) -> bool:
+        return (u.op == "call_method" and u.target == "detach") or (
+            u.op == "call_function" and u.target is torch.detach)
+    return requires_grad(reduction) and not all(detach(u) for u in reduction.users)
+
+
+def _gradients_in_one_stage(region: ShardRegion, stages: list[list[Node]]) -> list[list[Node]]:
+    """A reduction that needs a gradient and reads no earlier stage's result lands in
+    stage 0 (``z.gather(...)`` of the unshifted logits beside the max): moved to the last
+    stage that needs a gradient, when no reduction up to that stage reads it, so that
+    the logits gradient comes from one stage (one rounding) as written in one op."""
+    grads = [i for i, s in enumerate(stages) if any(needs_grad(r) for r in s)]
+    if len(grads) < 2:
+        return stages
+    last = grads[-1]
+    read: set[Node] = set()
+    for r in (q for s in stages[:last + 1] for q in s):
+        for o in operands_of(region, cone(region, r)):
+            read |= ancestors(o, set()) | {o}
+    moved = {r for i in grads[:-1] for r in stages[i] if needs_grad(r) and r not in read}
+    if not moved:
+        return stages
+    out = [[r for r in s if r not in moved] for s in stages]
+    out[last] = [r for r in region.reductions if r in moved or r in out[last]]  # (graph order)
+    return [s for s in out if s]
+
+
 # --- the call a rewritten graph makes ------------------------------------------------
 
 def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]:
@@ -213,14 +235,14 @@ def find_shard_regions(graph: Graph) -> list[ShardRegion | tuple[Node, Decline]]
         if not region.reductions or not _reaches_collective(region.reductions, rows):
             continue
         try:
-            region.stages = _stages(region)
-            grads = [i for i, s in enumerate(region.stages) if any(requires_grad(r) for r in s)]
+            region.stages = _gradients_in_one_stage(region, _stages(region))
+            grads = [i for i, s in enumerate(region.stages) if any(needs_grad(r) for r in s)]
             if len(grads) > 1:
                 raise Decline(Reason.UNKNOWN_OP, f"reductions in {len(grads)} dependent stages need a "
                               "gradient (the logits gradient would be rounded once per stage); detach "
                               "what is only a shift (the max) or compute the later sums from the earlier")
             for s in region.stages:
-                if {requires_grad(r) for r in s} == {True, False}:
+                if {needs_grad(r) for r in s} == {True, False}:
                     raise Decline(Reason.UNKNOWN_OP, "a stage mixes reductions with and without grad")
             _check_order(region)
         except Decline as d:
@@ -254,7 +276,7 @@ def _check_order(region: ShardRegion) -> None:
     if changed is not None:  # the stage ops save the logits for their backward; the upcast did not
         raise Decline(Reason.MUTATION, f"{changed.name} changes the logits in place after the region")
     for n in graph.nodes:
-        if order[n] <= order[region.upcast] or not (mutates(n) and not is_collective(n)):
+        if order[n] <= order[region.upcast] or not writes_in_place(n):
             if n is last:
                 return
             continue

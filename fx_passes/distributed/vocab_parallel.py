@@ -53,12 +53,14 @@ from ..fx.graph_ops import (
     get_arg,
     is_collective,
     is_low_precision,
+    is_scalar,
     meta,
     requires_grad,
+    scalar_tensor,
     tensor_input,
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
-from ..kernels import shard_bodies
+from ..kernels import graph_bodies
 from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
 from ..match.lm_head import LMHead, producer
 from ..reporting.outcome import LMHead as LMHeadOutcome
@@ -71,10 +73,10 @@ from .regions import (
     ancestors,
     cone,
     find_shard_regions,
+    needs_grad,
     numel,
     operands_of,
     reduction_kind,
-    symbolic_scalar,
 )
 
 __all__ = ["shard_reduce", "find_shard_regions", "rewrite_shard_region", "ShardRegion"]
@@ -90,7 +92,7 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
     for r in reductions:
         nodes += [n for n in cone(region, r) if n not in nodes]
     order = {n: i for i, n in enumerate(region.upcast.graph.nodes)}
-    differentiable = any(requires_grad(r) for r in reductions)
+    differentiable = any(needs_grad(r) for r in reductions)
     for n in sorted(nodes, key=order.__getitem__):
         if reduction_kind(n) == "gather":
             src, index = env[tensor_input(n)], env[get_arg(n, "index")]
@@ -110,18 +112,18 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
 
 @torch.library.custom_op("chunked_logits::shard_reduce", mutates_args=())
 def _shard_reduce(key: str, x: torch.Tensor, operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(shard_bodies.body(key)(x, *operands))
+    return list(graph_bodies.body(key)(x, *operands))
 
 
 @_shard_reduce.register_fake
 def _(key, x, operands):
-    return list(shard_bodies.function(key)(x, *operands))
+    return list(graph_bodies.function(key)(x, *operands))
 
 
 @torch.library.custom_op("chunked_logits::shard_reduce_backward", mutates_args=())
 def _shard_reduce_backward(key: str, wanted: list[int], x: torch.Tensor, operands: list[torch.Tensor],
                            grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(shard_bodies.backward_body(key, tuple(wanted))(x, *operands, *grads))
+    return list(graph_bodies.backward_body(key, tuple(wanted))(x, *operands, *grads))
 
 
 @_shard_reduce_backward.register_fake
@@ -200,7 +202,7 @@ def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
         operands = operands_of(region, [n for r in stage for n in cone(region, r)])
         if any(requires_grad(o) for o in operands):
             return None, "a stage's per-row operand needs a gradient"
-        if any(requires_grad(r) for r in stage) and {reduction_kind(r) for r in stage} - {"sum", "gather"}:
+        if any(needs_grad(r) for r in stage) and {reduction_kind(r) for r in stage} - {"sum", "gather"}:
             return None, "the stage with a gradient has a reduction other than sum and gather"
     return head, ""
 
@@ -216,13 +218,6 @@ def _index_positions(region: ShardRegion, reductions: list[Node], operands: list
                 raise Decline(Reason.UNKNOWN_OP, f"the gather index {index.name} is read elsewhere too")
             out.append(operands.index(index))
     return tuple(out)
-
-
-def _as_tensor(graph: Graph, node: Node) -> Node:
-    """A symbolic scalar as the 0-d tensor the stage's op takes: FP32 for a float (the
-    FP32 ops it meets compute with it in FP32 either way), int64 for an int."""
-    dtype = torch.float32 if isinstance(meta(node), (torch.SymFloat, float)) else torch.int64
-    return graph.call_function(torch.scalar_tensor, (node,), {"dtype": dtype})
 
 
 class _Stage(NamedTuple):
@@ -275,7 +270,7 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
                 indexes = _index_positions(region, reductions, operands)
             except Decline as d:
                 head, why = None, d.detail
-        plans.append(_Stage(reductions, operands, late, any(requires_grad(r) for r in reductions),
+        plans.append(_Stage(reductions, operands, late, any(needs_grad(r) for r in reductions),
                             _build(region, reductions, operands), indexes))
     one, one_pass_why = _one_pass(region, plans, order) if head is not None and len(plans) > 1 else (None, "")
     if one is not None:
@@ -311,9 +306,9 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
         anchor = p.reductions[0]
         for n in p.late:
             anchor.prepend(n)
-        key = shard_bodies.register(p.body)
+        key = graph_bodies.register(p.body)
         with graph.inserting_before(anchor):
-            operands = [_as_tensor(graph, o) if symbolic_scalar(o) else o for o in p.operands]
+            operands = [scalar_tensor(graph, o) if is_scalar(o) else o for o in p.operands]
         if head is not None:
             gather_index_positions(key, p.indexes)
             args = (shard_lm_head, (key, p.differentiable, budget_bytes, head.hidden, head.weight, *operands))
@@ -331,12 +326,12 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
         anchor.prepend(n)
     keys = []
     for p in plans:
-        keys.append(shard_bodies.register(p.body))
+        keys.append(graph_bodies.register(p.body))
         gather_index_positions(keys[-1], p.indexes)
     name = register_one_pass(one, [p.reductions for p in plans], keys)
     differentiable = any(p.differentiable for p in plans)
     with graph.inserting_before(anchor):
-        externals = [_as_tensor(graph, o) if symbolic_scalar(o) else o for o in one.externals]
+        externals = [scalar_tensor(graph, o) if is_scalar(o) else o for o in one.externals]
         call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget_bytes, head.hidden,
                                                           head.weight, *externals))
         getitems(graph, call, one.outputs)

@@ -14,13 +14,14 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from .. import compat
 
 __all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective",
            "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS",
-           "is_elementwise", "requires_grad"]
+           "is_elementwise", "requires_grad", "is_number", "is_scalar", "scaled_by_number",
+           "scalar_tensor"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -44,6 +45,7 @@ _SPELLINGS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "take_along_dim": ((torch.take_along_dim,), ("take_along_dim",)),
     "cross_entropy": ((F.cross_entropy,), ()),
     "nll_loss": ((F.nll_loss,), ()),
+    "kl_div": ((F.kl_div,), ()),
 }
 _BY_FUNCTION = {fn: name for name, (fns, _) in _SPELLINGS.items() for fn in fns}
 _BY_METHOD = {m: name for name, (_, methods) in _SPELLINGS.items() for m in methods}
@@ -115,6 +117,40 @@ def meta(value: Any) -> Any:
             return value.meta["example_value"]
         return value.meta.get("val")
     return value
+
+
+def is_number(value: Any) -> bool:
+    """A Python number written into the graph (an int or a float; a bool is no scale)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_scalar(value: Any) -> bool:
+    """A number, written in or computed by the graph (``dynamic=True`` makes a
+    temperature a ``SymFloat``)."""
+    v = meta(value)
+    return is_number(v) or isinstance(v, (torch.SymFloat, torch.SymInt))
+
+
+def scalar_tensor(graph: Graph, node: Node) -> Node:
+    """A node computing the symbolic scalar ``node`` as the 0-d tensor a custom op takes
+    (before the graph's insertion point): FP32 for a float (the FP32 ops it meets compute
+    with it in FP32 either way), int64 for an int."""
+    dtype = torch.float32 if isinstance(meta(node), (torch.SymFloat, float)) else torch.int64
+    return graph.call_function(torch.scalar_tensor, (node,), {"dtype": dtype})
+
+
+def scaled_by_number(node: Node) -> Optional[tuple[Node, Any, str]]:
+    """``(t, c, op)`` for ``t / c``, ``t * c`` or ``c * t`` with ``c`` a number written in
+    the graph and ``op`` "div" or "mul"; else None."""
+    op = canon(node)
+    if op not in ("div", "mul") or get_arg(node, "rounding_mode") is not None:
+        return None
+    a, b = tensor_input(node), get_arg(node, "other")
+    if isinstance(a, Node) and is_number(b):
+        return a, b, op
+    if op == "mul" and is_number(a) and isinstance(b, Node):
+        return b, a, op
+    return None
 
 
 def is_low_precision(value: Any) -> bool:

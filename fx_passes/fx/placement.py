@@ -46,13 +46,21 @@ from .graph_ops import (
     requires_grad,
 )
 
-__all__ = ["State", "states", "changes_state", "first_mutation",
+__all__ = ["State", "states", "changes_state", "writes_in_place", "first_mutation",
            "check_placement", "same_state", "view_family", "mutation_of"]
 
 
+def writes_in_place(node: Node) -> bool:
+    """:func:`mutates`, less the functional collectives: FX marks them impure (so the
+    single-process matcher, which knows nothing of ranks, leaves a region holding one
+    alone), but each writes only its own output, which is what the vocab-parallel
+    matcher, for which they are stage boundaries, needs to know."""
+    return mutates(node) and not is_collective(node)
+
+
 def changes_state(node: Node) -> bool:
-    """:func:`mutates` or :func:`is_mode_switch`; a functional collective does neither."""
-    return not is_collective(node) and (mutates(node) or is_mode_switch(node))
+    """:func:`writes_in_place` or :func:`is_mode_switch`."""
+    return writes_in_place(node) or is_mode_switch(node)
 
 
 _VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand", "flatten",
@@ -166,7 +174,8 @@ def _describe(state: State) -> str:
 
 
 def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, results: Iterable[Node],
-                    inputs: Iterable[Any], last: Node, saved: Iterable[Node] = ()) -> set[Node]:
+                    inputs: Iterable[Any], last: Node, saved: Iterable[Node] = (),
+                    replays_grad_modes: bool = False) -> set[Node]:
     """Check that one op at ``anchor`` may replace ``absorbed`` (raises Decline) and
     return the ``results`` whose replacements must be detached.
 
@@ -175,7 +184,9 @@ def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, result
     reads that can carry a gradient; ``last``: the last node the op's reads stand for
     (the last absorbed node, or a later index node the rewrite hoists); ``saved``: the
     tensors the op saves for its backward when the original saved none of them (no
-    in-place change of them may follow)."""
+    in-place change of them may follow); ``replays_grad_modes``: the op replays the
+    absorbed nodes themselves, detaching what each computed without grad (a row-local
+    body), so only the anchor's grad mode matters, not each step's."""
     absorbed = list(absorbed)
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(absorbed, key=order.__getitem__)
@@ -208,7 +219,8 @@ def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, result
                 detach.add(r)  # the original computed it (or a step to it) under no_grad
             continue
         # the op's backward differentiates every step to r: each must have run with grad
-        off = next((a for a in _cone(r, set(absorbed)) if not enabled(a)), None)
+        cone = () if replays_grad_modes else _cone(r, set(absorbed))
+        off = next((a for a in cone if not enabled(a)), None)
         if not gives_grad or off is not None:
             raise Decline(Reason.STATE, f"{r.name} needs a gradient, and "
                           f"{(off or anchor).name} runs with grad disabled")

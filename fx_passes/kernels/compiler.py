@@ -1,6 +1,6 @@
 """The one way a chunk body is compiled: every per-chunk function the run-time loops call
 (the lm_head loop's bodies, :mod:`fx_passes.kernels.bodies`; the vocab-parallel stage
-bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.shard_bodies`).
+bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.graph_bodies`).
 
 * Inductor compiles the body once (``dynamic=True``, ``fullgraph=True``): fused kernels
   that read model-precision tensors, so no FP32 ``[.., V]`` buffer exists.

@@ -284,8 +284,7 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     g_lse = g_lse if g_lse is not None else zeros
     g_logprob = g_logprob if (g_logprob is not None and ctx.has_tokens) else zeros
     g_entropy = g_entropy if (g_entropy is not None and entropy is not None) else zeros
-    if ctx.has_tokens or entropy is not None:  # a log-softmax region: NaN rows where lse is infinite
-        lse = softmax_lse(lse)
+    lse = softmax_lse(lse, log_softmax=ctx.has_tokens or entropy is not None)
     if tokens is None:
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer

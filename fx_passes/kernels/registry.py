@@ -7,9 +7,9 @@ Python objects).  Every such table of the package is here (compiled chunk bodies
 ========================  ====================================  ===================================
 registry                  registered by (compile time)          read by (run time)
 ========================  ====================================  ===================================
-``STAGE_FUNCTIONS``       ``shard_bodies.register``: a          ``shard_bodies.body`` /
-                          vocab-parallel stage's reductions     ``backward_body`` (compile them),
-                          as an FX graph                        ``shard_bodies.function``
+``GRAPH_BODIES``          ``graph_bodies.register``: a          ``graph_bodies.body`` /
+                          vocab-parallel stage's reductions,    ``backward_body`` (compile them),
+                          or a row-local region, as an FX graph ``graph_bodies.function``
 ``GATHER_INDEXES``        ``shard_lm_head.gather_index_         the lm_head stage loop (which
                           positions``                           operands are gather indexes)
 ``ONE_PASS_PLANS``        ``distributed.one_pass.register``     ``shard_lm_head_stages``
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Iterator, TypeVar
 
-__all__ = ["Registry", "STAGE_FUNCTIONS", "GATHER_INDEXES", "ONE_PASS_PLANS"]
+__all__ = ["Registry", "GRAPH_BODIES", "GATHER_INDEXES", "ONE_PASS_PLANS"]
 
 T = TypeVar("T")
 
@@ -65,6 +65,6 @@ class Registry(Generic[T]):
         return len(self._items)
 
 
-STAGE_FUNCTIONS: Registry = Registry("vocab-parallel stage function")
+GRAPH_BODIES: Registry = Registry("region body (an FX graph)")
 GATHER_INDEXES: Registry = Registry("gather index positions")
 ONE_PASS_PLANS: Registry = Registry("one-pass plan")

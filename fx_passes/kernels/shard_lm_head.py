@@ -7,7 +7,7 @@ When the shard a vocab-parallel region reads (:mod:`fx_passes.distributed.vocab_
 
 * forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are
   computed in model precision and the stage's reductions (its compiled body,
-  :mod:`fx_passes.kernels.shard_bodies`) run on them.  Called per stage, each stage computes
+  :mod:`fx_passes.kernels.graph_bodies`) run on them.  Called per stage, each stage computes
   its chunks again (a stage's per-row operands, the all-reduced max, exist only after the
   previous stage); :mod:`fx_passes.distributed.one_pass` runs all stages in one such loop when
   the code between them is per row.
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import shard_bodies
+from . import graph_bodies
 from .lm_head import two_sweeps
 from .registry import GATHER_INDEXES
 from .tiling import even_splits, sweep_sizes
@@ -78,13 +78,13 @@ def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Ten
 
 def _forward(key: str, hidden, weight, operands, budget_bytes: int) -> list[torch.Tensor]:
     rows, _ = sweep_sizes(budget_bytes, hidden.shape[0], weight.shape[0])
-    outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), shard_bodies.body(key))
+    outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), graph_bodies.body(key))
     return outs if outs is not None else _fake(key, hidden, weight, operands)
 
 
 def _fake(key: str, hidden, weight, operands) -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    return [torch.empty_like(o) for o in shard_bodies.function(key)(x, *operands)]
+    return [torch.empty_like(o) for o in graph_bodies.function(key)(x, *operands)]
 
 
 @torch.library.custom_op("chunked_logits::shard_lm_head", mutates_args=())
@@ -101,7 +101,7 @@ def _(key, hidden, weight, operands, budget_bytes):
 def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int, need_hidden: bool,
                     need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n = hidden.shape[0]
-    vjp = shard_bodies.backward_body(key, (0,))
+    vjp = graph_bodies.backward_body(key, (0,))
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
 

@@ -46,12 +46,13 @@ def _logsumexp(m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
     return torch.where(m.isinf(), m, m + log_s)
 
 
-def softmax_lse(lse: torch.Tensor) -> torch.Tensor:
-    """The lse a log-softmax backward reads: NaN where ``lse`` is infinite, since
-    ``torch.log_softmax`` of such a row is NaN and so is its gradient.  (A region whose
+def softmax_lse(lse: torch.Tensor, log_softmax: bool) -> torch.Tensor:
+    """The lse a backward reads.  A region with a log-softmax result (a token log-prob
+    or an entropy, ``log_softmax``) reads NaN where ``lse`` is infinite, since
+    ``torch.log_softmax`` of such a row is NaN and so is its gradient.  A region whose
     only results are ``logsumexp`` keeps ``lse``: its gradient is NaN at the row's +inf
-    elements and 0 elsewhere, as ``torch.logsumexp``'s.)"""
-    return torch.where(lse.isinf(), float("nan"), lse)
+    elements and 0 elsewhere, as ``torch.logsumexp``'s."""
+    return torch.where(lse.isinf(), float("nan"), lse) if log_softmax else lse
 
 
 def _log_probs(z_picked: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
@@ -137,8 +138,7 @@ class RowStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lse, g_logprob, g_entropy):
         x, tokens, lse, entropy = ctx.saved_tensors
-        if tokens is not None or entropy is not None:
-            lse = softmax_lse(lse)
+        lse = softmax_lse(lse, log_softmax=tokens is not None or entropy is not None)
         grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, ctx.scale,
                               ctx.scale_is_div)
         return grad, None, None, None, None

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, get_arg, is_low_precision, meta, tensor_input
+from ..fx.graph_ops import canon, is_low_precision, meta, scaled_by_number
 
 __all__ = ["LMHead", "match_lm_head", "producer", "TRANSFORMS_KNOWN"]
 
@@ -83,19 +83,11 @@ def producer(x: Node) -> Optional[LMHead]:
     return None
 
 
-def _constant(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _transform(node: Node) -> Optional[tuple[Node, str]]:
     """(the logits it reads, its encoding) when ``node`` is a known logit transform."""
-    op = canon(node)
-    if op in ("div", "mul") and get_arg(node, "rounding_mode") is None:
-        a, b = tensor_input(node), get_arg(node, "other")
-        if isinstance(a, Node) and _constant(b):
-            return a, f"{op}:{float(b).hex()}"
-        if op == "mul" and _constant(a) and isinstance(b, Node):
-            return b, f"mul:{float(a).hex()}"
+    scaled = scaled_by_number(node)
+    if scaled is not None:
+        return scaled[0], f"{scaled[2]}:{float(scaled[1]).hex()}"
     tanh = (node.op == "call_function" and node.target in (torch.tanh, F.tanh)) or (
         node.op == "call_method" and node.target == "tanh")
     if tanh and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], Node):

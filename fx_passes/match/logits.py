@@ -29,6 +29,7 @@ from ..fx.graph_ops import (
     is_fp32,
     is_low_precision,
     is_metadata_query,
+    is_number,
     last_dim,
     meta,
     tensor_input,
@@ -81,7 +82,7 @@ class _Matcher:
             raise Decline(Reason.VOCAB_TOO_SMALL, f"shape {tuple(vz.shape)}")
         self._classify_users(z)
         x, moved, scale, is_div = self._temperature(scale, is_div)
-        unit_scale = isinstance(scale, (int, float)) and scale == 1
+        unit_scale = is_number(scale) and scale == 1
         if unit_scale:
             scale = None  # x / 1.0: nothing to divide
         sinks = [make_sink(n, r, self.roles, z) for n, r in self.roles.items() if r in SINK_ROLES]

@@ -19,6 +19,7 @@ from ..fx.graph_ops import (
     get_arg,
     is_fp32,
     is_low_precision,
+    is_scalar,
     last_dim,
     meta,
     tensor_input,
@@ -45,12 +46,10 @@ def scalar_operand(node: Node, chain: Node) -> Optional[tuple[Any, bool]]:
         return None
     if isinstance(other, bool):
         raise Decline(Reason.TEMPERATURE, f"boolean operand of {node.name}")
-    if isinstance(other, (int, float)):
+    if is_scalar(other):
         return other, op == "div"
     if isinstance(other, Node):
         v = meta(other)
-        if isinstance(v, (torch.SymFloat, torch.SymInt)):
-            return other, op == "div"
         if isinstance(v, torch.Tensor):
             if v.dim() != 0 or v.requires_grad or not v.is_floating_point():
                 raise Decline(Reason.TEMPERATURE, f"{other.name} has shape {tuple(v.shape)}"
@@ -162,7 +161,7 @@ def upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
 
 # Ops that reduce rows over the last dim: a candidate whose FP32 tensors reach none of
 # them is not a vocabulary reduction (an attention softmax, an MoE router).
-_ROW_REDUCTIONS = {"gather", "take_along_dim", "cross_entropy", "nll_loss", "logsumexp"}
+_ROW_REDUCTIONS = {"gather", "take_along_dim", "cross_entropy", "nll_loss", "logsumexp", "kl_div"}
 
 
 def reduces_rows(root: Node, depth: int = 12) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch.fx import Graph, Node
 
-from ..fx.graph_ops import canon, get_arg, is_pure, meta, tensor_input
+from ..fx.graph_ops import is_pure, meta, scaled_by_number
 from ..fx.placement import mutates, view_family
 
 __all__ = ["remove_div_by_one"]
@@ -19,17 +19,8 @@ __all__ = ["remove_div_by_one"]
 
 def _unit_operand_input(node: Node):
     """The tensor operand of ``t / 1``, ``t * 1`` or ``1 * t``; else None."""
-    op = canon(node)
-    if op not in ("div", "mul") or get_arg(node, "rounding_mode") is not None:
-        return None
-    a, b = tensor_input(node), get_arg(node, "other")
-    def one(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
-    if one(b) and isinstance(a, Node):
-        return a
-    if op == "mul" and one(a) and isinstance(b, Node):
-        return b
-    return None
+    scaled = scaled_by_number(node)
+    return scaled[0] if scaled is not None and scaled[1] == 1 else None
 
 
 def _aliases_output(graph: Graph, node: Node, src: Node) -> bool:

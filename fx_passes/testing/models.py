@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "build_model", "make_batch", "logit_transform"]
+from fx_passes.testing.workloads import UpcastToFp64
+
+__all__ = ["FAMILIES", "build_model", "make_batch", "logit_transform", "make_step", "reference", "errors"]
 
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -90,3 +92,60 @@ def logit_transform(model: torch.nn.Module) -> str:
     if getattr(c, "logit_scale", None) not in (None, 1.0):
         return f"x * {c.logit_scale:g}"
     return "none"
+
+
+# how each mode of benchmarks/model_cases.py compiles the step (ref and trainer run elsewhere)
+BACKEND = {"stock": "inductor", "chunked": "chunked_logits", "install": "inductor",
+           "stock_nologits": "inductor", "chunked_nologits": "chunked_logits"}
+
+
+def make_step(model, mode: str):
+    """``step(ids, labels) -> (loss, model outputs or None)`` for ``mode``: forward, backward."""
+    if mode == "install":
+        import fx_passes
+        fx_passes.install()
+    if mode.endswith("_nologits"):
+        def loss_only(ids, labels):
+            return model(input_ids=ids, labels=labels).loss
+        compiled = torch.compile(loss_only, backend=BACKEND[mode])
+
+        def step(ids, labels):
+            loss = compiled(ids, labels)
+            loss.backward()
+            return loss.detach(), None
+        return step
+    compiled = torch.compile(model, backend=BACKEND[mode])
+
+    def step(ids, labels):
+        # the outputs (logits included) stay alive until the step ends, as in a trainer
+        out = compiled(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss.detach(), out
+    return step
+
+
+def reference(model, ids, labels) -> dict:
+    """Loss and parameter gradients of ``model`` in FP64, eager: the ground truth.
+
+    MoE experts run one by one: ``grouped_mm``, their default, has no FP64 kernel.
+    """
+    if model._can_set_experts_implementation():
+        model.set_experts_implementation("eager")
+    model = model.double()
+    with UpcastToFp64():
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def errors(model, loss: torch.Tensor, ref: dict) -> dict:
+    """|loss - FP64|, and per parameter max|grad - FP64| / max|FP64 grad| (lm_head's and the max)."""
+    rel = {}
+    for name, p in model.named_parameters():
+        want = ref["grads"][name]
+        rel[name] = ((p.grad.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    head = model.get_output_embeddings().weight
+    head_name = next(n for n, p in model.named_parameters() if p is head)
+    return {"loss": loss.item(), "loss_err": abs(loss.item() - ref["loss"]),
+            "grad_err_head": rel[head_name], "grad_err_max": max(rel.values()),
+            "grad_err_max_param": max(rel, key=rel.get)}

@@ -1,4 +1,4 @@
-"""The workloads of the issues (W1-W5, W4L, U1-U3), shared by the tests and the benchmarks.
+"""The workloads of the issues (W1-W5, W4L, WV, WD, WP, U1-U3), shared by the tests and the benchmarks.
 
 Each workload is a plain function of tensors plus a factory for its inputs, so a
 test can run it at toy size and a benchmark at full size with the same code.
@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 TEMPERATURE = 0.7
 
@@ -53,6 +54,30 @@ def wv_lm_head_cross_entropy(hidden, weight, labels):
     """Training: SFT cross-entropy with the lm_head in the graph (what fused linear
     cross-entropy kernels such as Liger's and Cut Cross-Entropy replace)."""
     return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100)
+
+
+def wd_distillation(hidden, weight, teacher_logits):
+    """Training: distillation, forward KL(teacher || student) per token, mean over tokens;
+    the student's lm_head in the graph, the teacher's bf16 logits given (issue 21)."""
+    s = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+    t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+TOP_K, TOP_P = 50, 0.9
+
+
+def wp_top_p_policy_loss(logits, tokens, advantages):
+    """Training: policy-gradient loss on log-probs over the sampler's support: temperature,
+    then top-k, then top-p, renormalised over the kept tokens (issue 21)."""
+    z = logits.float() / TEMPERATURE
+    kth = z.topk(TOP_K, dim=-1).values[..., -1, None]
+    z = z.masked_fill(z < kth, float("-inf"))
+    sorted_p, order = z.softmax(-1).sort(dim=-1, descending=True)
+    drop = (sorted_p.cumsum(-1) - sorted_p) > TOP_P
+    z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return -(logprob * advantages).mean()
 
 
 # --- the opt-in FP32 upgrade (Config.upgrade_low_precision): graphs that never upcast ---
@@ -129,6 +154,20 @@ def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
     return hidden, weight, labels
 
 
+def _make_distillation(T, V, dtype=torch.bfloat16, seed=0, H=1024):
+    hidden, weight, _, _ = _make_lm_head(T, V, dtype, seed, H)
+    g = torch.Generator().manual_seed(seed + 1)
+    return hidden, weight, (hidden.detach().float() @ weight.detach().float().T
+                            + torch.randn(T, V, generator=g)).to(dtype)
+
+
+def _make_top_p_policy(T, V, dtype=torch.bfloat16, seed=0):
+    """Logits and tokens the sampler kept (each row's most likely token but one)."""
+    x, _, advantages = _make_policy(T, V, dtype, seed)
+    tokens = x.detach().float().topk(2, dim=-1).indices[:, 1].contiguous()
+    return x, tokens, advantages
+
+
 def _make_batched_scoring(T, V, dtype=torch.bfloat16, seed=0, B=4):
     """[B, T/B, V] logits (T = 4096 gives the issue's [4, 1024, 32000])."""
     g = torch.Generator().manual_seed(seed)
@@ -151,11 +190,14 @@ WORKLOADS = {
     "W5": Workload("W5", w5_cross_entropy, True, _make_ce, (4096, 32768), (0,)),
 }
 
-# Benchmarked besides W1-W5: W4 at long T (issue 3), the upgrade workloads (issue 6) and
-# the large vocabulary of the GPU check (issue 13: Qwen3-0.6B's lm_head, H 1024, V 151936).
+# Benchmarked besides W1-W5: W4 at long T (issue 3), the upgrade workloads (issue 6), the
+# large vocabulary of the GPU check (issue 13: Qwen3-0.6B's lm_head, H 1024, V 151936) and
+# the row-local losses (issue 21: distillation, top-p log-probs).
 EXTRA_WORKLOADS = {
     "W4L": Workload("W4L", w4_lm_head_loss, True, _make_lm_head, (16384, 32768), (0, 1)),
     "WV": Workload("WV", wv_lm_head_cross_entropy, True, _make_lm_head_ce, (4096, 151936), (0, 1)),
+    "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
+    "WP": Workload("WP", wp_top_p_policy_loss, True, _make_top_p_policy, (4096, 32768), (0,)),
     "U1": Workload("U1", u1_bf16_logprob, False, _make_batched_scoring, (4096, 32000), upgrade=True),
     "U2": Workload("U2", u2_bf16_logprob_entropy_per_sequence, False, _make_batched_scoring,
                    (4096, 32000), upgrade=True),
@@ -186,3 +228,29 @@ def run_step(workload: Workload, fn: Callable, inputs: tuple):
     with torch.no_grad():
         out = fn(*inputs)
     return (out if isinstance(out, tuple) else (out,)), ()
+
+
+class UpcastToFp64(TorchFunctionMode):
+    """Turns the workloads' ``.float()`` upcasts into ``.double()`` (FP64 reference)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float:
+            return args[0].double()
+        if func is torch.Tensor.to and torch.float32 in (*args[1:], kwargs.get("dtype")):
+            return args[0].double()
+        return func(*args, **kwargs)
+
+
+def ensure_backend() -> None:
+    """Register ``backend="chunked_logits"`` when the package is importable but not
+    installed (``PYTHONPATH=.`` on a machine without ``pip install``): the name
+    normally comes from the package's entry point."""
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    from fx_passes.entry.backend import chunked_logits
+    try:
+        lookup_backend("chunked_logits")
+    except InvalidBackend:
+        register_backend(chunked_logits, name="chunked_logits")

@@ -1,5 +1,8 @@
 """The GPU check's plumbing on the CPU: what CI can run of benchmarks/gpu_check.py.
 
+A test of the benchmark scripts themselves, so it lives with them (tests/ imports no
+benchmark); ``make test`` runs it (pyproject's ``testpaths``).
+
 ``--dry-run`` runs every workload and mode at tiny sizes with the CPU stand-ins, saves
 and checks the generated code, and writes the JSON and the Markdown; the real check
 needs a CUDA GPU (docs/gpu.md).  The dry run's sizes are tests/test_codegen.py's, so
@@ -17,9 +20,9 @@ import pytest
 
 from benchmarks import gpu_case, gpu_check
 from benchmarks.gpu_check import DRY_T, DRY_V, WORKLOADS
-from tests.helpers import clean_env
+from fx_passes.env import without_ours as clean_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASELINES = ("liger", "cce")
 
 

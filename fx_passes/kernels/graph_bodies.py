@@ -1,0 +1,68 @@
+"""Compiled bodies made of the user's own ops: a vocab-parallel stage's reductions
+(:mod:`fx_passes.distributed.vocab_parallel`) and a row-local region
+(:mod:`fx_passes.kernels.row_local`).
+
+Each is an FX graph ``fn(*inputs) -> tuple`` (the region's own ops replayed), registered
+under a key that the rewritten graph passes to its custom op.  Here each key's forward
+and vector-Jacobian product are compiled by Inductor once (:mod:`fx_passes.kernels.compiler`:
+fused kernels that read the model-precision logits, no FP32 ``[.., V]`` buffer; eagerly
+if compiling fails, counted as the caller's ``counter``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.fx import GraphModule
+
+from .compiler import compile_body
+from .registry import GRAPH_BODIES
+
+__all__ = ["register", "function", "body", "backward_body"]
+
+
+def register(gm: GraphModule) -> str:
+    """The key of ``gm`` (by its code: the same stage in two graphs shares one body)."""
+    key = hashlib.sha256(gm.code.encode()).hexdigest()[:24]
+    GRAPH_BODIES.add(key, gm)
+    return key
+
+
+def function(key: str) -> GraphModule:
+    """The stage's reductions, uncompiled (fake-tensor shapes, eager fallback)."""
+    return GRAPH_BODIES[key]
+
+
+def body(key: str, counter: str = "shard_body_eager"):
+    """The stage's reductions, compiled by Inductor once per key (fused kernels that read
+    the model-precision logits: no FP32 [.., V] buffer)."""
+    fn = GRAPH_BODIES[key]
+
+    def reductions(*args):
+        return fn(*args)
+    return compile_body(("stage", key), reductions, f"body_{key}", counter)
+
+
+def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | None = None,
+                  counter: str = "shard_body_eager"):
+    """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
+    product of the body, compiled once per key (a pointwise pass that writes the logits
+    gradient in model precision).  ``grads`` are those of ``outputs`` (positions; all
+    outputs when None: a body's integer outputs, such as top-k indices, have none)."""
+    fn = GRAPH_BODIES[key]
+    n = sum(1 for node in fn.graph.nodes if node.op == "placeholder")
+
+    def vjp(*args):
+        inputs, grads = args[:n], args[n:]
+
+        def partial(*diff):
+            full = list(inputs)
+            for i, d in zip(wanted, diff):
+                full[i] = d
+            out = tuple(fn(*full))
+            return out if outputs is None else tuple(out[i] for i in outputs)
+        _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
+        return pullback(tuple(grads))
+    name = f"body_backward_{key}_{'_'.join(map(str, wanted))}"
+    return compile_body(("vjp", key, wanted, outputs), vjp, name, counter, grad_mode=torch.no_grad)
