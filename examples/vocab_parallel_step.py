@@ -62,13 +62,18 @@ def token_stats(local: torch.Tensor, tok: torch.Tensor, lo: int, head: str, up=t
     vocabulary, from this rank's shard ``local`` (``[T, V / world]``, vocabulary ids
     ``lo .. lo + V / world``): local reductions, all-reduces of ``[T]`` tensors."""
     z = local.to(up) / TEMPERATURE
+    own = (tok >= lo) & (tok < lo + local.shape[-1])
+    if head == "logprob_unshifted":  # the target logit read before the shift (Megatron's own order)
+        m = funcol.all_reduce(z.amax(-1).detach(), "max", tp_group())
+        se = all_reduce((z - m.unsqueeze(-1)).exp().sum(-1), "sum")
+        picked = z.gather(-1, torch.where(own, tok - lo, 0).unsqueeze(-1)).squeeze(-1)
+        return all_reduce(torch.where(own, picked, 0.0), "sum") - m - se.log()
     m = funcol.all_reduce(z.detach().amax(-1), "max", tp_group())  # a shift: no gradient
     z = z - m.unsqueeze(-1)
     e = z.exp()
     s = all_reduce(e.sum(-1), "sum")
     if head == "entropy":
         return s.log() - all_reduce((e * z).sum(-1), "sum") / s
-    own = (tok >= lo) & (tok < lo + local.shape[-1])
     picked = z.gather(-1, torch.where(own, tok - lo, 0).unsqueeze(-1)).squeeze(-1)
     return all_reduce(torch.where(own, picked, 0.0), "sum") - s.log()
 
@@ -201,7 +206,8 @@ def try_loss_parallel(args, h, w, tok) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--head", nargs="+", choices=["logprob", "entropy", "ce"], default=["logprob"])
+    p.add_argument("--head", nargs="+", choices=["logprob", "logprob_unshifted", "entropy", "ce"],
+                   default=["logprob"])
     p.add_argument("--spelling", choices=["megatron", "loss_parallel"], default="megatron")
     p.add_argument("--backends", default="inductor,chunked_logits")
     p.add_argument("--vocab", type=int, default=4096)

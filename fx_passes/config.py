@@ -40,6 +40,10 @@ class Config:
         chunk_budget_mib: working-set budget of one chunk of that loop: rows per
             forward chunk are ``budget / (4 V)``, vocabulary columns per backward
             block ``budget / (8 T)``.
+        row_local: a region the hand-derived path does not take (an op it does not
+            know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
+            its own ops over chunks of rows when every op acts on each row on its own
+            (``match/row_local.py``); False leaves such regions as they are.
         lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "blocks"
             on GPUs, "two_sweeps" on CPUs that multiply bf16/fp16 in hardware,
             "fp32_tiles" on other CPUs), or one of those names to force it on any
@@ -55,6 +59,7 @@ class Config:
     fuse_lm_head: bool = True
     chunk_budget_mib: float = 32.0
     lm_head_plan: str = "auto"
+    row_local: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

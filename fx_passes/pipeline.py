@@ -22,11 +22,13 @@ from . import compat, env
 from .config import Config
 from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
 from .match.logits import Region, find_regions
+from .match.row_local import find_row_region
 from .match.upcast import upcast_behind, upcast_input
 from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome
-from .reporting.report import COUNTER, Decline, log, record_decline, record_rewrite
+from .reporting.report import COUNTER, Decline, Reason, log, record_decline, record_rewrite
 from .rewrite.logits import fp32_bytes, rewrite_region
+from .rewrite.row_local import rewrite_row_region
 from .rewrite.unit_scale import remove_div_by_one
 
 __all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash"]
@@ -86,6 +88,38 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
     return what
 
 
+# What the hand-derived path declines that a row-local region may still take: an op it
+# does not know, loss options, several indices, a per-row temperature, results it does
+# not read ...  (not: logits that are not model precision, DTensors, mutations, states).
+ROW_LOCAL_RETRIES = {Reason.UNKNOWN_OP, Reason.LOSS_OPTIONS, Reason.ESCAPES, Reason.SEVERAL_INDICES,
+                     Reason.INDEX_SHAPE, Reason.NOT_LAST_DIM, Reason.TEMPERATURE, Reason.ORDER}
+
+
+def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken: set[Node]) -> None:
+    """A region the hand-derived path declined (``decline`` at ``node``): rewrite it as a
+    row-local region (:mod:`fx_passes.match.row_local`) or record why not."""
+    if node in taken:
+        return  # absorbed by a row-local region already (a teacher's upcast)
+    seed = node if upcast_input(node) is not None else upcast_behind(node)
+    if not config.row_local or decline.reason not in ROW_LOCAL_RETRIES or seed is None or seed in taken:
+        record_decline(_where(node), decline)
+        return
+    try:
+        region = find_row_region(graph, seed)
+        where, what, nbytes = _where(seed), region.describe(), sum(fp32_bytes(s) for s in region.seeds)
+        if config.report_only or not config.rewrite:
+            record_rewrite(where, what, nbytes, report_only=True)
+            return
+        rewrite_row_region(graph, region, config)
+    except Decline as d:  # raised before the graph is touched
+        # (the same reason twice: the hand-derived path's words, which docs/declines.md shows)
+        record_decline(_where(node), decline if d.reason is decline.reason else d)
+        return
+    taken.update(region.nodes)
+    counters[COUNTER]["row_local"] += 1
+    record_rewrite(where, what, nbytes, report_only=False)
+
+
 def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
     node = found.upcast if isinstance(found, Region) else found[0]
     return node in upcasts or (upcast_input(node) is None and upcast_behind(node) in upcasts)
@@ -94,13 +128,16 @@ def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
 def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
     shard_upcasts = _shard_regions(graph, config)
+    taken: set[Node] = set()  # nodes of row-local regions rewritten
     for found in find_regions(graph, config):
         if shard_upcasts and _handled(found, shard_upcasts):
             continue
         if isinstance(found, tuple):
-            record_decline(_where(found[0]), found[1])
+            _row_local(graph, found[0], found[1], config, taken)
             continue
         region: Region = found
+        if taken and (region.upcast in taken or any(n in taken for n in region.roles)):
+            continue  # (its nodes went into a row-local region)
         where, what, nbytes = _where(region.upcast), region.describe(), fp32_bytes(region.z)
         if config.report_only or not config.rewrite:
             record_rewrite(where, what, nbytes, report_only=True)
@@ -111,7 +148,7 @@ def run_passes(graph: Graph, config: Config) -> None:
         try:
             outcome = rewrite_region(graph, region, config)
         except Decline as d:  # raised before the graph is touched
-            record_decline(where, d)
+            _row_local(graph, region.upcast, d, config, taken)
             continue
         record_rewrite(where, _counted(outcome, what, "lm_head_fused"), nbytes, report_only=False)
         if region.unit_scale_dropped:
@@ -166,7 +203,7 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 CACHEABLE = ("fx_passes.kernels.stats.row_stats", "fx_passes.kernels.lm_head.lm_head_row_stats",
              "fx_passes.distributed.vocab_parallel.shard_reduce",
              "fx_passes.kernels.shard_lm_head.shard_lm_head",
-             "fx_passes.distributed.one_pass.shard_lm_head_stages")
+             "fx_passes.distributed.one_pass.shard_lm_head_stages", "fx_passes.kernels.row_local.row_local")
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:

@@ -75,6 +75,27 @@ TWISTS: dict[str, Optional[Reason]] = {
     # Known bugs (see KNOWN_BUGS): the outcome users expect; never generated until fixed.
 }
 
+# With Config.row_local (Case.row_local), what the row-local path makes of the twists the
+# hand-derived path declines for a reason it retries (pipeline.ROW_LOCAL_RETRIES): None =
+# rewritten into one row_local call; a Reason = declined with it.  Twists not listed keep
+# their TWISTS outcome.
+ROW_LOCAL_TWISTS: dict[str, Optional[Reason]] = {
+    "per_row_after": None,
+    "temp_grad": Reason.NOT_ROW_LOCAL,  # a 0-d tensor read whole by every chunk, and it requires grad
+    "two_scales": None,
+    "consumer": None,
+    "softmax_dtype": None,
+    "branch_view": Reason.NOT_ROW_LOCAL,  # reshape(-1, V) regroups the rows
+    "dim0": Reason.NOT_ROW_LOCAL,  # log_softmax over dim 0: across rows
+    "index2": None,
+    "label_smoothing": None,
+    "ce_weight": None,
+    "ce_3d": Reason.NOT_ROW_LOCAL,  # the transpose to [B, V, S] moves the vocabulary
+    "several_indices": None,
+    "soft_labels": None,
+    "mask_fp32": None,
+}
+
 # Cases the pass gets wrong today: twist -> the bug.  tests/test_properties.py has one strict
 # xfail per bug; the generator skips them (delete an entry when its bug is fixed).
 KNOWN_BUGS: dict[str, str] = {}  # none open (fixed: return_upcast, mask_fp32 reasons; NLLLoss()
@@ -132,13 +153,37 @@ class Case:
     dynamic: bool = False
     twist: str = "none"
     seed: int = 0
+    row_local: bool = False  # Config.row_local: the row-local path retries what the hand path declines
 
     # ---- what the pass must do ---------------------------------------------------------------
     @property
     def reason(self) -> Optional[Reason]:
+        if self.row_local and self.twist in ROW_LOCAL_TWISTS:
+            return ROW_LOCAL_TWISTS[self.twist]
         return TWISTS[self.twist]
 
+    @property
+    def by_row_local(self) -> bool:
+        """Rewritten by the row-local path (a twist the hand-derived path declines)?"""
+        return self.row_local and self.twist in ROW_LOCAL_TWISTS and self.reason is None
+
+    @property
+    def hand_rewritten(self) -> bool:
+        """Rewritten by the hand-derived path (row_stats / the lm_head loop)?"""
+        return TWISTS[self.twist] is None
+
+    def acceptable_counters(self) -> list[dict[str, int]]:
+        """:meth:`expected_counters`, and where the row-local path takes a twist in the
+        plain layout only (``[T, V]`` logits read whole, no lm_head: a shift or a
+        flatten in other layouts indexes or regroups rows), its decline too."""
+        plain = self.layout == "TV" and self.shift == "none" and self.lm_head == "none"
+        if self.by_row_local and not plain:
+            return [self.expected_counters(), {"declined": 1, "declined:NOT_ROW_LOCAL": 1}]
+        return [self.expected_counters()]
+
     def expected_counters(self) -> dict[str, int]:
+        if self.by_row_local:
+            return {"rewritten": 1, "row_local": 1}
         if self.reason is None:
             out = {"rewritten": 2 if self.twist == "two_regions" else 1}
             if self.lm_head_x and self.twist == "two_regions":
@@ -152,7 +197,7 @@ class Case:
     def scale_moved(self) -> bool:
         """Does the pass move the temperature from before the upcast to after it (FP32
         division, no bf16 rounding: ``Config.temperature_after_upcast``)?"""
-        return (self.reason is None and self.temp not in ("none", "per_row") and self.temp_where == "before"
+        return (self.hand_rewritten and self.temp not in ("none", "per_row") and self.temp_where == "before"
                 and self.twist != "two_regions")
 
     @property
@@ -169,7 +214,7 @@ class Case:
     @property
     def lm_head_fused(self) -> bool:
         """Is the lm_head matmul fused into the chunk loop?"""
-        return self.lm_head_x and self.reason is None and self.twist != "two_regions"
+        return self.lm_head_x and self.hand_rewritten and self.twist != "two_regions"
 
     def rows_of_z(self) -> int:
         """Rows of the scaled FP32 logits every head reads."""
@@ -184,10 +229,13 @@ class Case:
         n, v = self.rows_of_z(), self.vocab
         budget = {"default": None, "one_row": 4 * v, "two_rows": 8 * v, "all_rows": 4 * v * n,
                   "more_rows": 4 * v * (n + 3), "one_col": 8 * n}[self.chunk]
-        return Config() if budget is None else Config(chunk_budget_mib=(budget + 0.5) / 2**20)
+        if budget is None:
+            return Config(row_local=self.row_local)
+        return Config(chunk_budget_mib=(budget + 0.5) / 2**20, row_local=self.row_local)
 
     def options(self) -> dict[str, Any]:
-        return {} if self.chunk == "default" else {"chunk_budget_mib": self.config().chunk_budget_mib}
+        chunk = {} if self.chunk == "default" else {"chunk_budget_mib": self.config().chunk_budget_mib}
+        return {**chunk, "row_local": self.row_local}
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -681,9 +729,9 @@ class CaptureAndTransform:
         self.graphs: list[torch.fx.GraphModule] = []
         self.transformed: list[torch.fx.GraphModule] = []
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict | None = None):
         self.graphs.append(gm)
-        new = transform(gm, self.config)
+        new = transform(gm, Config.from_options(options) if options else self.config)
         self.transformed.append(new)
         return new.forward
 
@@ -697,7 +745,8 @@ def eager_lm_head_chunks():
         yield
 
 
-CHECKED_KEYS = ("rewritten", "would_rewrite", "declined", "pass_failed", "lm_head_fused", "lm_head_not_fused")
+CHECKED_KEYS = ("rewritten", "would_rewrite", "declined", "pass_failed", "lm_head_fused", "lm_head_not_fused",
+                "row_local")
 
 
 def pass_counters() -> dict[str, int]:
@@ -770,6 +819,7 @@ def cases(draw: st.DrawFn) -> Case:
         dynamic=dynamic,
         twist=twist,
         seed=draw(st.integers(0, 2**16)),
+        row_local=draw(st.booleans()),
     )
     case = normalize(case)
     assume(known_bug(case) is None)

@@ -32,6 +32,18 @@ def logprob(local, tok, up=torch.float32):
     return all_reduce(torch.where(own, picked, 0.0), "sum") - s.log()
 
 
+def logprob_unshifted(local, tok, up=torch.float32):
+    """Issue 21's spelling: the target logit gathered from the unshifted ``z``, the max
+    subtracted from the per-row result (the gather reads no earlier stage's result)."""
+    z = local.to(up) / 0.7
+    m = funcol.all_reduce(z.amax(-1).detach(), "max", dist.group.WORLD)
+    se = all_reduce((z - m.unsqueeze(-1)).exp().sum(-1), "sum")
+    own = (tok >= 0) & (tok < local.shape[-1])
+    target = z.gather(-1, torch.where(own, tok, 0)[:, None]).squeeze(-1)
+    picked = all_reduce(torch.where(own, target, 0.0), "sum")
+    return picked - m - se.log()
+
+
 def entropy(local, tok, up=torch.float32):
     z = shifted(local, up)
     e = z.exp()
@@ -56,7 +68,7 @@ def logprob_inplace(local, tok, up=torch.float32):
     return z.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - s.log()
 
 
-HEADS = [logprob, entropy, cross_entropy, logprob_inplace]
+HEADS = [logprob, entropy, cross_entropy, logprob_inplace, logprob_unshifted]
 
 
 def inputs(dtype):

@@ -45,25 +45,52 @@ DECLINES = {
                         Reason.ESCAPES),
     "log_softmax_returned": (lambda x, tok: torch.log_softmax(x.float(), -1), lambda: (bf16(8, V), None),
                              Reason.ESCAPES),
-    "unknown_consumer": (lp_and(lambda z: torch.sigmoid(z).sum()),
-                         lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.UNKNOWN_OP),
+    "reduction_over_rows": (lp_and(lambda z: torch.sigmoid(z).sum()),
+                            lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.NOT_ROW_LOCAL),
     "vocab_of_one": (lambda x, tok: lp(x.float(), tok),
                      lambda: (bf16(8, 1), torch.zeros(8, dtype=torch.long)), Reason.VOCAB_TOO_SMALL),
+    "softmax_over_rows": (lambda x, tok: torch.log_softmax(x.float(), 0).gather(-1, tok[:, None]),
+                          lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.NOT_ROW_LOCAL),
+    "two_token_tensors": (lambda x, a, b: (lp(x.float(), a), lp(x.float(), b)),
+                          lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.randint(0, V, (8,))),
+                          None),  # two upcasts: each is its own region, both rewritten
+}
+
+# What the hand-derived path declines and the row-local path takes (issue 21): rewritten,
+# the same results as eager.  (tests/test_row_local.py holds them to FP64 and to stock.)
+ROW_LOCAL = {
+    "sigmoid_consumer": (lp_and(lambda z: torch.sigmoid(z).sum(-1)),
+                         lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.UNKNOWN_OP),
     "per_row_temperature": (lambda x, tok, t: lp(x.float() / t, tok),
                             lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.rand(8, 1) + 0.5),
                             Reason.TEMPERATURE),
-    "softmax_over_rows": (lambda x, tok: torch.log_softmax(x.float(), 0).gather(-1, tok[:, None]),
-                          lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.NOT_LAST_DIM),
     "label_smoothing": (lambda x, y: F.cross_entropy(x.float(), y, label_smoothing=0.1),
                         lambda: (bf16(8, V), torch.randint(0, V, (8,))), Reason.LOSS_OPTIONS),
     "class_weights": (lambda x, y, w: F.cross_entropy(x.float(), y, weight=w),
                       lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.rand(V)), Reason.LOSS_OPTIONS),
-    "two_token_tensors": (lambda x, a, b: (lp(x.float(), a), lp(x.float(), b)),
-                          lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.randint(0, V, (8,))),
-                          None),  # two upcasts: each is its own region, both rewritten
     "gather_of_k_tokens": (lambda x, idx: torch.log_softmax(x.float(), -1).gather(-1, idx),
                            lambda: (bf16(8, V), torch.randint(0, V, (8, 3))), Reason.INDEX_SHAPE),
+    "masked_fill_of_logprobs": (lambda x, tok, mask: torch.log_softmax(x.float(), -1).masked_fill(mask, 0.0)
+                                .gather(-1, tok.unsqueeze(-1)),
+                                lambda: (bf16(8, V), torch.randint(0, V, (8,)), torch.rand(8, V) < 0.1),
+                                Reason.UNKNOWN_OP),
 }
+
+
+@pytest.mark.parametrize("name", sorted(ROW_LOCAL))
+def test_row_local_takes_what_the_hand_derived_path_declines(name):
+    fn, make, reason = ROW_LOCAL[name]
+    args = make()
+    counters.clear()
+    _, after = rewrite(fn, *args, row_local=False)
+    assert chunked_counters() == {"declined": 1, f"declined:{reason.name}": 1}
+    counters.clear()
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="chunked_logits")(*args)
+    assert chunked_counters() == {"rewritten": 1, "row_local": 1}
+    expected = fn(*args)
+    for g, e in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, expected))):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(DECLINES))
@@ -160,7 +187,7 @@ def test_fp16_large_logits_stay_finite():
         lambda x, tok: (lp(x.float(), tok), -(x.float().softmax(-1) * x.float().log_softmax(-1)).sum(-1)),
         backend="chunked_logits")
     logprob, entropy = fn(x, tok)
-    assert chunked_counters()["rewritten"] == 1
+    assert chunked_counters()["rewritten"] == 2  # the log-prob (row_stats), the entropy (row_local)
     assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
 
 
@@ -245,11 +272,11 @@ def test_not_logits_are_not_declines_and_show_at_debug(name, caplog):
 
 
 def test_an_unknown_op_on_logits_is_still_a_decline():
-    """The control: the same unknown-op situation on logits that are reduced per row."""
-    def fn(x, tok, mask):
-        logp = torch.log_softmax(x.float(), -1).masked_fill(mask, 0.0)
+    """The control: an op that is not row-local (``flip`` of the rows) on logits that are
+    reduced per row is a decline, naming the op."""
+    def fn(x, tok):
+        logp = torch.log_softmax(x.float(), -1).flip(0)
         return logp.gather(-1, tok.unsqueeze(-1))
 
-    torch.compile(fn, backend="chunked_logits")(bf16(8, V), torch.randint(0, V, (8,)),
-                                                 torch.rand(8, V) < 0.1)
-    assert chunked_counters() == {"declined": 1, "declined:UNKNOWN_OP": 1}
+    torch.compile(fn, backend="chunked_logits")(bf16(8, V), torch.randint(0, V, (8,)))
+    assert chunked_counters() == {"declined": 1, "declined:NOT_ROW_LOCAL": 1}

@@ -9,6 +9,8 @@ purpose with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_golden.py`` and r
 the diff.
 """
 
+import re
+
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
@@ -227,3 +229,52 @@ def forward(self, L_w_ : torch.Tensor, L_h_ : torch.Tensor, L_tok_ : torch.Tenso
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
     return (squeeze,)""")
         self.assertEqual(chunked_counters(), {"rewritten": 1, "lm_head_fused": 1})
+
+    # --- row-local regions (issue 21): the user's own ops in one row_local call ---------------
+    # (the body's key is a hash of its code, which names Dynamo's nodes: shown as <key>)
+
+    def test_row_local_top_k_log_prob(self):
+        def fn(x, tok):
+            z = x.float() / 0.7
+            kth = z.topk(4, dim=-1).values[..., -1, None]
+            logp = torch.log_softmax(z.masked_fill(z < kth, float("-inf")), dim=-1)
+            return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+        before, after = rewrite_graphs(fn, logits(8), tokens(8))
+        self.assertEqual(ops(before), ".float truediv .topk getitem getitem lt .masked_fill log_softmax "
+                                      ".unsqueeze .gather .squeeze")
+        self.assertExpectedInline(_keyless(after.code), """\
+def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
+    l_x_ = L_x_
+    l_tok_ = L_tok_
+    unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
+    row_local = fx_passes_kernels_row_local_row_local('<key>', 33554432, 2, l_x_, unsqueeze);  l_x_ = unsqueeze = None
+    getitem_1 = row_local[0];  row_local = None
+    return (getitem_1,)""")
+        self.assertEqual(chunked_counters(), {"rewritten": 1, "row_local": 1})
+
+    def test_row_local_label_smoothing_hf_style(self):
+        def fn(x, labels):
+            z = x.float().view(-1, V)  # the view moves before the upcast: x.flatten(0, -2)
+            return F.cross_entropy(z, labels.view(-1), label_smoothing=0.1)
+
+        before, after = rewrite_graphs(fn, logits(2, 4), tokens(2, 4))
+        self.assertEqual(ops(before), ".float .view .view cross_entropy")
+        self.assertExpectedInline(_keyless(after.code), """\
+def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
+    l_x_ = L_x_
+    l_labels_ = L_labels_
+    view_1 = l_labels_.view(-1);  l_labels_ = None
+    flatten = l_x_.flatten(0, -2);  l_x_ = None
+    row_local = fx_passes_kernels_row_local_row_local('<key>', 33554432, 2, flatten, view_1);  flatten = None
+    getitem = row_local[0];  row_local = None
+    sum_1 = getitem.sum();  getitem = None
+    ne = view_1 != -100;  view_1 = None
+    sum_2 = ne.sum();  ne = None
+    truediv = sum_1 / sum_2;  sum_1 = sum_2 = None
+    return (truediv,)""")
+        self.assertEqual(chunked_counters(), {"rewritten": 1, "row_local": 1})
+
+
+def _keyless(code: str) -> str:
+    return re.sub(r"'[0-9a-f]{24}'", "'<key>'", code.strip())

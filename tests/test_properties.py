@@ -45,6 +45,7 @@ from tests.codegen import full_fp32_buffers
 from tests.property_profiles import FULL_COMPILES, PROFILE
 from tests.property_programs import (
     KNOWN_BUGS,
+    ROW_LOCAL_TWISTS,
     TWISTS,
     CaptureAndTransform,
     Case,
@@ -135,7 +136,10 @@ SUPPORTED = {
 }
 NEIGHBOURS = {f"twist_{tw}": Case(twist=tw, train=tw != "softmax_dtype")
               for tw in TWISTS if tw != "none" and tw not in KNOWN_BUGS}
-EXAMPLES = {name: normalize(c) for name, c in {**SUPPORTED, **NEIGHBOURS}.items()}
+# ... and each twist the row-local path retries, with it on (rewritten, or its decline)
+ROW_LOCAL_NEIGHBOURS = {f"row_local_{tw}": Case(twist=tw, train=tw != "softmax_dtype", row_local=True)
+                        for tw in ROW_LOCAL_TWISTS}
+EXAMPLES = {name: normalize(c) for name, c in {**SUPPORTED, **NEIGHBOURS, **ROW_LOCAL_NEIGHBOURS}.items()}
 
 # Full Inductor compiles (chunked_logits and stock) in every profile: a few seconds each.
 FULL = {
@@ -185,9 +189,9 @@ def check_transformed(case: Case) -> None:
     # results first (the property that matters most), then the outcome
     assert_no_worse(got, stock, ref, f"{what}\n{backend.transformed[0].code}", logit_scale(case, inputs),
                     rows_of(inputs))
-    assert pass_counters() == case.expected_counters(), \
+    assert pass_counters() in case.acceptable_counters(), \
         f"{what}\n{backend.transformed[0].code}"
-    if case.reason is None:
+    if case.hand_rewritten:
         assert_rewritten_graph(backend.transformed[0], case)
     if case.dynamic:  # the compiled code on another number of rows
         # (Dynamo may recompile here for reasons of its own, e.g. a column-major input:
@@ -224,11 +228,11 @@ def check_full(case: Case) -> None:
         warnings.simplefilter("always")
         got, codes = torch._inductor.utils.run_and_get_code(execute, compiled, inputs, case)
     assert pass_warnings(record) == [], what
-    assert pass_counters() == case.expected_counters(), what
+    assert pass_counters() in case.acceptable_counters(), what
     assert_no_worse(got, stock, ref, what, logit_scale(case, inputs), rows_of(inputs))
-    if case.reason is None and not (case.dynamic and case.layout == "BSV") and case.vocab >= 8 \
+    if case.hand_rewritten and not (case.dynamic and case.layout == "BSV") and case.vocab >= 8 \
             and case.rows_of_z() >= 2:
-        # (benchmarks/codegen.py flags any FP32 buffer with two symbolic dims under dynamic shapes:
+        # (fx_passes/testing/codegen.py flags any FP32 buffer with two symbolic dims under dynamic shapes:
         # the per-row results of [B, S, V] logits are such a buffer, so those cases skip this;
         # and at toy sizes small FP32 buffers of other kinds reach rows * V elements.)
         assert full_fp32_buffers(codes, case.rows_of_z(), case.vocab) == [], what
@@ -354,7 +358,9 @@ def test_ignore_index_computed_in_the_graph_is_declined() -> None:
 
     torch.compile(f, backend="chunked_logits", dynamic=True)(torch.randn(6, 11).bfloat16(),
                                                              torch.randint(0, 11, (6,)), 0)
-    assert pass_counters() == {"declined": 1, "declined:LOSS_OPTIONS": 1}
+    # (the hand-derived path: LOSS_OPTIONS; the row-local path retries it and takes no
+    # integer the graph computes)
+    assert pass_counters() == {"declined": 1, "declined:NOT_ROW_LOCAL": 1}
 
 
 def test_tokens_changed_in_place_after_the_first_result_full_compile() -> None:

@@ -31,6 +31,8 @@ class Reason(str, enum.Enum):
     ESCAPES = ("an FP32 [.., V] tensor of the region is used outside the pattern "
                "(a graph output or another consumer)")
     UNKNOWN_OP = "an op the pass does not know reads the FP32 logits"
+    NOT_ROW_LOCAL = ("an op of the region mixes rows (a reduction or a view across rows), or is not known "
+                     "to act on each row on its own")
     NOT_LAST_DIM = "the softmax / reduction is not over the last (vocabulary) dim"
     VOCAB_TOO_SMALL = "the vocabulary dim has size 1"
     TEMPERATURE = ("the temperature is not one scalar (per-row tensor, tensor that requires grad, "

@@ -1,0 +1,185 @@
+"""A row-local region (:mod:`fx_passes.match.row_local`) becomes one call of
+:func:`fx_passes.kernels.row_local.row_local`.
+
+Before (top-k masked token log-prob)::
+
+    z     = logits.float() / t
+    kth   = z.topk(k).values[..., -1, None]
+    logp  = z.masked_fill(z < kth, -inf).log_softmax(-1)
+    picked = logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+After::
+
+    out    = row_local("<key>", budget, 2, logits, tokens, t_as_tensor)
+    picked = out[0]
+
+The region's own nodes become the body registered under ``<key>`` (copied as they are,
+a node computed without grad detached, a loss that reduces over rows computed per row),
+so the results are the user's maths on the same FP32 values; only the loop over rows
+and, for a reduction over rows (``F.cross_entropy(..., reduction="mean")``), the order
+of its sum differ.  The call goes where the first of its results is read, which must
+come after every input the region reads, and is checked like every fused op
+(:func:`fx_passes.fx.placement.check_placement`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
+
+from ..config import Config
+from ..fx.graph_ops import is_scalar, meta, requires_grad, scalar_tensor, tensor_input
+from ..fx.placement import check_placement, states
+from ..kernels import graph_bodies
+from ..kernels.row_local import row_local
+from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same
+from ..reporting.outcome import Outcome
+from ..reporting.report import Decline, Reason
+
+__all__ = ["rewrite_row_region", "build_body", "plan_row_region"]
+
+_KEPT_META = ("example_value", "val", "stack_trace")
+
+
+def _per_row_loss(g: Graph, n: Node, env: dict) -> Node:
+    """The per-row values of a loss that reduces over rows (its ``reduction="none"``,
+    summed over everything but dim 0 for ``kl_div``)."""
+    name = op_name(n)
+    inp, tgt = env[tensor_input(n)], env[loss_arg(n, "target")]
+    if name == "kl_div":
+        per = g.call_function(F.kl_div, (inp, tgt), {"reduction": "none",
+                                                     "log_target": loss_arg(n, "log_target", False)})
+        ndim = meta(tensor_input(n)).dim()
+        return g.call_method("sum", (per, tuple(range(1, ndim)))) if ndim > 1 else per
+    kwargs: dict[str, Any] = {"reduction": "none"}
+    for k in ("weight", "ignore_index", "label_smoothing"):
+        if k in _given(n):
+            v = loss_arg(n, k)
+            kwargs[k] = env[v] if isinstance(v, Node) else v
+    fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
+    return g.call_function(fn, (inp, tgt), kwargs)
+
+
+def _given(n: Node) -> set[str]:
+    params = LOSS_PARAMS[op_name(n)]
+    return set(n.kwargs) | set(params[:max(0, len(n.args) - 1)])
+
+
+def _same_shape_row(region: RowRegion, n: Node) -> Node:
+    """A row input of the shape of loss ``n``'s input (whose numel a mean divides by)."""
+    shape = tuple(meta(tensor_input(n)).shape)
+    for r in region.rows:
+        v = meta(_node(r))
+        have = (v.shape[:-1].numel(), v.shape[-1]) if isinstance(r, Flattened) else tuple(v.shape)
+        if len(have) == len(shape) and all(same(a, b) for a, b in zip(have, shape)):
+            return _node(r)  # (a flattened view has the numel of the logits)
+    raise Decline(Reason.NOT_ROW_LOCAL, f"{n.name} (kl_div, mean) divides by the numel of a tensor the "
+                                        "region does not read whole")
+
+
+def _node(value: Any) -> Any:
+    """The graph node a row input reads (the logits for a flattened view of them)."""
+    return value.x if isinstance(value, Flattened) else value
+
+
+def build_body(region: RowRegion) -> GraphModule:
+    """``fn(*rows, *whole) -> tuple(outputs)``: the region's nodes, replayed."""
+    g = Graph()
+    env: dict[Any, Node] = {}
+    for i, r in enumerate(region.rows):
+        env[r] = g.placeholder(f"row{i}")
+    for i, w in enumerate(region.whole):
+        env[w] = g.placeholder(f"whole{i}")
+    differentiable = any(requires_grad(_node(r)) for r in region.rows)
+    for n in region.nodes:
+        if n is region.flattened:
+            continue  # its views read the flattened logits instead, upcast in the body:
+        if region.flattened is not None and tensor_input(n) is region.flattened:
+            env[n] = g.node_copy(region.flattened, lambda a: env[Flattened(a)])
+        elif n in region.terminals:
+            env[n] = _per_row_loss(g, n, env)
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        v = meta(n)
+        if differentiable and isinstance(v, torch.Tensor) and v.is_floating_point() and not v.requires_grad:
+            env[n] = g.call_method("detach", (env[n],))  # the graph computed it without grad
+    g.output(tuple(env[o] for o in region.outputs))
+    return GraphModule(torch.nn.Module(), g)
+
+
+def _reduce_outside(graph: Graph, n: Node, partial: Node, region: RowRegion) -> Node:
+    """The terminal loss ``n``'s reduction over rows, from its per-row ``partial``."""
+    name, how = op_name(n), loss_arg(n, "reduction", "mean")
+    total = graph.call_method("sum", (partial,))
+    if how == "sum":
+        return total
+    if name == "kl_div":
+        if how == "batchmean":
+            rows = graph.call_method("size", (partial, 0))
+            return graph.call_function(operator.truediv, (total, rows))
+        numel = graph.call_method("numel", (_same_shape_row(region, n),))
+        return graph.call_function(operator.truediv, (total, numel))
+    target, weight = loss_arg(n, "target"), loss_arg(n, "weight")
+    if meta(target).is_floating_point():  # class probabilities: a mean over the rows
+        return graph.call_function(operator.truediv, (total, graph.call_method("size", (partial, 0))))
+    valid = graph.call_function(operator.ne, (target, loss_arg(n, "ignore_index", -100)))
+    if weight is None:
+        count = graph.call_method("sum", (valid,))
+    else:
+        safe = graph.call_function(torch.where, (valid, target, 0))
+        picked = graph.call_function(operator.getitem, (weight, safe))
+        count = graph.call_method("sum", (graph.call_function(torch.where, (valid, picked, 0.0)),))
+    return graph.call_function(operator.truediv, (total, count))
+
+
+def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
+    """Every check: (the node the call goes before, results to detach); raises Decline."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inside = set(region.nodes)
+    anchor = first_user(region.outputs, inside, order)
+    for a in [*map(_node, region.rows), *(w for w in region.whole if isinstance(w, Node))]:
+        if order[a] > order[anchor]:
+            raise Decline(Reason.ORDER, f"{a.name}, which the region reads, is computed after {anchor.name}, "
+                                        "which reads its result")
+    at = states(graph)[0][anchor]
+    if any(kind == "autocast" for kind, _, _ in at.blocks):
+        raise Decline(Reason.STATE, f"{anchor.name} runs under autocast, which the chunk bodies would "
+                                    "not see")
+    for t in region.terminals:
+        if op_name(t) == "kl_div" and loss_arg(t, "reduction", "mean") == "mean":
+            _same_shape_row(region, t)  # (declines when there is none)
+        elif op_name(t) != "kl_div" and loss_arg(t, "target") in inside:
+            raise Decline(Reason.ORDER, f"{t.name}'s target is computed inside the region")
+    last = max(region.nodes, key=order.__getitem__)
+    rows = [_node(r) for r in region.rows]
+    saved = [r for r in rows if requires_grad(r)]
+    detach = check_placement(graph, region.nodes, anchor, region.outputs, rows, last, saved,
+                             replays_grad_modes=True)
+    return anchor, detach
+
+
+def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outcome:
+    """Replace the region by one ``row_local`` call; raises Decline before touching the graph."""
+    anchor, detach = plan_row_region(graph, region)
+    key = graph_bodies.register(build_body(region))
+    inside = set(region.nodes)
+    with graph.inserting_before(anchor):
+        rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
+                for r in region.rows]
+        whole = [scalar_tensor(graph, w) if is_scalar(w) else w for w in region.whole]
+        call = graph.call_function(row_local, (key, config.chunk_budget_bytes, len(rows), *rows, *whole))
+        for i, o in enumerate(region.outputs):
+            value = graph.call_function(operator.getitem, (call, i))
+            if o in region.terminals:
+                value = _reduce_outside(graph, o, value, region)
+            elif o in detach:
+                value = graph.call_method("detach", (value,))
+            value.meta.update({k: v for k, v in o.meta.items() if k in _KEPT_META})
+            o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(region.nodes):
+        graph.erase_node(n)
+    return Outcome()

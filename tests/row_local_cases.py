@@ -1,0 +1,165 @@
+"""Row-local losses (issue 21), each written with its upcast dtype ``up`` as a parameter
+(``up=torch.float64`` is the FP64 reference), and their inputs.
+
+Sampling filters follow the rollout engines' order: temperature, then top-k, then top-p,
+then min-p, each renormalising over the tokens it keeps (``-inf`` for the rest).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+F32 = torch.float32
+NEG_INF = float("-inf")
+TEMPERATURE = 0.7
+
+
+def filtered(z, k=0, p=1.0, min_p=0.0):
+    """Temperature-scaled logits ``z`` with the sampler's filters applied."""
+    if k:
+        kth = z.topk(k, dim=-1).values[..., -1, None]
+        z = z.masked_fill(z < kth, NEG_INF)
+    if p < 1.0:
+        probs = z.softmax(-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > p  # keeps the tokens until mass p (the top one always)
+        z = z.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
+    if min_p:
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), NEG_INF)
+    return z
+
+
+def topk_logprob(logits, tokens, up=F32):
+    z = filtered(logits.to(up) / TEMPERATURE, k=20)
+    return torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def topk_topp_logprob(logits, tokens, up=F32):
+    z = filtered(logits.to(up) / TEMPERATURE, k=50, p=0.9)
+    return torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def minp_logprob(logits, tokens, up=F32):
+    z = filtered(logits.to(up) / TEMPERATURE, min_p=0.05)
+    return torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def topp_policy_loss(logits, tokens, old_logp, adv, mask, up=F32):
+    """GRPO's clipped loss on top-p renormalised log-probs, masked token mean."""
+    logp = topk_topp_logprob(logits, tokens, up)
+    ratio = torch.exp(logp - old_logp.to(up))
+    per_tok = -torch.minimum(ratio * adv.to(up), ratio.clamp(0.8, 1.2) * adv.to(up))
+    return (per_tok * mask.to(up)).sum() / mask.to(up).sum()
+
+
+def forward_kl(student, teacher, up=F32):
+    s = torch.log_softmax(student.to(up) / TEMPERATURE, -1)
+    t = torch.log_softmax(teacher.to(up) / TEMPERATURE, -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def reverse_kl(student, teacher, up=F32):
+    s = torch.log_softmax(student.to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    return (s.exp() * (s - t)).sum(-1).mean()
+
+
+def jsd(student, teacher, beta=0.3, up=F32):
+    """Generalised JSD as in Liger / TRL's GKD: beta KL(t||m) + (1 - beta) KL(s||m)."""
+    s = torch.log_softmax(student.to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    m = torch.logsumexp(torch.stack([s + torch.log1p(torch.tensor(-beta, dtype=up)),
+                                     t + torch.log(torch.tensor(beta, dtype=up))]), dim=0)
+    kl_t = (t.exp() * (t - m)).sum(-1)
+    kl_s = (s.exp() * (s - m)).sum(-1)
+    return (beta * kl_t + (1 - beta) * kl_s).mean()
+
+
+def jsd_rowwise(student, teacher, beta=0.3, up=F32):
+    """JSD with the mixture written row by row (no stack across a new leading dim)."""
+    s = torch.log_softmax(student.to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    log_1mb, log_b = torch.log1p(torch.tensor(-beta, dtype=up)), torch.log(torch.tensor(beta, dtype=up))
+    m = torch.logaddexp(s + log_1mb, t + log_b)
+    kl_t = (t.exp() * (t - m)).sum(-1)
+    kl_s = (s.exp() * (s - m)).sum(-1)
+    return (beta * kl_t + (1 - beta) * kl_s).mean()
+
+
+def kl_div_log_target(student, teacher, up=F32):
+    return F.kl_div(torch.log_softmax(student.to(up), -1), torch.log_softmax(teacher.to(up), -1),
+                    reduction="batchmean", log_target=True)
+
+
+def kl_div_probs(student, teacher, up=F32):
+    return F.kl_div(torch.log_softmax(student.to(up), -1), torch.softmax(teacher.to(up), -1),
+                    reduction="batchmean")
+
+
+def kl_div_sum(student, teacher, up=F32):
+    return F.kl_div(torch.log_softmax(student.to(up), -1), torch.softmax(teacher.to(up), -1),
+                    reduction="sum")
+
+
+def ce_label_smoothing(logits, labels, up=F32):
+    return F.cross_entropy(logits.to(up), labels, label_smoothing=0.1)
+
+
+def ce_weight_smoothing(logits, labels, weight, up=F32):
+    return F.cross_entropy(logits.to(up), labels, weight=weight.to(up), label_smoothing=0.1)
+
+
+def ce_weight_sum(logits, labels, weight, up=F32):
+    return F.cross_entropy(logits.to(up), labels, weight=weight.to(up), reduction="sum")
+
+
+def ce_smoothing_flattened(logits, labels, up=F32):
+    """Hugging Face's spelling: [B, S, V] logits upcast, then viewed as [B * S, V]."""
+    z = logits.to(up).view(-1, logits.shape[-1])
+    return F.cross_entropy(z, labels.view(-1), label_smoothing=0.1, ignore_index=-100)
+
+
+def ce_smoothing_per_token(logits, labels, tok_w, up=F32):
+    """Per-token weights on label-smoothed CE (reduction none), then a weighted mean."""
+    per = F.cross_entropy(logits.to(up), labels, label_smoothing=0.2, reduction="none")
+    return (per * tok_w.to(up)).sum() / tok_w.to(up).sum()
+
+
+def dpo_loss(logits, tokens, ref_logp, up=F32):
+    """DPO on top-k log-probs: sequences of 4 tokens, chosen then rejected halves."""
+    logp = topk_logprob(logits, tokens, up) - ref_logp.to(up)
+    seq = logp.reshape(-1, 4).sum(-1)
+    chosen, rejected = seq.chunk(2)
+    return -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+
+
+def gspo_loss(logits, tokens, old_logp, adv, up=F32):
+    """GSPO: the sequence-level ratio (mean log-ratio over each sequence of 8 tokens)."""
+    logp = topk_logprob(logits, tokens, up)
+    seq_ratio = torch.exp((logp - old_logp.to(up)).reshape(-1, 8).mean(-1))
+    return -torch.minimum(seq_ratio * adv.to(up), seq_ratio.clamp(0.9, 1.1) * adv.to(up)).mean()
+
+
+# --- inputs --------------------------------------------------------------------------
+
+def distinct_logits(rows: int, vocab: int, dtype, seed: int = 0, top: float = 8.0) -> torch.Tensor:
+    """Logits with no two equal values in a row: the ``vocab`` representable values of
+    ``dtype`` just below ``top``, shuffled per row.  A sort or a top-k / top-p cut then
+    has one answer (with ties, two correct sorts may keep different tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.tensor(top, dtype=dtype).view(torch.int16) - torch.arange(vocab, dtype=torch.int16)
+    values = bits.view(dtype)
+    assert (values > 0).all() and values.unique().numel() == vocab
+    return torch.stack([values[torch.randperm(vocab, generator=g)] for _ in range(rows)])
+
+
+def noisy_logits(rows, vocab, dtype, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
+
+
+def kept_tokens(logits: torch.Tensor, rank: int = 1) -> torch.Tensor:
+    """The ``rank``-th most likely token of each row: kept by every filter above."""
+    return logits.float().topk(rank + 1, -1).indices[:, rank].contiguous()
