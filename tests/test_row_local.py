@@ -202,3 +202,27 @@ def test_ce_label_smoothing_with_ignored_rows_everywhere():
     assert chunked_counters().get("row_local") == 1
     assert torch.isnan(ours[0][0]) and torch.isnan(ref[0][0])  # 0 / 0, as torch's mean
     assert F.cross_entropy(x.float(), labels, label_smoothing=0.1).isnan()
+
+
+def reflected_and_random(logits, tokens, up=F32):
+    z = logits.to(up)
+    p = torch.softmax(2 * z, -1)  # __rmul__
+    return (1 - p).log().gather(-1, tokens[:, None]).squeeze(-1)  # __rsub__
+
+
+def test_reflected_operators_are_pointwise_and_random_ops_are_not():
+    x = rl.distinct_logits(8, 64, torch.bfloat16)
+    tok = rl.kept_tokens(x)
+    counters.clear()
+    _, after = rewrite_graphs(reflected_and_random, x, tok)
+    assert chunked_counters() == {"rewritten": 1, "row_local": 1}
+
+    def noisy(logits, tokens):  # a chunk loop would draw other numbers than one call does
+        z = logits.float() + torch.rand_like(logits.float())
+        return z.log_softmax(-1).gather(-1, tokens[:, None])
+    counters.clear()
+    before, after = rewrite_graphs(noisy, x, tok)
+    assert after.code == before.code
+    # (FX marks random ops impure: a side effect inside the region, MUTATION, before any
+    # row-locality question; match.row_local would also refuse it, untagged pointwise)
+    assert chunked_counters() == {"declined": 1, "declined:MUTATION": 1}

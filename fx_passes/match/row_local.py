@@ -57,9 +57,9 @@ __all__ = ["RowRegion", "find_row_region", "TERMINAL_LOSSES", "op_name", "check_
 # Python operator names -> ATen's
 _ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "and": "bitwise_and",
                "or_": "bitwise_or", "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
-               "inv": "bitwise_not", "mod": "remainder", "pos": "positive", "rtruediv": "div",
-               "radd": "add", "rmul": "mul", "rpow": "pow", "rand": "bitwise_and", "ror": "bitwise_or",
-               "logsigmoid": "log_sigmoid"}
+               "inv": "bitwise_not", "mod": "remainder", "pos": "positive", "logsigmoid": "log_sigmoid"}
+# reflected dunders (``2 * x`` is ``x.__rmul__(2)``): the same op ("rsub" is ATen's own)
+_REFLECTED = {"radd", "rmul", "rtruediv", "rfloordiv", "rpow", "rand", "ror", "rxor", "rmod"}
 _CONVERSIONS = {"float", "double", "half", "bfloat16", "long", "int", "bool", "type_as"}
 _IDENTITIES = {"detach", "clone", "contiguous", "alias"}
 ALL, REQUIRED = "all", "required"
@@ -93,6 +93,7 @@ def op_name(node: Node) -> str:
         return ""
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
+        name = name[1:] if name in _REFLECTED else name
     return _ATEN_NAMES.get(name, name)
 
 
