@@ -160,8 +160,8 @@ def make_case(name: str, mode: str, T: int, V: int, inputs: tuple | None = None)
 def limit_bytes(name: str, T: int, V: int) -> int:
     """The memory one step must allocate at least (the physical limit).
 
-    Scoring (W1, W2, U1, U2): the FP32 [T] outputs.  W3, W5, WP, U3: the bf16 logits
-    gradient.  W4, W4L, WV (lm_head in the graph): bf16 grad of hidden and of weight,
+    Scoring (W1, W2, U1, U2): the FP32 [T] outputs.  W3, W5, WP, R1-R6, U3: the bf16
+    logits gradient.  W4, W4L, WV (lm_head in the graph): bf16 grad of hidden and of weight,
     plus one FP32 chunk of 256 rows of logits; WD also a chunk of the teacher's.
     """
     if name in ("W1", "U1"):

@@ -7,6 +7,7 @@ test can run it at toy size and a benchmark at full size with the same code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -78,6 +79,51 @@ def wp_top_p_policy_loss(logits, tokens, advantages):
     z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return -(logprob * advantages).mean()
+
+
+def _kept(z, k=0, min_p=0.0):
+    if k:
+        z = z.masked_fill(z < z.topk(k, dim=-1).values[..., -1, None], float("-inf"))
+    if min_p:
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return z
+
+
+def r1_top_k_policy_loss(logits, tokens, advantages):
+    """Row-local: policy loss on top-k (k 50) renormalised log-probs."""
+    logp = torch.log_softmax(_kept(logits.float() / TEMPERATURE, k=TOP_K), -1)
+    return -(logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * advantages).mean()
+
+
+def r2_min_p_policy_loss(logits, tokens, advantages):
+    """Row-local: policy loss on min-p (0.05) renormalised log-probs."""
+    logp = torch.log_softmax(_kept(logits.float() / TEMPERATURE, min_p=0.05), -1)
+    return -(logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * advantages).mean()
+
+
+def r3_forward_kl(logits, teacher_logits):
+    """Row-local: forward KL(teacher || student), the teacher's bf16 logits given."""
+    s, t = torch.log_softmax(logits.float(), -1), torch.log_softmax(teacher_logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def r4_jsd(logits, teacher_logits, beta=0.5):
+    """Row-local: generalised JSD (beta 0.5), the mixture in log space."""
+    s, t = torch.log_softmax(logits.float(), -1), torch.log_softmax(teacher_logits.float(), -1)
+    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+    return (beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)).mean()
+
+
+def r5_kl_div(logits, teacher_logits):
+    """Row-local: F.kl_div with log-prob targets, batchmean."""
+    return F.kl_div(torch.log_softmax(logits.float(), -1), torch.log_softmax(teacher_logits.float(), -1),
+                    reduction="batchmean", log_target=True)
+
+
+def r6_ce_smoothing_weights(logits, labels, weight):
+    """Row-local: cross-entropy with label smoothing 0.1 and class weights."""
+    return F.cross_entropy(logits.float(), labels, weight=weight, label_smoothing=0.1)
 
 
 # --- the opt-in FP32 upgrade (Config.upgrade_low_precision): graphs that never upcast ---
@@ -162,10 +208,22 @@ def _make_distillation(T, V, dtype=torch.bfloat16, seed=0, H=1024):
 
 
 def _make_top_p_policy(T, V, dtype=torch.bfloat16, seed=0):
-    """Logits and tokens the sampler kept (each row's most likely token but one)."""
+    """Logits and tokens every filter keeps (each row's most likely token)."""
     x, _, advantages = _make_policy(T, V, dtype, seed)
-    tokens = x.detach().float().topk(2, dim=-1).indices[:, 1].contiguous()
+    tokens = x.detach().float().argmax(dim=-1)
     return x, tokens, advantages
+
+
+def _make_teacher(T, V, dtype=torch.bfloat16, seed=0):
+    x, _, _ = _make_policy(T, V, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return x, (x.detach().float() + torch.randn(T, V, generator=g)).to(dtype)
+
+
+def _make_weighted_ce(T, V, dtype=torch.bfloat16, seed=0):
+    x, labels = _make_ce(T, V, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return x, labels, torch.rand(V, generator=g) + 0.5
 
 
 def _make_batched_scoring(T, V, dtype=torch.bfloat16, seed=0, B=4):
@@ -198,6 +256,11 @@ EXTRA_WORKLOADS = {
     "WV": Workload("WV", wv_lm_head_cross_entropy, True, _make_lm_head_ce, (4096, 151936), (0, 1)),
     "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
     "WP": Workload("WP", wp_top_p_policy_loss, True, _make_top_p_policy, (4096, 32768), (0,)),
+    # the row-local losses' memory table (docs/how-it-works.md 1b): W3's size
+    **{name: Workload(name, fn, True, make, (2048, 32768), (0,)) for name, fn, make in (
+        ("R1", r1_top_k_policy_loss, _make_top_p_policy), ("R2", r2_min_p_policy_loss, _make_top_p_policy),
+        ("R3", r3_forward_kl, _make_teacher), ("R4", r4_jsd, _make_teacher), ("R5", r5_kl_div, _make_teacher),
+        ("R6", r6_ce_smoothing_weights, _make_weighted_ce))},
     "U1": Workload("U1", u1_bf16_logprob, False, _make_batched_scoring, (4096, 32000), upgrade=True),
     "U2": Workload("U2", u2_bf16_logprob_entropy_per_sequence, False, _make_batched_scoring,
                    (4096, 32000), upgrade=True),
