@@ -38,12 +38,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
+                        help="the model's attention (transformers' attn_implementation)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, attn_implementation=args.attention)
     ref = LlamaForCausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
     input_ids = torch.randint(0, args.vocab, (args.batch, args.seq_len),
                               generator=torch.Generator().manual_seed(1))
