@@ -67,15 +67,16 @@ def _row_local_backward(key: str, wanted: list[int], outputs: list[int], rows: l
                         budget_bytes: int) -> list[torch.Tensor]:
     vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER)
     step = chunk_rows(rows, budget_bytes)
-    got = []
-    for a, b in _spans(rows[0].shape[0], step):
-        got.append(vjp(*(r[a:b] for r in rows), *whole, *(g[a:b] for g in grads)))
-    return [torch.cat(list(p)) for p in zip(*got)]
+    out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
+    for a, b in _spans(rows[0].shape[0], step):  # each chunk's gradient written in place, then freed
+        for o, g in zip(out, vjp(*(r[a:b] for r in rows), *whole, *(g[a:b] for g in grads))):
+            o[a:b] = g
+    return out
 
 
 @_row_local_backward.register_fake
 def _(key, wanted, outputs, rows, whole, grads, budget_bytes):
-    return [torch.empty_like(rows[i]) for i in wanted]
+    return [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
 
 
 def _setup(ctx, inputs, output):
