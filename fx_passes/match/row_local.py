@@ -125,10 +125,6 @@ class Flattened:
 
     x: Node
 
-    @property
-    def name(self) -> str:
-        return f"{self.x.name}.flatten(0, -2)"
-
 
 @dataclasses.dataclass
 class RowRegion:
@@ -238,7 +234,7 @@ def _is_terminal(node: Node) -> bool:
     return loss_arg(node, "reduction", default) != "none"
 
 
-def _wide(node: Any, rows: Any, width: Any) -> bool:  # (what the region may not hand out)
+def _wide(node: Any, rows: Any, width: Any) -> bool:
     """An FP32-or-wider floating tensor ``[rows, .., V]``."""
     v = meta(node) if isinstance(node, Node) else None
     return (isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2 and not is_low_precision(v)
