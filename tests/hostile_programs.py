@@ -1,8 +1,9 @@
 """Hostile programs for the placement rule (issue 19, fx_passes/fx/placement.py).
 
 A program is one region written as a list of statements (:data:`REGIONS`: plain logits,
-the lm_head matmul in the graph, the lm_head whose logits the graph also returns, a
-vocab-parallel region on a one-rank group) with one *state change* put into it
+two row-local regions (issue 21: a top-k masked log-prob; a label-smoothed CE reduced
+over the rows plus a z-loss), the lm_head matmul in the graph, the lm_head whose logits
+the graph also returns, a vocab-parallel region on a one-rank group) with one *state change* put into it
 (:data:`CHANGES`): a statement inserted at a slot, or a run of the region's statements
 wrapped in a ``with`` block.  Every slot and every run from the region's first absorbed
 statement to its last is generated (:func:`programs`), so each change is tried at each
@@ -39,6 +40,24 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
         "ent = -(lp.exp() * lp).sum(-1)",
     ], "picked, ent", 1),
+    # row-local regions (issue 21, match/row_local.py): a top-k masked log-prob, and a
+    # label-smoothed CE (reduced over the rows outside the region) plus a z-loss
+    "topk": ("x, tok", [
+        "x = x * 1",
+        "z = x.to(up)",
+        "z = z / 0.7",
+        "kth = z.topk(8, -1).values[:, -1:]",
+        "z = z.masked_fill(z < kth, -30.0)",
+        "lp = torch.log_softmax(z, -1)",
+        "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
+    ], "picked", 1),
+    "smoothing": ("x, tok", [
+        "x = x * 1",
+        "z = x.to(up)",
+        "ce = torch.nn.functional.cross_entropy(z, tok, label_smoothing=0.1)",
+        "zl = torch.logsumexp(z, -1).pow(2)",
+        "loss = ce + 1e-4 * zl.mean()",
+    ], "loss", 1),
     "lm_head": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
@@ -91,9 +110,12 @@ CHANGES: dict[str, tuple[str, str]] = {
 # which changes apply to which region (the tensor they change must exist there)
 _LM_CHANGES = ("no_grad", "enable_grad", "inference_mode", "autocast", "seed", "mul_h", "zero_h_view",
                "mul_w", "zero_w_view", "mul_logits", "tok_add", "rng")
+_X_CHANGES = ("no_grad", "enable_grad", "inference_mode", "autocast", "mul_x", "zero_x_view", "tok_add",
+              "rng", "seed")
 _APPLIES = {
-    "plain": ("no_grad", "enable_grad", "inference_mode", "autocast", "mul_x", "zero_x_view", "tok_add",
-              "rng", "seed"),
+    "plain": _X_CHANGES,
+    "topk": _X_CHANGES,
+    "smoothing": _X_CHANGES,
     "lm_head": _LM_CHANGES,
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
@@ -150,7 +172,7 @@ def programs(train: Optional[bool] = None) -> list[Program]:
 def make_inputs(p: Program, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1234)
     tok = torch.randint(0, V, (T,), generator=g)
-    if p.region == "plain":
+    if args_of(p)[0] == "x":
         x = (torch.randn(T, V, generator=g) * 3).to(dtype).requires_grad_(p.train)
         return {"x": x, "tok": tok}
     h = torch.randn(T, H, generator=g).to(dtype).requires_grad_(p.train)

@@ -127,6 +127,14 @@ def ce_smoothing_per_token(logits, labels, tok_w, up=F32):
     return (per * tok_w.to(up)).sum() / tok_w.to(up).sum()
 
 
+def ce_smoothing_z_loss(logits, labels, up=F32):
+    """Label-smoothed CE plus a z-loss (PaLM's ``1e-4 * logsumexp**2``) over the rows kept."""
+    z = logits.to(up)
+    keep = labels != -100
+    z_loss = (torch.logsumexp(z, -1).pow(2) * keep).sum() / keep.sum()
+    return F.cross_entropy(z, labels, label_smoothing=0.1) + 1e-4 * z_loss
+
+
 def dpo_loss(logits, tokens, ref_logp, up=F32):
     """DPO on top-k log-probs: sequences of 4 tokens, chosen then rejected halves."""
     logp = topk_logprob(logits, tokens, up) - ref_logp.to(up)

@@ -102,6 +102,7 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
                     args_of(p), True, torch.float32)
         seen[region] = dict(counters["chunked_logits"])
     assert seen["plain"].get("rewritten") == 1, seen
+    assert seen["topk"].get("row_local") == 1 and seen["smoothing"].get("row_local") == 1, seen
     assert seen["lm_head"].get("lm_head_fused") == 1, seen
     assert seen["returned"].get("lm_head_returns_logits") == 1, seen
     assert seen["vocab"].get("vocab_parallel_lm_head") == 1, seen

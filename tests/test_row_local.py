@@ -53,6 +53,7 @@ def _inputs(name: str, dtype):
         "ce_weight_smoothing": (rl.ce_weight_smoothing, (x, labels, weight)),
         "ce_weight_sum": (rl.ce_weight_sum, (x, labels, weight)),
         "ce_smoothing_per_token": (rl.ce_smoothing_per_token, (x, labels, per_row())),
+        "ce_smoothing_z_loss": (rl.ce_smoothing_z_loss, (x, labels)),
         "ce_smoothing_flattened": (rl.ce_smoothing_flattened, (x.view(4, T // 4, V), labels.view(4, T // 4))),
         "dpo": (rl.dpo_loss, (x, tokens, old_logp)),
         "gspo": (rl.gspo_loss, (x, tokens, old_logp, torch.randn(T // 8, generator=g))),
@@ -63,7 +64,7 @@ def _inputs(name: str, dtype):
 
 CASES = ["topk", "topk_topp", "minp", "topp_policy", "forward_kl", "reverse_kl", "jsd", "kl_div_log_target",
          "kl_div_probs", "kl_div_sum", "ce_label_smoothing", "ce_weight_smoothing", "ce_weight_sum",
-         "ce_smoothing_per_token", "ce_smoothing_flattened", "dpo", "gspo"]
+         "ce_smoothing_per_token", "ce_smoothing_z_loss", "ce_smoothing_flattened", "dpo", "gspo"]
 
 
 def _check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=False, **options):

@@ -195,7 +195,8 @@ def check_placement(graph: Graph, absorbed: Iterable[Node], anchor: Node, result
     if changed is not None:
         what = getattr(changed.target, "__name__", changed.target)
         raise Decline(Reason.MUTATION, f"{changed.name} ({what}) runs between {first.name} and {end.name}")
-    changed = mutation_of(graph, saved, end)
+    # (the op runs before the anchor: when the anchor is the latest, it comes after the op)
+    changed = mutation_of(graph, saved, end.prev if end is anchor else end)
     if changed is not None:
         raise Decline(Reason.MUTATION, f"{changed.name} changes in place a tensor the fused op saves for "
                       "its backward")

@@ -285,6 +285,8 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
                 continue
             if _seed_of(a) is not None or check_row_local(a) is None:
                 take(a)
+        if _is_terminal(n):  # (reduced over the rows: what reads it is outside the region)
+            continue
         for u in n.users:
             if u in region:
                 continue

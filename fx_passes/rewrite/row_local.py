@@ -17,8 +17,9 @@ The region's own nodes become the body registered under ``<key>`` (copied as the
 a node computed without grad detached, a loss that reduces over rows computed per row),
 so the results are the user's maths on the same FP32 values; only the loop over rows
 and, for a reduction over rows (``F.cross_entropy(..., reduction="mean")``), the order
-of its sum differ.  The call goes where the first of its results is read, which must
-come after every input the region reads, and is checked like every fused op
+of its sum differ.  The call goes right after the region's last node (or before the
+first reader of a result, if one comes earlier), which must come after every input the
+region reads, and is checked like every fused op
 (:func:`fx_passes.fx.placement.check_placement`).
 """
 
@@ -140,7 +141,11 @@ def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
     """Every check: (the node the call goes before, results to detach); raises Decline."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(region.nodes)
-    anchor = first_user(region.outputs, inside, order)
+    last = max(region.nodes, key=order.__getitem__)
+    # right after the region's last node, or before a reader of a result, if one comes
+    # first (not at the first reader always: a random draw or a print between the region
+    # and its reader would then lie between the absorbed nodes and the call)
+    anchor = min(first_user(region.outputs, inside, order), last.next, key=order.__getitem__)
     for a in [*map(_node, region.rows), *(w for w in region.whole if isinstance(w, Node))]:
         if order[a] > order[anchor]:
             raise Decline(Reason.ORDER, f"{a.name}, which the region reads, is computed after {anchor.name}, "
@@ -154,7 +159,6 @@ def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
             _same_shape_row(region, t)  # (declines when there is none)
         elif op_name(t) != "kl_div" and loss_arg(t, "target") in inside:
             raise Decline(Reason.ORDER, f"{t.name}'s target is computed inside the region")
-    last = max(region.nodes, key=order.__getitem__)
     rows = [_node(r) for r in region.rows]
     saved = [r for r in rows if requires_grad(r)]
     detach = check_placement(graph, region.nodes, anchor, region.outputs, rows, last, saved,
@@ -176,7 +180,7 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             value = graph.call_function(operator.getitem, (call, i))
             if o in region.terminals:
                 value = _reduce_outside(graph, o, value, region)
-            elif o in detach:
+            if o in detach:  # (a terminal loss too: computed without grad, it needs none)
                 value = graph.call_method("detach", (value,))
             value.meta.update({k: v for k, v in o.meta.items() if k in _KEPT_META})
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
