@@ -30,6 +30,13 @@ placeholders' ``_dynamo_source`` (passes._copy)
 (lm_head loop bodies: one dispatch-key set)                  no_grad only (may compile again
                                                              when the op is called with other
                                                              dispatch keys)
+``aten::mm.dtype`` / ``aten::addmm.dtype`` kernels  >= 2.8   the lm_head backward's "gpu" plan
+for the device (CUDA, XPU; tiling.backward_plan)    CUDA     is not picked: "blocks" (an FP32
+                                                             GEMM for ``grad_hidden``)
+``addmm(.., out_dtype=float32, out=acc)`` with an   newer    ``acc += mm(.., out_dtype)``: one
+FP32 ``acc`` (gpu_plan: accumulate in place)        than 2.8 FP32 ``[S, H]`` temporary per block
+``torch.cuda`` / ``torch.xpu`` ``mem_get_info``     all      the lm_head loop's default budget
+(tiling.device_budget)                                       is 32 MiB on that device too
 ==================================================  =======  ====================================
 """
 
@@ -38,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch._dynamo.exc
@@ -47,7 +54,8 @@ import torch._inductor.custom_graph_pass as custom_graph_pass
 
 __all__ = ["TELEMETRY_FUNCTIONS", "CACHEABLE_MARKS", "PRE_GRAD_PASS_TIMING", "PASS_LISTS",
            "CONTROL_FLOW_ERRORS", "custom_graph_passes", "dynamo_node_attributes",
-           "below_autograd_no_grad", "cpu_matmul_in_hardware", "available"]
+           "below_autograd_no_grad", "cpu_matmul_in_hardware", "gemm_out_dtype", "addmm_fp32_",
+           "free_device_bytes", "available"]
 
 log = logging.getLogger("fx_passes")
 
@@ -140,6 +148,68 @@ def cpu_matmul_in_hardware(dtype: torch.dtype) -> bool:
     an FP32 one.  False where this torch cannot tell."""
     checks = [getattr(torch.cpu, name, None) for name in _CPU_FEATURES.get(dtype, ())]
     return any(check() for check in checks if check is not None)
+
+
+# The dispatch key of each device type whose out_dtype GEMM kernels the "gpu" plan uses.
+_DISPATCH_KEYS = {"cuda": "CUDA", "xpu": "XPU", "cpu": "CPU"}
+_OUT_DTYPE_OPS = ("aten::mm.dtype", "aten::addmm.dtype")
+
+
+def gemm_out_dtype(device_type: str) -> bool:
+    """Has this build ``aten::mm.dtype`` and ``aten::addmm.dtype`` kernels (model-precision
+    inputs, FP32 output: ``torch.mm(a, b, out_dtype=torch.float32)``) for ``device_type``?
+    CUDA and XPU since torch 2.8; a CPU only while ``fx_passes.testing.gemms`` registers
+    its test kernels (so it is not cached)."""
+    key = _DISPATCH_KEYS.get(device_type)
+    has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    return key is not None and has is not None and all(has(op, key) for op in _OUT_DTYPE_OPS)
+
+
+# Per device type: does
+# ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` take an FP32 ``acc`` with
+# model-precision ``a``, ``b``?  torch 2.8's CUDA kernel asked for ``self`` in the inputs' dtype.
+_ADDMM_INTO: dict[str, bool] = {}
+
+
+def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    kind = acc.device.type
+    if kind == "cpu":  # only fx_passes.testing.gemms's kernels, which take it
+        return gemm_out_dtype(kind)
+    if kind in _ADDMM_INTO:
+        return _ADDMM_INTO[kind]
+    one = torch.ones(1, 1, dtype=a.dtype, device=acc.device)
+    probe = torch.zeros(1, 1, dtype=torch.float32, device=acc.device)
+    try:
+        torch.addmm(probe, one, one, out_dtype=torch.float32, out=probe)
+        works = probe.item() == 1.0
+    except (RuntimeError, TypeError, NotImplementedError):
+        works = False
+    _check(works, "addmm(out_dtype=float32, out=<FP32 self>) on " + kind, "newer than 2.8",
+           "the lm_head 'gpu' plan adds each block's FP32 product into its accumulator")
+    _ADDMM_INTO[kind] = works
+    return works
+
+
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` for an FP32 ``acc`` and model-precision ``a``, ``b``: one GEMM with
+    model-precision inputs and an FP32 output (``out_dtype``), no FP32 copy of an operand."""
+    if _addmm_into(acc, a, b):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def free_device_bytes(device: torch.device) -> Optional[int]:
+    """Bytes a new buffer on ``device`` can take: the driver's free memory plus what
+    torch's caching allocator holds unused; None on a CPU or where torch cannot tell."""
+    module = getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
+    get_info = getattr(module, "mem_get_info", None)
+    if get_info is None:
+        return None
+    free = int(get_info(device)[0])
+    reserved, allocated = getattr(module, "memory_reserved", None), getattr(module, "memory_allocated", None)
+    if reserved is not None and allocated is not None:
+        free += max(0, int(reserved(device)) - int(allocated(device)))
+    return free
 
 
 def available() -> dict[str, bool]:

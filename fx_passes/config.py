@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 __all__ = ["Config", "LM_HEAD_PLANS"]
 
 # The lm_head backward's plans (kernels/tiling.py says what each does); "auto" picks by device.
-LM_HEAD_PLANS = ("auto", "two_sweeps", "fp32_tiles", "blocks")
+LM_HEAD_PLANS = ("auto", "two_sweeps", "fp32_tiles", "blocks", "gpu")
+# The chunk budget of every loop on a CPU, and of all but the lm_head's on a GPU.
+DEFAULT_BUDGET_MIB = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +41,28 @@ class Config:
             not always its bits; False keeps the matmul whole.
         chunk_budget_mib: working-set budget of one chunk of that loop: rows per
             forward chunk are ``budget / (4 V)``, vocabulary columns per backward
-            block ``budget / (8 T)``.
+            block ``budget / (8 T)`` (``budget / (4 T)`` in the "gpu" plan).  None (the
+            default): the device's (``kernels.tiling.device_budget``): 32 MiB on a CPU;
+            for the lm_head loop on a GPU an eighth of the free memory, within 32 MiB
+            and 4 GiB, so that its GEMMs are large enough to run near peak.  The other
+            chunk loops (row-local regions, vocab-parallel shards) take 32 MiB.
         row_local: a region the hand-derived path does not take (an op it does not
             know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
             its own ops over chunks of rows when every op acts on each row on its own
             (``match/row_local.py``); False leaves such regions as they are.
-        lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "blocks"
-            on GPUs, "two_sweeps" on CPUs that multiply bf16/fp16 in hardware,
-            "fp32_tiles" on other CPUs), or one of those names to force it on any
-            device (tests run every plan on one CPU this way).
+        lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "gpu" on
+            CUDA/XPU where torch has ``mm(.., out_dtype=)`` for it, else "blocks";
+            "two_sweeps" on CPUs that multiply bf16/fp16 in hardware, "fp32_tiles" on
+            other CPUs), or one of those names to force it on any device (tests run
+            every plan on one CPU this way; "gpu" needs the test-only CPU kernels of
+            ``fx_passes.testing.gemms`` there, and runs "blocks" without them).
+            docs/gemms.md: each plan's GEMMs and memory.
+        gradients_in_forward: when a fused lm_head region's results reach the graph's
+            scalar loss only through row-local ops and sums / means whose weights are
+            known in the forward, the chunk loop also computes the gradients of the
+            hidden states and the weight in the forward (no recompute of the logits in
+            the backward, which only scales them by the incoming gradient); False
+            always recomputes in the backward.
     """
 
     rewrite: bool = True
@@ -57,9 +72,10 @@ class Config:
     strict: bool = False
     upgrade_low_precision: bool = False
     fuse_lm_head: bool = True
-    chunk_budget_mib: float = 32.0
+    chunk_budget_mib: Optional[float] = None
     lm_head_plan: str = "auto"
     row_local: bool = True
+    gradients_in_forward: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -69,7 +85,8 @@ class Config:
                     f"chunked_logits option {f.name!r} must be True or False, got {value!r}"
                 )
         budget = self.chunk_budget_mib
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not budget > 0):
             raise ValueError(
                 f"chunked_logits option 'chunk_budget_mib' must be a positive number of MiB, "
                 f"got {budget!r}; e.g. chunk_budget_mib=32"
@@ -83,7 +100,14 @@ class Config:
 
     @property
     def chunk_budget_bytes(self) -> int:
-        return max(1, int(self.chunk_budget_mib * 2**20))
+        """The budget in bytes; unset, 32 MiB (the chunk loops other than the lm_head's)."""
+        return max(1, int((self.chunk_budget_mib or DEFAULT_BUDGET_MIB) * 2**20))
+
+    @property
+    def lm_head_budget_bytes(self) -> int:
+        """The lm_head loop's budget in bytes; unset, 0: the device's, chosen where the
+        loop runs (``kernels.tiling.resolve_budget``)."""
+        return self.chunk_budget_bytes if self.chunk_budget_mib is not None else 0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **overrides: Any) -> "Config":

@@ -74,7 +74,7 @@ def test_non_bool_values(name, value) -> None:
 
 
 @pytest.mark.skipif("chunk_budget_mib" not in NAMES, reason="no chunk budget option")
-@pytest.mark.parametrize("value", [0, -1, "32", True, None, float("nan")])
+@pytest.mark.parametrize("value", [0, -1, "32", True, float("nan"), "auto"])
 def test_bad_chunk_budget(value) -> None:
     with pytest.raises(ValueError) as info:
         Config.from_options({"chunk_budget_mib": value})
@@ -87,7 +87,18 @@ def test_bad_lm_head_plan_names_the_plans(value):
     with pytest.raises(ValueError) as info:
         Config.from_options({"lm_head_plan": value})
     assert str(info.value) == ("chunked_logits option 'lm_head_plan' must be one of 'auto', 'two_sweeps', "
-                               f"'fp32_tiles', 'blocks', got {value!r}; e.g. lm_head_plan='auto'")
+                               f"'fp32_tiles', 'blocks', 'gpu', got {value!r}; e.g. lm_head_plan='auto'")
+
+
+def test_chunk_budget_unset_is_the_devices() -> None:
+    """None (the default) leaves the lm_head loop's budget to the device (0 reaches the
+    loop: kernels.tiling.resolve_budget); every other loop takes 32 MiB, as an explicit
+    budget is the same for all."""
+    assert Config().chunk_budget_mib is None
+    assert (Config().chunk_budget_bytes, Config().lm_head_budget_bytes) == (32 * 2**20, 0)
+    assert Config(chunk_budget_mib=None) == Config() == Config.from_options({"chunk_budget_mib": None})
+    explicit = Config.from_options({"chunk_budget_mib": 1.5})
+    assert explicit.chunk_budget_bytes == explicit.lm_head_budget_bytes == 3 * 2**19
 
 
 def test_good_options_round_trip() -> None:

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes.kernels.compiler import compiling_with
+from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from fx_passes.testing.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
 from tests.codegen import allocations, compiled_codes, step_codes
@@ -71,6 +72,8 @@ def _inputs(name, dtype, T=61, H=32, V=50257):
 # The backward plans (tiling.backward_plan), each forced on this CPU (lm_head_plan), whatever it would pick;
 # "blocks" is the GPU plan.
 CPU_PLANS = ["two_sweeps", "fp32_tiles", "blocks"]
+# "gpu" (CUDA/XPU) runs here through fx_passes.testing.gemms's CPU kernels for mm.dtype, in
+# tests of its own (fewer cases: its loop is the same for every region, and a case costs seconds).
 EAGER = lambda fn, options: fn  # noqa: E731 - compiler.compiling_with(EAGER): chunk bodies run eagerly
 
 
@@ -96,6 +99,28 @@ def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol, 
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
     assert_no_less_accurate((outs, grads), (stock_outs, stock_grads), (ref_outs, ref_grads),
                             dtype, out_rtol, grad_rtol)
+
+
+@pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol", [
+    pytest.param("ce_bias_shift", *TOLERANCES[0].values, id="ce_bias_shift-bf16"),
+    pytest.param("softcap", *TOLERANCES[1].values, id="softcap-fp16"),
+])
+def test_gpu_plan_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
+    """The "gpu" plan (model-precision GEMM inputs, grad_hidden summed across vocabulary
+    blocks through out_dtype=float32) on this CPU, through the test-only kernels of
+    fx_passes.testing.gemms (a bias, a shift, ignored labels; a softcap in fp16; several
+    row groups: tests/test_gemm_audit.py)."""
+    fn, inputs, grad_pos = _inputs(name, dtype, V=4099)
+    ref = reference(fn, inputs, grad_pos)
+    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    torch._dynamo.reset()
+    counters.clear()
+    fused = torch.compile(fn, backend="chunked_logits",
+                          options={"chunk_budget_mib": 1, "lm_head_plan": "gpu"})
+    with cpu_out_dtype_kernels():
+        ours = run(fused, inputs, grad_pos)
+    assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
+    assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
 def test_unknown_logit_transform_keeps_the_matmul_and_says_which(caplog):
@@ -316,7 +341,17 @@ def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rt
 def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol, plan):
     """The caller differentiates through the returned logits too: the backward adds their
     gradient per tile, and the gradients are no further from FP64 than stock's."""
-    inputs = _returns_logits_inputs(dtype, fn=fn)
+    _check_returned_logits_gradient_used(fn, dtype, out_rtol, grad_rtol, plan)
+
+
+def test_gpu_plan_returned_logits_gradient_used():
+    """The same through the "gpu" plan (one case: its loop is the same for every region)."""
+    with cpu_out_dtype_kernels():
+        _check_returned_logits_gradient_used(lm_ce_returns_logits, *TOLERANCES[0].values, "gpu", V=4099)
+
+
+def _check_returned_logits_gradient_used(fn, dtype, out_rtol, grad_rtol, plan, V=50257):
+    inputs = _returns_logits_inputs(dtype, fn=fn, V=V)
     ref = _step_using_logits(fn, [t.double() if t.is_floating_point() else t for t in inputs],
                              up=torch.float64)
     stock = _step_using_logits(torch.compile(fn, backend="inductor"), inputs)

@@ -14,7 +14,9 @@ reads them (:mod:`fx_passes.match.lm_head`), the rewrite calls
   with bf16 units, a sweep over row chunks (whole vocabulary) writes ``grad_hidden``
   and a sweep over vocabulary blocks (all rows) writes ``grad_weight``, with
   model-precision matmuls only; elsewhere one sweep over vocabulary blocks writes
-  ``grad_weight[block]`` and accumulates ``grad_hidden`` for a bounded group of rows.
+  ``grad_weight[block]`` and accumulates ``grad_hidden`` for a bounded group of rows
+  (on GPUs with GEMMs of model-precision inputs and an FP32 output:
+  :mod:`fx_passes.kernels.gpu_plan`).
   A gradient nothing asks for (a frozen lm_head weight) is not computed.
 
 When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
@@ -34,8 +36,17 @@ from typing import Optional
 import torch
 
 from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
+from .gpu_plan import out_dtype_blocks
 from .stats import softmax_lse
-from .tiling import accumulator_rows, backward_plan, backward_tiles, even_splits, forward_rows, sweep_sizes
+from .tiling import (
+    accumulator_rows,
+    backward_plan,
+    backward_tiles,
+    even_splits,
+    forward_rows,
+    resolve_budget,
+    sweep_sizes,
+)
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",
            "lm_head_grads", "two_sweeps"]
@@ -48,7 +59,7 @@ def _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_
     written there too, the same values the chunk's reductions read."""
     n, vocab = hidden.shape[0], weight.shape[0]
     lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
-    rows = forward_rows(budget_bytes, n, vocab)
+    rows = forward_rows(resolve_budget(budget_bytes, hidden.device), n, vocab)
     body = compiled(forward_chunk if logits is None else forward_chunk_logits)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -214,7 +225,8 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
     runs one sweep for each.  Otherwise the first sweep over the vocabulary blocks reads
     all rows: it writes ``grad_weight`` and ``grad_bias`` and accumulates the first group
     of rows' ``grad_hidden`` in an FP32 ``[S, H]`` buffer (``S`` from the budget: all
-    rows when ``4 T H`` bytes fit in half of it, so W4-sized problems take one sweep).
+    rows when ``4 T H`` bytes fit in half of it, so W4-sized problems take one sweep);
+    ``"gpu"`` does it with model-precision GEMM inputs (``gpu_plan.out_dtype_blocks``).
     Each further group of ``S`` rows takes a sweep of its own, which recomputes those
     rows' logits: at long T the backward trades that extra matmul for an accumulator
     bounded by the budget instead of growing with T.
@@ -226,11 +238,13 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
                             device=weight.device)
     with_bias = grad_bias if bias is not None and need_weight else None
     plan = backward_plan(hidden.device, hidden.dtype, plan)
+    budget_bytes = resolve_budget(budget_bytes, hidden.device)
     bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
                     scale_is_div, budget_bytes, transforms, plan, g_logits)
-    if plan == "two_sweeps":
-        two_sweeps(hidden, weight, budget_bytes, bwd.tile, grad_hidden if need_hidden else None,
-                   grad_weight if need_weight else None, with_bias)
+    if plan in ("two_sweeps", "gpu"):
+        loops = two_sweeps if plan == "two_sweeps" else out_dtype_blocks
+        loops(hidden, weight, budget_bytes, bwd.tile, grad_hidden if need_hidden else None,
+              grad_weight if need_weight else None, with_bias)
         return grad_hidden, grad_weight, grad_bias
     if not need_hidden:
         bwd.sweep(0, 0, None, grad_weight, with_bias)

@@ -3,23 +3,57 @@ row tiles of the backward, rows per FP32 ``grad_hidden`` accumulator.
 
 Every size comes from one working-set budget (``Config.chunk_budget_mib``), so the
 memory the loop needs above the model-precision gradients is bounded by the budget,
-whatever T and V are.
+whatever T and V are.  Unset, the budget is the device's (``device_budget``): 32 MiB on
+a CPU, a share of the free memory on a GPU, where each GEMM must be large to run near
+peak (thousands of rows per forward chunk, vocabulary blocks over all rows).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
 
 import torch
 
 from .. import compat
 
-__all__ = ["forward_rows", "backward_tiles", "sweep_sizes", "accumulator_rows", "even_splits",
-           "backward_plan"]
+__all__ = ["forward_rows", "backward_tiles", "gpu_block_cols", "sweep_sizes", "accumulator_rows",
+           "even_splits", "backward_plan", "BY_DEVICE", "device_budget", "resolve_budget"]
+
+log = logging.getLogger("fx_passes")
+
+MIB = 2**20
+BY_DEVICE = 0  # budget_bytes of a Config without chunk_budget_mib: the device's (device_budget)
+CPU_BUDGET = 32 * MIB
+GPU_SHARE = 8  # a GPU's budget: 1/8 of its free memory,
+GPU_MIN, GPU_MAX = 32 * MIB, 4096 * MIB  # within these
+
+
+def device_budget(device_type: str, free_bytes: Optional[int]) -> int:
+    """The working-set budget of the lm_head loop when none is configured: 32 MiB on a
+    CPU (the size its caches and the measured tables were tuned at); on a GPU
+    (``"cuda"``, ``"xpu"``) an eighth of ``free_bytes``, within 32 MiB and 4 GiB: at
+    V 151936 a 4 GiB budget holds a 7000-row FP32 forward chunk, and on an H200 with
+    ~140 GB free the cap applies.  (The loops also hold at most a quarter of the FP32
+    logits per chunk: ``_budget``.)  ``free_bytes`` None (unknown): the CPU's."""
+    if device_type not in ("cuda", "xpu") or not free_bytes:
+        return CPU_BUDGET
+    return max(GPU_MIN, min(GPU_MAX, free_bytes // GPU_SHARE))
+
+
+def resolve_budget(budget_bytes: int, device: torch.device) -> int:
+    """``budget_bytes``, or the device's budget (``device_budget``) for ``BY_DEVICE``."""
+    if budget_bytes != BY_DEVICE:
+        return budget_bytes
+    return device_budget(device.type, compat.free_device_bytes(device))
 
 
 def _budget(budget_bytes: int, n: int, vocab: int) -> int:
     """The configured working set, but never more than a quarter of the FP32 logits:
-    a small problem gets several chunks too, instead of one chunk bigger than stock."""
-    return max(1, min(budget_bytes, n * vocab))
+    a small problem gets several chunks too, instead of one chunk bigger than stock.
+    (``BY_DEVICE`` not resolved by the caller: the CPU's budget, not 1-row chunks.)"""
+    return max(1, min(budget_bytes or CPU_BUDGET, n * vocab))
 
 
 def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
@@ -49,6 +83,16 @@ def backward_tiles(budget_bytes: int, n: int, vocab: int, width: int, fp32: bool
     return cols, rows
 
 
+def gpu_block_cols(budget_bytes: int, n: int, vocab: int) -> int:
+    """Columns per vocabulary block of the ``"gpu"`` plan's sweep over ``n`` rows: all
+    rows in one tile (``grad_weight[block]`` is one GEMM whose sum over the rows, K = n,
+    is inside it); the block's model-precision logits and gradient (4 bytes an element)
+    fill the budget (capped for small problems as the forward's)."""
+    if n == 0:
+        return max(1, vocab)
+    return max(1, min(vocab, _budget(budget_bytes, n, vocab) // (4 * n)))
+
+
 def sweep_sizes(budget_bytes: int, n: int, vocab: int) -> tuple[int, int]:
     """(rows per row chunk, columns per vocabulary block) of the ``two_sweeps`` backward:
     a chunk's or a block's model-precision logits and gradient (4 bytes an element) fill
@@ -61,7 +105,7 @@ def accumulator_rows(budget_bytes: int, n: int, width: int) -> int:
     """Rows whose ``grad_hidden`` one backward sweep accumulates in FP32: an FP32
     ``[rows, H]`` buffer of at most half the budget, so never one of ``[T, H]``
     (all rows when ``4 T H`` bytes fit)."""
-    return max(1, min(n, (budget_bytes // 2) // (4 * max(1, width))))
+    return max(1, min(n, ((budget_bytes or CPU_BUDGET) // 2) // (4 * max(1, width))))
 
 
 def even_splits(total: int, most: int) -> list[tuple[int, int]]:
@@ -75,6 +119,13 @@ def even_splits(total: int, most: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+@functools.lru_cache(None)
+def _say_no_out_dtype(device_type: str) -> None:
+    """(once per device type)"""
+    log.info("chunked_logits: lm_head_plan 'gpu' needs aten::mm.dtype on %s, which this torch %s "
+             "lacks: the backward runs 'blocks'", device_type, torch.__version__)
 
 
 def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") -> str:
@@ -96,11 +147,24 @@ def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") 
       group of rows at a time.  FP32 GEMM is the faster kernel there (measured: the
       backward of W4 about 1.5x faster; a bf16 GEMM of W4's size about 6x slower than
       FP32 with AVX2 only).
-    * ``"blocks"`` (GPUs): vocabulary blocks over all rows, ``grad_weight[block]`` in one
-      model-precision matmul, ``grad_hidden`` accumulated in FP32 per group of rows.
+    * ``"gpu"`` (CUDA, XPU: where this torch has ``aten::mm.dtype`` for the device):
+      vocabulary blocks over all rows, model-precision inputs only: per block the logits
+      are recomputed, ``grad_weight[block]`` is one GEMM (its sum over the rows inside
+      it), and ``grad_hidden`` is accumulated across the blocks by GEMMs with an FP32
+      output (``out_dtype``) into an FP32 buffer for a bounded group of rows, rounded
+      once.  Four ``[T, H] x [H, V]`` GEMMs a step with the forward's, when the group
+      holds all rows (``kernels/gpu_plan.py``).
+    * ``"blocks"`` (GPUs whose torch has no ``mm.dtype``): as ``"gpu"``, but the FP32
+      accumulation of ``grad_hidden`` runs on FP32 copies of the gradient and the
+      weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).
+
+    ``"gpu"`` forced where the device has no ``mm.dtype`` kernel runs ``"blocks"`` (logged).
     """
+    if plan == "gpu" and not compat.gemm_out_dtype(device.type):
+        _say_no_out_dtype(device.type)
+        return "blocks"
     if plan != "auto":
         return plan
     if device.type != "cpu":
-        return "blocks"
+        return "gpu" if compat.gemm_out_dtype(device.type) else "blocks"
     return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"

@@ -1,0 +1,65 @@
+"""The lm_head backward's ``"gpu"`` plan: model-precision GEMM inputs only, FP32 sums
+through ``out_dtype`` (``tiling.backward_plan``).
+
+On a tensor-core GPU a GEMM with FP32 inputs runs many times slower than one with bf16
+inputs (H100/H200: ~67 against ~990 TFLOPS, TF32 off), so this plan never makes an FP32
+copy of an operand.  Each gradient element is still one FP32 sum rounded to model
+precision once:
+
+* ``grad_weight[block]`` (a sum over the rows) is one GEMM over all rows (K = T), which
+  accumulates in FP32 inside and rounds its output once;
+* ``grad_hidden[rows]`` (a sum over the vocabulary, which spans the blocks) is
+  accumulated across the blocks by GEMMs with an FP32 output
+  (``torch.addmm(acc, g, w_block, out_dtype=torch.float32)``) into an FP32 ``[S, H]``
+  buffer, rounded once at the end.
+
+Per step that is four ``[T, H] x [H, V]`` GEMMs with the forward's (forward, recompute,
+``grad_weight``, ``grad_hidden``) when the buffer holds all rows (``S = T``: the budget's
+half holds ``4 T H`` bytes, which a GPU's default budget does at any common T).  Past
+that, each further group of ``S`` rows takes a sweep of its own (recompute + its
+``grad_hidden``), as in the ``"blocks"`` plan.  ``tests/test_gemm_audit.py`` records the
+GEMMs; ``docs/gemms.md`` has the counts of every plan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import compat
+from .tiling import accumulator_rows, even_splits, gpu_block_cols
+
+__all__ = ["out_dtype_blocks"]
+
+
+def out_dtype_blocks(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: int,
+                     grad_of_tile: Callable[[int, int, int, int], torch.Tensor],
+                     grad_hidden: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
+                     grad_bias: Optional[torch.Tensor] = None) -> None:
+    """The ``"gpu"`` backward of ``hidden @ weight.T``: ``grad_of_tile(t0, t1, v0, v1)``
+    is the model-precision gradient of the logits ``[t0:t1, v0:v1]`` (recomputed).
+    Writes ``grad_hidden``, ``grad_weight`` and ``grad_bias``; one given as None is not
+    computed (``grad_bias`` goes with ``grad_weight``)."""
+    (n, width), vocab = hidden.shape, weight.shape[0]
+    if grad_hidden is None:
+        groups = [(0, 0)]  # one sweep over all rows, for grad_weight only
+        acc = None
+    else:
+        groups = even_splits(n, accumulator_rows(budget_bytes, n, width)) or [(0, 0)]
+        acc = torch.empty(groups[0][1], width, dtype=torch.float32, device=hidden.device)
+    for i, (r0, r1) in enumerate(groups):
+        with_weight = i == 0 and grad_weight is not None
+        t0, t1 = (0, n) if with_weight else (r0, r1)  # the rows this sweep recomputes
+        group = acc[:r1 - r0].zero_() if acc is not None else None
+        for v0, v1 in even_splits(vocab, gpu_block_cols(budget_bytes, t1 - t0, vocab)):
+            g = grad_of_tile(t0, t1, v0, v1)
+            if with_weight:
+                torch.mm(g.t(), hidden[t0:t1], out=grad_weight[v0:v1])
+                if grad_bias is not None:
+                    grad_bias[v0:v1] = g.sum(0, dtype=torch.float32)
+            if group is not None:
+                compat.addmm_fp32_(group, g[r0 - t0:r1 - t0], weight[v0:v1])
+            del g  # (before the next block's logits exist)
+        if group is not None:
+            grad_hidden[r0:r1] = group
