@@ -59,10 +59,13 @@ class Config:
             docs/gemms.md: each plan's GEMMs and memory.
         gradients_in_forward: when a fused lm_head region's results reach the graph's
             scalar loss only through row-local ops and sums / means whose weights are
-            known in the forward, the chunk loop also computes the gradients of the
-            hidden states and the weight in the forward (no recompute of the logits in
-            the backward, which only scales them by the incoming gradient); False
-            always recomputes in the backward.
+            known in the forward (``match/loss_tail.py``), the chunk loop also computes
+            gradients in the forward: plan "gpu" all of them (3 GEMMs a step, kept in
+            FP32 until the backward scales them by the incoming gradient and rounds
+            once); "two_sweeps" ``grad_hidden``, with ``grad_weight`` from one
+            vocabulary sweep in the backward (4 GEMMs; an incoming gradient that is not
+            a power of two recomputes both).  Other plans, and False, recompute in the
+            backward (docs/how-it-works.md section 5b).
     """
 
     rewrite: bool = True

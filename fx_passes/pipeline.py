@@ -28,6 +28,7 @@ from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome
 from .reporting.report import COUNTER, Decline, Reason, log, record_decline, record_rewrite
 from .rewrite.logits import fp32_bytes, rewrite_region
+from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.unit_scale import remove_div_by_one
 
@@ -145,12 +146,16 @@ def run_passes(graph: Graph, config: Config) -> None:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("chunked_logits: region before rewrite:\n%s",
                       "\n".join(n.format_node() for n in region.roles))
+        fused = fused_calls(graph) if config.gradients_in_forward else set()
         try:
             outcome = rewrite_region(graph, region, config)
         except Decline as d:  # raised before the graph is touched
             _row_local(graph, region.upcast, d, config, taken)
             continue
-        record_rewrite(where, _counted(outcome, what, "lm_head_fused"), nbytes, report_only=False)
+        what = _counted(outcome, what, "lm_head_fused")
+        for call in fused_calls(graph) - fused if config.gradients_in_forward else ():
+            what += rewrite_loss_tail(graph, call, config) or ""  # gradients in the forward
+        record_rewrite(where, what, nbytes, report_only=False)
         if region.unit_scale_dropped:
             counters[COUNTER]["div_by_one_removed"] += 1
     if config.remove_div_by_one and not config.report_only:
@@ -203,7 +208,8 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 CACHEABLE = ("fx_passes.kernels.stats.row_stats", "fx_passes.kernels.lm_head.lm_head_row_stats",
              "fx_passes.distributed.vocab_parallel.shard_reduce",
              "fx_passes.kernels.shard_lm_head.shard_lm_head",
-             "fx_passes.distributed.one_pass.shard_lm_head_stages", "fx_passes.kernels.row_local.row_local")
+             "fx_passes.distributed.one_pass.shard_lm_head_stages", "fx_passes.kernels.row_local.row_local",
+             "fx_passes.kernels.lm_head_loss.lm_head_loss")
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:

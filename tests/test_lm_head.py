@@ -160,9 +160,10 @@ def test_dynamic_lengths_compile_the_outer_graph_once():
 
 def test_loop_bodies_compile_once_across_calls_and_grad_modes():
     """Was a gap: the bodies compiled again on the second call (a dispatch-key and a
-    requires_grad guard) and at every grad-mode change."""
+    requires_grad guard) and at every grad-mode change.  (The recompute path's bodies:
+    test_loss_in_graph checks those of gradients in the forward.)"""
     w = WORKLOADS["W4"]
-    fn = torch.compile(w.fn, backend="chunked_logits", dynamic=True)
+    fn = torch.compile(w.fn, backend="chunked_logits", dynamic=True, options={"gradients_in_forward": False})
     inputs = w.make(64, 512)
     run_step(w, fn, inputs)  # compiles the outer graphs and both bodies
     compiled = counters["stats"]["unique_graphs"]

@@ -1,0 +1,288 @@
+"""Gradients in the forward: the lm_head loop when the graph reduces its results to the loss.
+
+When a fused lm_head region's per-row results (lse, token log-prob, entropy) reach the
+graph's scalar loss only through row-local ops and sums / means over all rows combined
+affinely (:mod:`fx_passes.match.loss_tail`), each row's cotangent for a unit loss is known
+in the forward.  The rewrite then calls :func:`lm_head_loss`, which runs the custom op
+``chunked_logits::lm_head_loss``: per row chunk (whole vocabulary)
+
+* the logits chunk in model precision, upcast, its per-row results;
+* the tail (the user's own ops, an FX graph ``tail(lse, logprob, entropy, *rows, *whole)``
+  returning the tensors the loss sums) on the chunk, compiled with its gradient: the
+  chunk's partial sums and, for a unit loss, the per-row cotangents of the results;
+* the model-precision logits gradient of the chunk from those cotangents, then
+  ``grad_hidden[chunk] = g @ W``: one GEMM holding the whole sum over the vocabulary.
+
+``grad_weight[v]`` sums over every row, so across chunks.  Each gradient element is one
+FP32 sum rounded to model precision once; how ``grad_weight`` keeps that depends on the
+plan (``tiling.backward_plan``):
+
+* ``"gpu"`` (``torch.mm/addmm(..., out_dtype=torch.float32)``): an FP32 ``[V, H]``
+  accumulator takes each chunk's ``g.t() @ h`` (model-precision inputs); the FP32
+  gradients are kept until the backward, which scales them by the incoming gradient and
+  rounds once: 3 GEMMs, exact for any incoming gradient, no host sync.
+* ``"two_sweeps"`` (CPUs with bf16/fp16 units): ``grad_hidden`` is rounded in the forward
+  and the per-row cotangents are kept; the backward runs one vocabulary sweep over all
+  rows for ``grad_weight`` (recomputing the logits): 4 GEMMs.  Scaling a rounded gradient
+  by ``g`` would round twice, so the forward's ``grad_hidden`` is used only when that
+  scaling is exact (``g`` read with ``.item()``, free on a CPU: 1, -1, any power of two, and
+  no scaled element rounded); otherwise the backward recomputes both gradients from the
+  cotangents times ``g`` (4 GEMMs more: 6 in all).
+
+The loss is the graph's own scalar part (``final(*reductions, *whole)``) on the sums,
+each accumulated over the chunks in FP64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .. import compat
+from . import graph_bodies
+from .bodies import _transform, _transform_grad, compiled, parse_transforms
+from .lm_head import lm_head_grads
+from .stats import grad_of_logits, softmax_lse, stats_of_logits
+from .tiling import even_splits, forward_rows, resolve_budget
+
+__all__ = ["lm_head_loss", "trace_tail", "PLANS", "COUNTER"]
+
+# The plans that compute gradients in the forward (the others keep the recompute path).
+PLANS = ("gpu", "two_sweeps")
+COUNTER = "loss_tail_body_eager"
+F32 = torch.float32
+
+
+def logits_and_stats(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
+    """(lse, logprob or None, entropy or None, x): the chunk's stats, as ``bodies.forward_chunk``
+    computes them, and its logits ``x`` in model precision (before the transforms)."""
+    x = F.linear(h, w, b).to(h.dtype)
+    z = x
+    for i, (op, c) in enumerate(parse_transforms(transforms)):
+        z = _transform(z.float() if i == 0 else z, op, c)
+    return (*stats_of_logits(z, tokens, scale, is_div, want_entropy), x)
+
+
+def logits_grad(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool, transforms: str):
+    """``bodies.backward_block``'s gradient from the chunk's logits ``x`` (no matmul)."""
+    outs = []
+    for op, c in parse_transforms(transforms):
+        outs.append(_transform(outs[-1] if outs else x.float(), op, c))
+    grad = grad_of_logits(outs[-1] if outs else x, tokens, lse, entropy, g_lse, g_logprob, g_entropy,
+                          scale, is_div)
+    for (op, c), out in zip(reversed(parse_transforms(transforms)), reversed(outs)):
+        grad = _transform_grad(grad, out, op, c)
+    return grad.to(x.dtype)
+
+
+def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:
+    """Register ``(lse, logprob, entropy, *ops, *weights) -> (g_lse, g_logprob, g_entropy,
+    *sums)`` for the tail registered under ``key``: its sums over a chunk and the gradient
+    of ``sum(weights[k] * sums[k])`` w.r.t. the chunk's results (the vector-Jacobian
+    product of the user's ops), traced to ATen ops here, at compile time (``examples``:
+    tensors of the inputs' dtypes and ranks): eager functorch does not run inside a custom
+    op under AOTAutograd's run-time checks, a traced graph runs anywhere."""
+    fn = graph_bodies.function(key)
+
+    def tail(lse, logprob, entropy, *rest):
+        ops, weights = rest[:n_ops], rest[n_ops:]
+
+        def partial(a, b, c):
+            return tuple(fn(a, b, c, *ops))
+        outs, pullback = torch.func.vjp(partial, lse, logprob, entropy)
+        grads = pullback(tuple(w.to(o.dtype).expand_as(o) for w, o in zip(weights, outs)))
+        return (*grads, *(o.sum() for o in outs))
+    return graph_bodies.register(make_fx(tail, tracing_mode="symbolic")(*examples))
+
+
+def _reductions(kinds: str) -> list[tuple[str, torch.dtype]]:
+    """``"sum:float32,mean:float32"`` as (kind, dtype) per reduction."""
+    return [(k, getattr(torch, d)) for k, d in (item.split(":") for item in kinds.split(","))]
+
+
+def _unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor]:
+    """d loss / d reduction_k.  The scalar part is affine in the reductions (the matcher's
+    rule), so this is ``final(e_k) - final(0)``, evaluated in FP64 (exact but for the
+    rounding of a constant term; eager functorch does not run inside a custom op)."""
+    final = graph_bodies.function(final_key)
+    k = len(_reductions(kinds))
+    at = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(k)]
+    base = final(*at, *whole).double()
+    return [(final(*at[:i], torch.ones_like(at[i]), *at[i + 1:], *whole).double() - base).to(F32)
+            for i in range(k)]
+
+
+def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:
+    return like.new_empty(0, dtype=dtype)
+
+
+def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
+             plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole):
+    n, width = hidden.shape
+    vocab, dev = weight.shape[0], hidden.device
+    budget_bytes = resolve_budget(budget_bytes, dev)
+    reductions = _reductions(kinds)
+    weights = [w / n if kind == "mean" else w
+               for w, (kind, _) in zip(_unit_weights(final_key, kinds, whole, dev), reductions)]
+    sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions]
+    gpu = plan == "gpu"
+    gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden))
+    gw = hidden.new_zeros(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
+    gb = hidden.new_zeros(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
+    keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
+    log_softmax = tokens is not None or want_entropy
+    stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad)
+    tail = graph_bodies.body(tail_key, COUNTER)
+    cols = max(1, min(vocab, budget_bytes // (4 * width)))  # FP32 [cols, H] product per addmm
+    for r0, r1 in even_splits(n, forward_rows(budget_bytes, n, vocab)):
+        h = hidden[r0:r1]
+        tok = tokens[r0:r1] if tokens is not None else None
+        lse, lp, ent, x = stats_body(h, weight, bias, tok, scale, scale_is_div, want_entropy, transforms)
+        zeros = lse.new_zeros(lse.shape)
+        c_lse, c_lp, c_ent, *part = tail(lse, lp if lp is not None else zeros,
+                                         ent if ent is not None else zeros,
+                                         *(r[r0:r1] for r in rows), *whole, *weights)
+        for s, p in zip(sums, part):
+            s += p.double()
+        lse = softmax_lse(lse, log_softmax)
+        c_lp, c_ent = (c_lp if tok is not None else None), (c_ent if want_entropy else None)
+        g = grad_body(x, tok, lse, ent, c_lse, c_lp, c_ent, scale, scale_is_div, transforms)
+        del x
+        if gpu:
+            if need_hidden:
+                gh[r0:r1] = torch.mm(g, weight, out_dtype=F32)
+            if need_weight:
+                for v0, v1 in even_splits(vocab, cols):  # (an FP32 [cols, H] product at most)
+                    compat.addmm_fp32_(gw[v0:v1], g[:, v0:v1].t(), h)
+                if bias is not None:
+                    gb += g.sum(0, dtype=F32)
+        else:
+            if need_hidden:
+                torch.mm(g, weight, out=gh[r0:r1])
+            for buf, value in zip(keep, (lse, ent, c_lse, c_lp, c_ent)):
+                if value is not None:
+                    buf[r0:r1] = value
+        del g
+    values = [(s / n if kind == "mean" else s).to(dt) for s, (kind, dt) in zip(sums, reductions)]
+    loss = graph_bodies.function(final_key)(*values, *whole)
+    return (loss, gh, gw, gb, *keep)
+
+
+@torch.library.custom_op("chunked_logits::lm_head_loss", mutates_args=())
+def _lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
+                  want_entropy: bool, budget_bytes: int, transforms: str, plan: str, tail_key: str,
+                  final_key: str, kinds: str, need_hidden: bool, need_weight: bool, rows: list[torch.Tensor],
+                  whole: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias, lse, entropy, g_lse, g_logprob, g_entropy):
+    ``"gpu"``: the gradients in FP32, the rest empty; ``"two_sweeps"``: ``grad_hidden`` in
+    model precision, no weight gradients, the per-row values the backward's sweep reads."""
+    return _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
+                    plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole)
+
+
+@_lm_head_loss.register_fake
+def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan,
+      tail_key, final_key, kinds, need_hidden, need_weight, rows, whole):
+    n, width = hidden.shape
+    vocab, gpu = weight.shape[0], plan == "gpu"
+    at = [torch.zeros((), dtype=dt, device=hidden.device) for _, dt in _reductions(kinds)]
+    loss = graph_bodies.function(final_key)(*at, *whole)
+    gh = hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden)
+    gw = hidden.new_empty(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
+    gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
+    keep = [hidden.new_empty(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
+    return (torch.empty_like(loss), gh, gw, gb, *keep)
+
+
+@torch.library.custom_op("chunked_logits::lm_head_loss_backward", mutates_args=())
+def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: torch.Tensor,
+                           weight: torch.Tensor, bias: Optional[torch.Tensor], tokens: Optional[torch.Tensor],
+                           scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
+                           transforms: str, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+                           c_lse: torch.Tensor, c_lp: torch.Tensor, c_ent: torch.Tensor,
+                           need_hidden: bool,
+                           need_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``"two_sweeps"`` backward: the forward's ``grad_hidden`` times ``g`` and one
+    vocabulary sweep for ``grad_weight`` from the cotangents times ``g`` when that scaling is
+    exact (``g`` a power of two, 1 and -1 included, and no scaled element rounded: a
+    gradient-accumulation ``loss / 4`` keeps 4 GEMMs), else both recomputed from the
+    cotangents times ``g`` (each still one FP32 sum rounded once)."""
+    tokens = tokens if tokens is not None else torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    scale_g = g.item()
+    c_lse, c_lp, c_ent = (c * scale_g for c in (c_lse, c_lp, c_ent))
+    if math.isfinite(scale_g) and abs(math.frexp(scale_g)[0]) == 0.5:
+        gh = grad_hidden * scale_g if need_hidden else _empty(hidden, hidden.dtype)
+        if scale_g == 1.0 or not need_hidden or torch.equal(gh / scale_g, grad_hidden):
+            _, gw, gb = lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
+                                      scale_is_div, budget_bytes, transforms, None, need_hidden=False,
+                                      need_weight=need_weight, plan="two_sweeps")
+            return gh, gw, gb
+        del gh
+    return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
+                         scale_is_div, budget_bytes, transforms, None, need_hidden=need_hidden,
+                         need_weight=need_weight, plan="two_sweeps")
+
+
+@_lm_head_loss_backward.register_fake
+def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_bytes, transforms, lse,
+      entropy, c_lse, c_lp, c_ent, need_hidden, need_weight):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
+
+
+def _setup(ctx, inputs, output):
+    (hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan,
+     _, _, _, need_hidden, need_weight, rows, whole) = inputs
+    ctx.save_for_backward(hidden, weight, bias, tokens, scale, *output[1:])
+    ctx.plan, ctx.scale_is_div, ctx.want_entropy = plan, scale_is_div, want_entropy
+    ctx.budget_bytes, ctx.transforms = budget_bytes, transforms
+    ctx.need_hidden, ctx.need_weight = need_hidden, need_weight
+    ctx.lists = len(rows), len(whole)
+
+
+def _backward(ctx, g, *_):
+    hidden, weight, bias, tokens, scale, gh, gw, gb, lse, ent, c_lse, c_lp, c_ent = ctx.saved_tensors
+    g = g if g is not None else torch.zeros((), dtype=F32, device=hidden.device)
+    want_h, want_w, want_b = ctx.needs_input_grad[:3]
+    if ctx.plan == "gpu":  # FP32 gradients times g, rounded once
+        gh = (gh * g).to(hidden.dtype) if ctx.need_hidden else None
+        gw = (gw * g).to(weight.dtype) if ctx.need_weight else None
+        gb = (gb * g).to(bias.dtype) if ctx.need_weight and bias is not None else None
+    else:
+        gh, gw, gb = _lm_head_loss_backward(g, gh, hidden, weight, bias, tokens, scale, ctx.scale_is_div,
+                                            ctx.budget_bytes, ctx.transforms, lse,
+                                            ent if ctx.want_entropy else None, c_lse, c_lp, c_ent,
+                                            ctx.need_hidden, ctx.need_weight)
+    return (gh if want_h else None, gw if want_w else None, gb if want_b and bias is not None else None,
+            *([None] * 12), [None] * ctx.lists[0], [None] * ctx.lists[1])
+
+
+_lm_head_loss.register_autograd(_backward, setup_context=_setup)
+
+
+def lm_head_loss(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
+                 budget_bytes: int, transforms: str, plan: str, tail_key: str, final_key: str, kinds: str,
+                 need_hidden: bool, need_weight: bool, n_rows: int, *operands):
+    """Called from rewritten graphs: the graph's scalar loss of a fused lm_head region and
+    its tail (:mod:`fx_passes.rewrite.loss_tail`).  ``hidden`` is ``[.., H]`` (its leading
+    dims are the rows); ``operands``: the tail's ``n_rows`` per-row tensors (one value per
+    row), then the tensors and numbers it reads whole; ``kinds``: each reduction's kind
+    and dtype; ``plan``: ``"gpu"`` or ``"two_sweeps"`` (resolved by the rewrite)."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    tok2 = tokens.reshape(-1) if tokens is not None else None
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        scale = torch.scalar_tensor(scale, dtype=F32, device=hidden.device)
+    rows = [o.reshape(-1) for o in operands[:n_rows]]
+    whole = [o if isinstance(o, torch.Tensor) else torch.scalar_tensor(
+        o, dtype=F32 if isinstance(o, (float, torch.SymFloat)) else torch.int64, device=hidden.device)
+        for o in operands[n_rows:]]
+    return _lm_head_loss(h2, weight, bias, tok2, scale, scale_is_div, want_entropy, budget_bytes, transforms,
+                         plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole)[0]

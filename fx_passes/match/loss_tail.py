@@ -1,0 +1,203 @@
+"""The loss tail of a fused lm_head region: from its per-row results to the graph's scalar loss.
+
+A rewritten lm_head region is one call ``stats = lm_head_row_stats(hidden, weight, ...)``
+whose items ``stats[0..2]`` (lse, token log-prob, entropy per row) the rest of the graph
+reads.  When everything that reads them leads to the scalar loss the graph returns, and
+only so, each row's cotangent for a unit loss is known in the forward
+(:mod:`fx_passes.kernels.lm_head_loss`).  The tail is taken when every node that depends
+on the region is one of:
+
+* *row* nodes: pointwise ops (ATen's ``pointwise`` tag, :func:`match.row_local.op_name`),
+  conversions, ``detach`` / ``clone``, and views that keep one value per row in order
+  (``view`` / ``reshape`` / ``flatten`` / ``unsqueeze`` / ``squeeze``), whose every tensor
+  operand is a row node, a per-row tensor of the same shape that does not depend on the
+  region and needs no gradient (advantages, old log-probs, masks), or a 0-d tensor / number;
+* *reductions*: ``x.sum()`` / ``x.mean()`` of a floating row node over all its elements;
+* *scalar* nodes: the reductions combined affinely with values that do not depend on the
+  region (``+``, ``-``, negation, ``*`` by such a value, ``/`` by one: a masked mean's
+  ``/ mask.sum()``, an entropy bonus ``- c * ent.mean()``), ending in the loss.
+
+The loss must be a 0-d floating tensor that requires grad and leaves the graph, and no
+other node of the tail (nor the stats) may be read outside it.  Anything else is
+:class:`NoTail`: the region keeps the recompute path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from ..fx.graph_ops import canon, is_pure, is_scalar, meta, requires_grad
+from ..kernels.lm_head import lm_head_row_stats
+from .row_local import _pointwise, op_name, same
+
+__all__ = ["LossTail", "NoTail", "match_loss_tail", "VIEWS"]
+
+# Views that keep the row-major order of the values (one per row): identities on the flat rows.
+VIEWS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "contiguous"}
+_SAME_VALUES = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "clone"}
+_AFFINE = {"add", "sub", "rsub", "neg", "mul", "div", "pos"}
+ROW, REDUCE, SCALAR = "row", "reduce", "scalar"
+
+
+class NoTail(Exception):
+    """The region's results do not reach the loss as a loss tail (the message says why)."""
+
+
+@dataclasses.dataclass
+class LossTail:
+    """A matched tail (graph order throughout)."""
+
+    stats: Node  # the lm_head_row_stats call
+    items: dict[Node, int]  # stats[i] nodes -> i (0 lse, 1 logprob, 2 entropy)
+    rows: list[Node]  # row nodes (not the items)
+    reductions: list[Node]
+    scalars: list[Node]  # scalar nodes, the loss last (empty when the loss is a reduction)
+    loss: Node
+    row_operands: list[Node]  # per-row tensors that do not depend on the region
+    whole: list[Node]  # 0-d tensors and numbers the graph computes, read by the tail
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [self.stats, *self.items, *self.rows, *self.reductions, *self.scalars]
+
+    def describe(self) -> str:
+        ops = {op_name(n) for n in self.rows + self.scalars} - {""}
+        ops = sorted(ops | {op_name(r) for r in self.reductions})
+        return f"loss tail ({', '.join(ops)}) over {len(self.row_operands)} per-row tensor(s)"
+
+
+def _is_stats(node: Node) -> bool:
+    return node.op == "call_function" and node.target is lm_head_row_stats
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def _tensor(value: Any) -> torch.Tensor | None:
+    v = meta(value)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+class _Matcher:
+    def __init__(self, stats: Node, rows_numel: Any) -> None:
+        self.stats, self.n = stats, rows_numel
+        self.kind: dict[Node, str] = {}
+        self.row_operands: dict[Node, None] = {}
+        self.whole: dict[Node, None] = {}
+
+    def operand(self, node: Node, a: Node, per_row_shape: Any) -> None:
+        """``a`` (not in the tail) read by ``node``: a per-row tensor of ``per_row_shape``
+        (None: none allowed) or a value read whole; neither may need a gradient."""
+        if requires_grad(a):
+            raise NoTail(f"{node.name} reads {a.name}, which needs a gradient the fused op would not give")
+        if is_scalar(a):
+            self.whole[a] = None
+            return
+        t = _tensor(a)
+        if t is None:
+            raise NoTail(f"{node.name} reads {a.name}, which is not a tensor or a number")
+        if t.dim() == 0:
+            self.whole[a] = None
+        elif per_row_shape is not None and _same_shape(t.shape, per_row_shape):
+            self.row_operands[a] = None
+        else:
+            raise NoTail(f"{node.name} reads {a.name} {tuple(t.shape)}: neither one value per row of the "
+                         "region in the result's shape nor a 0-d tensor")
+
+    def classify(self, node: Node) -> str:
+        if not is_pure(node):
+            raise NoTail(f"{node.name} has a side effect or changes a tensor in place")
+        name, out = op_name(node), _tensor(node)
+        if out is None:
+            raise NoTail(f"{node.name} ({name}) does not make one tensor")
+        inner = [a for a in node.all_input_nodes if a in self.kind]
+        kinds = {self.kind[a] for a in inner}
+        if kinds == {ROW}:
+            return self._row_side(node, name, out, inner)
+        if ROW in kinds:
+            raise NoTail(f"{node.name} ({name}) mixes per-row values with a sum over the rows")
+        return self._scalar_side(node, name, out, inner)
+
+    def _row_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
+        src = _tensor(inner[0])
+        if name in ("sum", "mean") and len(node.args) == 1 and not node.kwargs:
+            if not src.is_floating_point():
+                raise NoTail(f"{node.name} sums a tensor of {src.dtype}")
+            return REDUCE
+        if not same(out.numel(), self.n) or out.device != src.device:
+            raise NoTail(f"{node.name} ({name}) makes {tuple(out.shape)}, not one value per row of the "
+                         "region")
+        if name in VIEWS:
+            if node.all_input_nodes != [inner[0]] and name in ("view", "reshape"):
+                raise NoTail(f"{node.name} reshapes to a size the graph computes")
+            return ROW
+        if not (_pointwise(name) or canon(node) == "convert" or name in _SAME_VALUES):
+            raise NoTail(f"{node.name} ({name}) is not a pointwise op on the rows")
+        for a in node.all_input_nodes:
+            if a in self.kind:
+                t = _tensor(a)
+                if t.dim() and not _same_shape(t.shape, out.shape):
+                    raise NoTail(f"{node.name} broadcasts {a.name} {tuple(t.shape)} to {tuple(out.shape)}")
+            else:
+                self.operand(node, a, out.shape)
+        return ROW
+
+    def _scalar_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
+        if out.dim() != 0 or not out.is_floating_point():
+            raise NoTail(f"{node.name} ({name}) makes {tuple(out.shape)} {out.dtype} from the loss's sums")
+        if name not in _AFFINE and not (canon(node) == "convert" and name != "type"):
+            raise NoTail(f"{node.name} ({name}) is not affine in the sums over the rows")
+        tensors = [a for a in node.args if isinstance(a, Node)]
+        if name == "mul" and len([a for a in tensors if a in self.kind]) > 1:
+            raise NoTail(f"{node.name} multiplies two sums over the rows")
+        if name == "div" and (len(node.args) < 2 or node.args[1] in self.kind):
+            raise NoTail(f"{node.name} divides by a sum over the rows")
+        if any(isinstance(v, Node) for v in node.kwargs.values()):
+            raise NoTail(f"{node.name} ({name}) takes a tensor keyword argument")
+        for a in node.all_input_nodes:
+            if a not in self.kind:
+                self.operand(node, a, None)
+        return SCALAR
+
+
+def match_loss_tail(graph: Graph, stats: Node) -> LossTail:
+    """The loss tail of the fused lm_head call ``stats``, or :class:`NoTail`."""
+    if not _is_stats(stats):
+        raise NoTail(f"{stats.name} is not a fused lm_head call")
+    if len(stats.args) != 10:
+        raise NoTail("the graph returns the logits too")
+    items: dict[Node, int] = {}
+    for u in stats.users:
+        i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
+        if i not in (0, 1, 2):
+            raise NoTail(f"{u.name} reads the fused call's results")
+        items[u] = i
+    if not items:
+        raise NoTail("nothing reads the region's results")
+    m = _Matcher(stats, _tensor(next(iter(items))).numel())
+    m.kind.update(dict.fromkeys(items, ROW))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found, stack = set(items), list(items)
+    while stack:
+        for u in stack.pop().users:
+            if u.op != "output" and u not in found:
+                found.add(u)
+                stack.append(u)
+    for node in sorted(found - set(items), key=order.__getitem__):
+        m.kind[node] = m.classify(node)
+    leaving = [n for n in found if any(u.op == "output" for u in n.users)]
+    if len(leaving) != 1 or m.kind[leaving[0]] == ROW:
+        raise NoTail(f"{len(leaving)} value(s) of the region leave the graph"
+                     if len(leaving) != 1 else f"{leaving[0].name}, one value per row, leaves the graph")
+    loss = leaving[0]
+    if not requires_grad(loss):
+        raise NoTail(f"the loss {loss.name} needs no gradient")
+    nodes = sorted(found - set(items), key=order.__getitem__)
+    of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
+    return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], loss, list(m.row_operands), list(m.whole))
