@@ -197,6 +197,16 @@ def run_workloads(args, out: pathlib.Path, env: dict, end: float) -> tuple[list[
     return results, skipped
 
 
+def predicted() -> str:
+    """The cost model's H100 / H200 table (``benchmarks/cost_model.py``), or one line
+    saying why there is none: a checkout whose plans or sizes differ must not stop the check."""
+    try:
+        from benchmarks import cost_model
+        return cost_model.report()
+    except Exception as e:  # noqa: BLE001 (any failure of the model is reported, not raised)
+        return f"(no prediction: the cost model failed: {type(e).__name__}: {str(e)[:200]})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
     rows = gpu_report.flat_rows(cases)
     notes += [f"{r['workload']}: {r['mode']} skipped: {r['skipped']}" for r in rows if "skipped" in r]
     summary = {"meta": meta, "tests": tests, "rows": rows, "cases": cases,
-               "targets": gpu_report.targets(rows), "notes": notes}
+               "targets": gpu_report.targets(rows), "notes": notes, "prediction": predicted()}
     gpu_report.write_json(out / "gpu_check.json", summary)
     page = gpu_report.markdown(summary)
     (out / "gpu_check.md").write_text(page)

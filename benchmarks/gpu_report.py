@@ -138,4 +138,12 @@ def markdown(summary: dict) -> str:
                     {True: "yes", False: "NO", None: "-"}[t["ok"]]] for t in summary["targets"]])
     if summary["notes"]:
         out += ["", "Notes:", ""] + [f"* {line}" for line in summary["notes"]]
+    if summary.get("prediction"):
+        out += ["", "## Predicted by the cost model (not measured here)", "", PREDICTION_NOTE, "",
+                summary["prediction"]]
     return "\n".join(out) + "\n"
+
+
+PREDICTION_NOTE = ("`benchmarks/cost_model.py` (docs/gpu.md, \"The cost model\"): compare its "
+                   "`loss in graph` rows of W4 and WV (`gpu` plan) with the `chunked_logits` rows above, "
+                   "which compute the loss in the graph.")

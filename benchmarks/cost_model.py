@@ -1,0 +1,443 @@
+"""Predicted step time of stock Inductor and of chunked_logits on H100 / H200 (issue 22, item 5).
+
+    .venv/bin/python benchmarks/cost_model.py                  # the H100 / H200 table
+    .venv/bin/python benchmarks/cost_model.py --calibrate      # this CPU's rates: predicted vs measured
+    .venv/bin/python benchmarks/cost_model.py --audit          # the modelled GEMMs vs a recording
+
+A prediction, not a measurement.  Each step is a list of kernels; a kernel takes
+``max(GEMM FLOPs / rate(input dtype), bytes / bandwidth, exps / exp rate)`` (a roofline
+per kernel) plus a launch overhead, and a step the sum over its kernels.  The kernels:
+
+* stock Inductor: its generated code (read on the CPU at small size; assumed the same
+  kernels in Triton): the ``[T, H] x [H, V]`` GEMMs (3 with the lm_head in the graph), the
+  forward's row reduction over the model-precision logits, and the backward's row
+  kernel.  For the token log-probs (W3, W4, W4L) the backward zero-fills an FP32
+  ``[T, V]`` buffer (the gather's gradient), then reads it and the logits and writes
+  the model-precision gradient; for cross-entropy (WV) it reads the logits and writes
+  the gradient.
+* chunked_logits: W3 reads the logits in the forward and reads them and writes their
+  gradient in the backward.  With the lm_head fused, the loops of
+  ``fx_passes/kernels/lm_head.py`` and ``gpu_plan.py`` at the device's chunk budget
+  (``kernels.tiling``'s sizes): per chunk or block a GEMM that writes the logits tile,
+  a body that reads it (and writes its gradient in the backward), the gradient GEMMs,
+  the FP32 accumulators they read and write, and the FP32 copies of ``fp32_tiles`` /
+  ``blocks``.  ``gradients_in_forward`` (the loss in the graph): ``fx_passes/kernels/lm_head_loss.py``,
+  row chunks that also form the gradient tile and write ``grad_hidden`` in one GEMM,
+  then on ``gpu`` each chunk's ``grad_weight`` added into an FP32 ``[V, H]`` buffer
+  (``out_dtype``; 3 GEMMs), on ``two_sweeps`` a vocabulary sweep in the backward
+  (4 GEMMs; the incoming gradient 1, as ``loss.backward()`` gives it).
+
+A GEMM moves its operands and its output once (an accumulating one reads its output
+too); an elementwise kernel its inputs and outputs once (a row's several passes inside
+one kernel hit the cache).  On a CPU a buffer over 32 MiB is mapped fresh every step and
+its pages fault in at its first write (``Device.first_touch``); a GPU's caching
+allocator reuses its blocks.  ``--calibrate`` measures this CPU's rates (GEMMs, copy,
+an Inductor exp pass, first touch) and sets the predicted ratios of W3 and W4 beside
+``run.py``'s measured ones (docs/gpu.md, "Predicted").  ``--audit`` compiles W4 and WV at small size with each
+plan forced and compares the recorded GEMMs (``fx_passes.testing.gemms``) with the
+modelled ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+from typing import Callable, Optional
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fx_passes.kernels import tiling  # noqa: E402
+
+GB, MIB = 1e9, 2**20
+REUSED_BYTES = 32 * MIB
+BF16, FP32 = "bf16", "fp32"
+SIZE = {BF16: 2, FP32: 4}
+H_LM = 1024  # H of W4, W4L and WV (fx_passes/testing/workloads.py, _make_lm_head)
+WORKLOADS = {  # name: (T, H or 0 when the logits are an input, V, loss)
+    "W3": (2048, 0, 32768, "logprob"),
+    "W4": (4096, H_LM, 32768, "logprob"),
+    "W4L": (16384, H_LM, 32768, "logprob"),
+    "WV": (4096, H_LM, 151936, "ce"),
+}
+PLANS = ("gpu", "blocks", "two_sweeps", "fp32_tiles")  # the lm_head backward plans modelled
+# Issue 22's targets, on the H200, for the "gpu" plan: (workload, gradients in forward) -> bound
+TARGETS = {("W4", True): 0.9, ("WV", True): 0.9, ("W4", False): 1.05, ("WV", False): 1.05}
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    flops: dict  # GEMM FLOP/s by input dtype
+    bandwidth: float  # bytes/s
+    exps: float  # FP32 exp() per second
+    launch_s: float  # per kernel
+    free_bytes: int  # what the chunk budget sees (tiling.device_budget)
+    kind: str  # "cuda" or "cpu"
+    source: str
+    first_touch: float = math.inf  # bytes/s of faulting in a fresh buffer's pages (a GPU: none)
+
+
+DEVICES = (
+    Device("H100 SXM", {BF16: 989e12, FP32: 67e12}, 3.35e12, 132 * 16 * 1.98e9, 5e-6, 79 * 2**30, "cuda",
+           "NVIDIA H100 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 67 TFLOPS FP32 (no "
+           "TF32), 3.35 TB/s HBM3; exp: 132 SMs x 16 ex2/clk x 1.98 GHz (CUDA guide, cc 9.0)"),
+    Device("H200 SXM", {BF16: 989e12, FP32: 67e12}, 4.8e12, 132 * 16 * 1.98e9, 5e-6, 140 * 2**30, "cuda",
+           "NVIDIA H200 datasheet: the H100's FLOPS, 4.8 TB/s HBM3e, 141 GB"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    what: str
+    flops: float = 0.0  # GEMM FLOPs
+    dtype: str = BF16  # the GEMM's input dtype
+    bytes: float = 0.0
+    exps: float = 0.0
+    n: int = 1  # identical kernels
+    shape: tuple = ()  # a GEMM's (m, k, n)
+    fresh: float = 0.0  # bytes it writes into a buffer allocated this step (``fresh``)
+
+
+def kernel_time(k: Kernel, dev: Device) -> float:
+    one = max(k.flops / dev.flops[k.dtype], k.bytes / dev.bandwidth, k.exps / dev.exps)
+    launch = dev.launch_s if one else 0.0  # (a buffer's allocation alone launches nothing)
+    return k.n * (one + k.fresh / dev.first_touch + launch)
+
+
+def step_time(kernels: list[Kernel], dev: Device) -> float:
+    return sum(kernel_time(k, dev) for k in kernels)
+
+
+def fresh(nbytes: float) -> float:
+    """The bytes of a buffer a step allocates that a CPU maps fresh each step: over 32 MiB
+    (glibc's largest mmap threshold), so its pages fault in on first touch.  (A GPU's
+    caching allocator reuses its blocks: ``Device.first_touch`` is infinite there.)"""
+    return nbytes if nbytes > REUSED_BYTES else 0.0
+
+
+def gemm(what: str, m: int, k: int, n: int, dtype: str = BF16, out: str = BF16, acc: bool = False,
+         count: int = 1, new: bool = False) -> Kernel:
+    """``[m, k] x [k, n]``: its operands read once, its output written (and read: ``acc``);
+    ``new``: the output is a buffer of its own (``fresh``)."""
+    s = SIZE[dtype]
+    io = s * (m * k + k * n) + SIZE[out] * m * n * (2 if acc else 1)
+    new_bytes = fresh(SIZE[out] * m * n) if new else 0.0
+    return Kernel(what, 2.0 * m * k * n, dtype, io, 0.0, count, (m, k, n), new_bytes)
+
+
+def elementwise(what: str, read: float, write: float = 0.0, exps: float = 0.0, count: int = 1,
+                new: float = 0.0) -> Kernel:
+    """``new``: the bytes of its output that are a buffer of its own (``fresh``)."""
+    return Kernel(what, 0.0, BF16, read + write, exps, count, (), fresh(new))
+
+
+def full_gemms(kernels: list[Kernel], T: int, H: int, V: int, dtype: Optional[str] = None) -> float:
+    """GEMM FLOPs in units of one ``[T, H] x [H, V]`` (``dtype``: inputs of that dtype only)."""
+    return sum(k.n * k.flops for k in kernels if dtype in (None, k.dtype)) / (2.0 * T * H * V)
+
+
+def moved_bytes(kernels: list[Kernel]) -> float:
+    return sum(k.n * k.bytes for k in kernels)
+
+
+# --- stock Inductor -------------------------------------------------------------------
+
+def stock(T: int, H: int, V: int, loss: str) -> list[Kernel]:
+    """Stock Inductor's kernels (its C++ code; the backward's gradient reuses the logits'
+    buffer when the lm_head made them)."""
+    ks = [gemm("logits", T, H, V, new=True)] if H else []
+    ks.append(elementwise("forward row reduction", 2 * T * V, exps=T * V))
+    grad_new = 0 if H else 2 * T * V
+    if loss == "logprob":  # gather's gradient: an FP32 [T, V] buffer, zero-filled, then read
+        ks += [elementwise("zero-fill FP32 [T, V]", 0, 4 * T * V, new=4 * T * V),
+               elementwise("backward row kernel", 6 * T * V, 2 * T * V, exps=T * V, new=grad_new)]
+    else:
+        ks.append(elementwise("backward row kernel", 2 * T * V, 2 * T * V, exps=T * V, new=grad_new))
+    if H:
+        ks += [gemm("grad_hidden", T, V, H, new=True), gemm("grad_weight", V, T, H, new=True)]
+    return ks
+
+
+# --- chunked_logits ---------------------------------------------------------------------
+
+def splits(total: int, most: int) -> list[int]:
+    """The piece sizes of ``tiling.even_splits``."""
+    return [b - a for a, b in tiling.even_splits(total, most)]
+
+
+def tile(what: str, rows: int, cols: int, H: int, backward: bool, dtype: str = BF16) -> list[Kernel]:
+    """A logits tile's GEMM and the body that reduces it (and writes its gradient)."""
+    out = BF16 if dtype == BF16 else FP32
+    body = elementwise(f"{what} body", SIZE[out] * rows * cols, 2 * rows * cols if backward else 0,
+                       exps=rows * cols)
+    return [gemm(f"{what} logits", rows, H, cols, dtype, out), body]
+
+
+def forward_loop(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``lm_head._forward_loop``: chunks of ``forward_rows`` rows, the last one shorter."""
+    ks, rows = [], tiling.forward_rows(budget, T, V)
+    for r0 in range(0, T, rows):
+        ks += tile("forward", min(T, r0 + rows) - r0, V, H, backward=False)
+    return ks
+
+
+def two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    rows, cols = tiling.sweep_sizes(budget, T, V)
+    ks = []
+    for r in splits(T, rows):
+        ks += tile("recompute rows", r, V, H, True) + [gemm("grad_hidden", r, V, H)]
+    for c in splits(V, cols):
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H)]
+    return ks
+
+
+def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``gpu_plan.out_dtype_blocks``: blocks over all rows, ``grad_hidden`` summed in FP32
+    through ``out_dtype`` per group of rows."""
+    ks = []
+    for i, g in enumerate(splits(T, tiling.accumulator_rows(budget, T, H))):
+        n = T if i == 0 else g  # the first sweep reads every row for grad_weight
+        for c in splits(V, tiling.gpu_block_cols(budget, n, V)):
+            ks += tile("recompute block", n, c, H, True)
+            if i == 0:
+                ks.append(gemm("grad_weight", c, n, H))
+            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=True))
+        ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * g * H, 2 * g * H))
+    return ks
+
+
+def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kernel]:
+    """``lm_head._Backward.sweep`` per group of rows (``fp32``: the ``fp32_tiles`` plan)."""
+    ks, dt = [], FP32 if fp32 else BF16
+    for i, (r0, r1) in enumerate(tiling.even_splits(T, tiling.accumulator_rows(budget, T, H))):
+        first, last = (0, T) if i == 0 else (r0, r1)  # the first sweep reads every row for grad_weight
+        cols, rows = tiling.backward_tiles(budget, last - first, V, H, fp32)
+        for c in splits(V, cols):
+            ks.append(elementwise("weight block -> FP32", 2 * c * H, 4 * c * H))
+            for t0, t1 in tiling.even_splits(last - first, rows):
+                r, a = t1 - t0, min(t1 + first, r1) - max(t0 + first, r0)  # a: rows this group sums
+                if fp32:
+                    ks.append(elementwise("hidden tile -> FP32", 2 * r * H, 4 * r * H))
+                ks += tile("recompute tile", r, c, H, True, dt)
+                ks.append(elementwise("gradient tile -> FP32", 2 * r * c, 4 * r * c))
+                if i == 0:
+                    ks.append(gemm("grad_weight", c, r, H, dt, dt, acc=fp32))
+                if a > 0:
+                    ks.append(gemm("grad_hidden (FP32)", a, c, H, FP32, FP32, acc=True))
+            if fp32 and i == 0:
+                ks.append(elementwise("grad_weight block -> bf16", 4 * c * H, 2 * c * H))
+        ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * (r1 - r0) * H, 2 * (r1 - r0) * H))
+    return ks
+
+
+def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
+    """``lm_head_loss._forward``'s row chunks: logits and stats, the gradient tile, and
+    ``grad_hidden[chunk]`` in one GEMM (FP32 output on the ``gpu`` plan)."""
+    ks = []
+    for r in splits(T, tiling.forward_rows(budget, T, V)):
+        ks += tile("forward", r, V, H, backward=False)
+        ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
+               gemm("grad_hidden", r, V, H, out=out)]
+    return ks
+
+
+def gif_gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``lm_head_loss``, ``gpu``: 3 GEMMs; each chunk's ``g.t() @ h`` added into an FP32
+    ``[V, H]`` buffer in place (``compat.addmm_fp32_``: ``out_dtype``, ``out=``) in blocks
+    of ``budget / 4H`` columns; the backward scales both FP32 gradients and rounds them."""
+    ks, cols = _gif_chunks(budget, T, H, V, FP32), max(1, min(V, budget // (4 * H)))
+    for r in splits(T, tiling.forward_rows(budget, T, V)):
+        for c in splits(V, cols):
+            ks.append(gemm("grad_weight (out_dtype FP32)", c, r, H, out=FP32, acc=True))
+    n = (T + V) * H
+    scale = elementwise("backward: gradients x g", 4 * n, 4 * n)
+    rounded = elementwise("backward: round to bf16", 4 * n, 2 * n)
+    return ks + [dataclasses.replace(scale, fresh=fresh(4 * T * H) + fresh(4 * V * H)),
+                 dataclasses.replace(rounded, fresh=fresh(2 * T * H) + fresh(2 * V * H))]
+
+
+def gif_two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``lm_head_loss``, ``two_sweeps`` (unit incoming gradient): ``grad_hidden`` in the
+    forward, one vocabulary sweep for ``grad_weight`` in the backward: 4 GEMMs."""
+    ks = _gif_chunks(budget, T, H, V, BF16)
+    for c in splits(V, tiling.sweep_sizes(budget, T, V)[1]):
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H)]
+    return ks + [elementwise("backward: grad_hidden clone", 2 * T * H, 2 * T * H, new=2 * T * H)]
+
+
+BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,
+                                  "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True)}
+GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
+
+
+def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int) -> list[Kernel]:
+    if not H:  # W3: row_stats over the given logits
+        return [elementwise("forward row reduction", 2 * T * V, exps=T * V),
+                elementwise("backward pointwise", 2 * T * V, 2 * T * V, exps=T * V, new=2 * T * V)]
+    if in_forward:
+        return GIF[plan](budget, T, H, V) + _outputs(T, H, V, 4 if plan == "gpu" else 2)
+    return forward_loop(budget, T, H, V) + BACKWARDS[plan](budget, T, H, V) + _outputs(T, H, V, 2)
+
+
+def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
+    """The gradients' own buffers (the loops write them in place: only their allocation
+    costs, where it is ``fresh``)."""
+    return [Kernel("gradient buffers", fresh=fresh(size * T * H) + fresh(size * V * H))]
+
+
+def device_budget(dev: Device) -> int:
+    """The lm_head loop's budget on ``dev`` when none is configured (``tiling.device_budget``)."""
+    fn = getattr(tiling, "device_budget", None)
+    return fn(dev.kind, dev.free_bytes) if fn else 32 * MIB
+
+
+# --- the table --------------------------------------------------------------------------
+
+def parse_plans(text: Optional[str], available: Optional[tuple] = None) -> tuple[list[str], list[str]]:
+    """(plans to model, notes): ``text`` a comma list (None: all modelled); a plan this
+    checkout's ``Config`` does not know (``available``) is left out with a note."""
+    names = [p.strip() for p in (text or ",".join(PLANS)).split(",") if p.strip()]
+    unknown = [p for p in names if p not in PLANS]
+    if unknown:
+        raise ValueError(f"unknown plan(s) {unknown}: the cost model has {', '.join(PLANS)}")
+    if available is None:
+        try:
+            from fx_passes.config import LM_HEAD_PLANS as available
+        except ImportError:
+            available = PLANS
+    notes = [f"plan {p!r}: not in this checkout's Config.lm_head_plan, left out" for p in names
+             if p not in available]
+    return [p for p in names if p in available], notes
+
+
+def cases(plans: list[str]) -> list[tuple[str, Optional[str], bool]]:
+    """(workload, plan or None for W3, gradients in forward) of each table row."""
+    out = [("W3", None, False)]
+    for name in ("W4", "W4L", "WV"):
+        for plan in plans:
+            if plan in GIF:
+                out.append((name, plan, True))
+            out.append((name, plan, False))
+    return out
+
+
+def predict(devices, plans: list[str]) -> list[dict]:
+    """A row per case: each device's stock and ours (ms) and ratio, GEMMs, GB moved, the
+    target and whether it is met (on the last device); ``error`` where a plan's sizes
+    cannot be computed on this checkout (the other rows stand)."""
+    rows = []
+    for name, plan, in_forward in cases(plans):
+        T, H, V, loss = WORKLOADS[name]
+        row = {"workload": name, "plan": plan or "-", "path": _path(H, in_forward)}
+        base = stock(T, H, V, loss)
+        try:
+            for dev in devices:
+                ks = ours(T, H, V, plan, in_forward, device_budget(dev))
+                row[dev.name] = {"stock_ms": 1e3 * step_time(base, dev), "ours_ms": 1e3 * step_time(ks, dev)}
+                row[dev.name]["ratio"] = row[dev.name]["ours_ms"] / row[dev.name]["stock_ms"]
+        except (AttributeError, TypeError, ValueError) as e:  # e.g. a tiling function this checkout lacks
+            rows.append({**row, "error": f"{type(e).__name__}: {e}", "target": None, "met": None})
+            continue
+        row["gemms"] = (full_gemms(ks, T, H, V, BF16), full_gemms(ks, T, H, V, FP32)) if H else (0.0, 0.0)
+        row["gb"] = (moved_bytes(base) / GB, moved_bytes(ks) / GB)
+        bound = TARGETS.get((name, in_forward)) if plan == "gpu" else None
+        row["target"] = bound
+        row["met"] = None if bound is None else row[devices[-1].name]["ratio"] <= bound
+        rows.append(row)
+    return rows
+
+
+def _path(H: int, in_forward: bool) -> str:
+    if not H:
+        return "row_stats"
+    return "loss in graph: grads in forward" if in_forward else "per-token: recompute"
+
+
+def table(rows: list[dict], devices) -> str:
+    names = [d.name for d in devices]
+    head = ["workload", "plan", "path", "GEMMs bf16 / fp32", "GB stock / ours"]
+    head += [f"{n} stock / ours ms" for n in names] + [f"{n} ratio" for n in names] + ["target", ""]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        if "error" in r:
+            cells = [r["workload"], r["plan"], r["path"], f"not modelled: {r['error']}"]
+            lines.append("| " + " | ".join(cells + [""] * (len(head) - 4)) + " |")
+            continue
+        cells = [r["workload"], r["plan"], r["path"], "%.2f / %.2f" % r["gemms"], "%.1f / %.1f" % r["gb"]]
+        cells += ["%.2f / %.2f" % (r[n]["stock_ms"], r[n]["ours_ms"]) for n in names]
+        cells += ["%.2fx" % r[n]["ratio"] for n in names]
+        if r["target"] is None:
+            cells += ["-", ""]
+        else:
+            cells += [f"<= {r['target']}x ({names[-1]})", "met" if r["met"] else "**not met**"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def describe(dev: Device) -> str:
+    rates = (f"bf16 {dev.flops[BF16] / 1e12:.3g} TFLOPS, FP32 {dev.flops[FP32] / 1e12:.3g} TFLOPS, "
+             f"{dev.bandwidth / 1e12:.3g} TB/s, exp {dev.exps / 1e12:.3g} T/s")
+    if math.isfinite(dev.first_touch):
+        rates += f", first touch {dev.first_touch / 1e9:.3g} GB/s"
+    return (f"{dev.name}: {rates}, {dev.launch_s * 1e6:.0f} us a kernel, chunk budget "
+            f"{device_budget(dev) / MIB:.0f} MiB ({dev.source})")
+
+
+def report(plans_text: Optional[str] = None) -> str:
+    """The H100 / H200 table as Markdown, with its assumptions (what gpu_check prints)."""
+    plans, notes = parse_plans(plans_text)
+    rows = predict(DEVICES, plans)
+    out = ["Predicted (a model, not a measurement: benchmarks/cost_model.py), ratio = ours / stock:", ""]
+    out += [table(rows, DEVICES), ""] + [f"* {describe(d)}" for d in DEVICES]
+    out += [f"* note: {n}" for n in notes]
+    return "\n".join(out)
+
+
+def what_ifs(dev: Device = DEVICES[-1]) -> str:
+    """The ``gpu`` plan's loss path as built, and with ``grad_weight`` one GEMM (no FP32
+    accumulator traffic) and the backward's scaling free; both paths at a 32 MiB budget
+    instead of the device's."""
+    lines = [f"What-ifs on the {dev.name}, ours / stock:"]
+    for name in ("W4", "WV"):
+        T, H, V, loss = WORKLOADS[name]
+        base, built = step_time(stock(T, H, V, loss), dev), ours(T, H, V, "gpu", True, device_budget(dev))
+        floor = [k for k in built if "backward" not in k.what and "grad_weight" not in k.what]
+        small = [step_time(ours(T, H, V, "gpu", gif, 32 * MIB), dev) / base for gif in (True, False)]
+        best = step_time(floor + [gemm("grad_weight", V, T, H)], dev) / base
+        lines.append(f"* {name}: loss in graph as built {step_time(built, dev) / base:.2f}x, grad_weight one "
+                     f"GEMM and the scaling free {best:.2f}x; at 32 MiB: loss in graph {small[0]:.2f}x, "
+                     f"per-token {small[1]:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plans", default=None, help=f"comma list of {', '.join(PLANS)} (default: all)")
+    p.add_argument("--calibrate", action="store_true", help="measure this CPU; predicted vs measured W3, W4")
+    p.add_argument("--measured", default="bench_out/results.csv",
+                   help="run.py's CSV with W3 and W4 timed (or 'W3=0.58,W4=1.34')")
+    p.add_argument("--plan-ran", default="two_sweeps", help="the lm_head plan the measured W4 ran")
+    p.add_argument("--gif-ran", action="store_true", help="the measured W4 took the grads-in-forward path")
+    p.add_argument("--audit", action="store_true", help="recorded vs modelled GEMMs, W4 and WV at small size")
+    p.add_argument("--what-if", action="store_true", help="the gpu plan's loss path without its overheads")
+    args = p.parse_args(argv)
+    if args.calibrate or args.audit:
+        from benchmarks import cost_calibrate
+        if args.audit:
+            cost_calibrate.audit(parse_plans(args.plans)[0], echo=lambda line: print(line, flush=True))
+        if args.calibrate:
+            print(cost_calibrate.calibrate(args.measured, args.plan_ran, args.gif_ran))
+        return 0
+    print(report(args.plans))
+    if args.what_if:
+        print("\n" + what_ifs())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

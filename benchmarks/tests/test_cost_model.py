@@ -1,0 +1,173 @@
+"""The GPU cost model's arithmetic, plans and table (benchmarks/cost_model.py): no timing."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks import cost_calibrate
+from benchmarks import cost_model as cm
+from fx_passes.kernels import tiling
+from fx_passes.testing.gemms import cpu_out_dtype_kernels, recording
+
+# a device where only GEMMs cost: 1 TFLOP/s bf16, 0.1 FP32, no launch overhead
+GEMM_ONLY = cm.Device("toy", {cm.BF16: 1e12, cm.FP32: 1e11}, 1e30, 1e30, 0.0, 0, "cpu", "test")
+T, H, V = 512, 64, 1024
+
+
+def test_stock_is_three_full_gemms_and_their_time():
+    ks = cm.stock(T, H, V, "ce")
+    assert cm.full_gemms(ks, T, H, V) == 3
+    assert cm.step_time(ks, GEMM_ONLY) == pytest.approx(3 * 2 * T * H * V / 1e12)
+
+
+def test_stock_bytes_token_logprobs_and_cross_entropy():
+    # log-probs: GEMM io (3 of them), 2 TV forward, 4 TV zero-fill, 6 TV read + 2 TV written backward
+    gemm_io = 3 * 2 * (T * H + H * V + T * V)
+    assert cm.moved_bytes(cm.stock(T, H, V, "logprob")) == gemm_io + 14 * T * V
+    assert cm.moved_bytes(cm.stock(T, H, V, "ce")) == gemm_io + 6 * T * V
+    assert cm.moved_bytes(cm.stock(T, 0, V, "logprob")) == 14 * T * V  # W3: the logits are an input
+
+
+def test_kernel_time_is_a_roofline_plus_launches():
+    dev = cm.Device("d", {cm.BF16: 10.0, cm.FP32: 1.0}, 100.0, 1000.0, 0.5, 0, "cpu", "test")
+    assert cm.kernel_time(cm.Kernel("g", flops=50, bytes=100), dev) == pytest.approx(5 + 0.5)  # compute
+    assert cm.kernel_time(cm.Kernel("g", flops=50, bytes=900, n=2), dev) == pytest.approx(2 * (9 + 0.5))
+    assert cm.kernel_time(cm.Kernel("g", flops=5, dtype=cm.FP32), dev) == pytest.approx(5.5)
+    assert cm.kernel_time(cm.Kernel("e", exps=4000), dev) == pytest.approx(4.5)
+
+
+def test_gemm_moves_operands_and_output_once():
+    assert cm.gemm("x", 2, 3, 4).bytes == 2 * (6 + 12 + 8)
+    assert cm.gemm("x", 2, 3, 4, out=cm.FP32, acc=True).bytes == 2 * 18 + 4 * 8 * 2
+    assert cm.gemm("x", 2, 3, 4, cm.FP32, cm.FP32).flops == 2 * 2 * 3 * 4
+
+
+@pytest.mark.parametrize("plan, in_forward, bf16, fp32", [
+    ("gpu", False, 4, 0), ("gpu", True, 3, 0), ("two_sweeps", False, 5, 0), ("two_sweeps", True, 4, 0),
+    ("blocks", False, 3, 1), ("fp32_tiles", False, 1, 3),
+])
+def test_full_gemm_equivalents_per_plan(plan, in_forward, bf16, fp32):
+    ks = cm.ours(T, H, V, plan, in_forward, 32 * cm.MIB)  # one accumulator group at this T
+    assert cm.full_gemms(ks, T, H, V, cm.BF16) == pytest.approx(bf16)
+    assert cm.full_gemms(ks, T, H, V, cm.FP32) == pytest.approx(fp32)
+
+
+def test_long_rows_take_more_sweeps_in_the_accumulating_plans():
+    budget, n = 32 * cm.MIB, 16384  # W4L's T: 4 groups of 4096 rows
+    assert tiling.accumulator_rows(budget, n, 1024) == 4096
+    ks = cm.ours(n, 1024, 32768, "blocks", False, budget)
+    assert cm.full_gemms(ks, n, 1024, 32768) == pytest.approx(4 + 3 / 4)  # groups 2-4 recompute their rows
+
+
+def _shapes(gemms) -> collections.Counter:
+    return collections.Counter((g.m, g.k, g.n, str(g.in_dtype).split(".")[-1].replace("bfloat16", "bf16")
+                                .replace("float32", "fp32")) for g in gemms)
+
+
+@pytest.mark.parametrize("plan", ["gpu", "two_sweeps"])
+def test_backward_gemms_match_the_loops_recorded(plan):
+    """The modelled backward of each plan against its loop run eagerly (bf16, tiny)."""
+    from fx_passes.kernels import lm_head
+    loops = {"two_sweeps": lm_head.two_sweeps}
+    if plan == "gpu":
+        gpu_plan = pytest.importorskip("fx_passes.kernels.gpu_plan")
+        loops["gpu"] = gpu_plan.out_dtype_blocks
+    t, h, v, budget = 96, 16, 200, 8192
+    hidden, weight = torch.randn(t, h, dtype=torch.bfloat16), torch.randn(v, h, dtype=torch.bfloat16)
+    tile = lambda t0, t1, v0, v1: torch.mm(hidden[t0:t1], weight[v0:v1].t())  # noqa: E731 (the recompute)
+    with cpu_out_dtype_kernels(), recording() as got:
+        loops[plan](hidden, weight, budget, tile, torch.empty_like(hidden), torch.empty_like(weight))
+    modelled = [k for k in cm.BACKWARDS[plan](budget, t, h, v) if k.flops]
+    want = collections.Counter()
+    for k in modelled:
+        want[(*k.shape, k.dtype)] += k.n
+    assert _shapes(got) == want
+
+
+def test_parse_plans():
+    assert cm.parse_plans(None, cm.PLANS) == (list(cm.PLANS), [])
+    assert cm.parse_plans(" gpu, two_sweeps", cm.PLANS) == (["gpu", "two_sweeps"], [])
+    plans, notes = cm.parse_plans("gpu,blocks", ("auto", "blocks"))  # a checkout without "gpu"
+    assert plans == ["blocks"] and len(notes) == 1 and "'gpu'" in notes[0]
+    with pytest.raises(ValueError, match="unknown plan"):
+        cm.parse_plans("gpu,fastest")
+
+
+def test_table_has_every_case_targets_and_sources():
+    rows = cm.predict(cm.DEVICES, ["gpu", "two_sweeps"])
+    assert [(r["workload"], r["plan"], r["path"].split(":")[0]) for r in rows][:4] == [
+        ("W3", "-", "row_stats"), ("W4", "gpu", "loss in graph"), ("W4", "gpu", "per-token"),
+        ("W4", "two_sweeps", "loss in graph")]
+    assert len(rows) == 1 + 3 * 4
+    judged = {(r["workload"], r["path"].split(":")[0]): r["met"] for r in rows if r["target"] is not None}
+    assert set(judged) == {("W4", "loss in graph"), ("W4", "per-token"), ("WV", "loss in graph"),
+                           ("WV", "per-token")}
+    text = cm.report("gpu")
+    assert "not a measurement" in text and "H100 SXM" in text and "H200 SXM" in text
+    assert "3.35 TB/s" in text and "4.8 TB/s" in text and "989 TFLOPS" in text and "datasheet" in text
+    assert text.count("\n| W") == 1 + 3 * 2
+    assert ("**not met**" in text) or ("| met |" in text)
+
+
+def test_a_ratio_is_met_only_under_its_bound():
+    rows = cm.predict(cm.DEVICES, ["gpu"])
+    for r in rows:
+        if r["target"] is not None:
+            assert r["met"] == (r["H200 SXM"]["ratio"] <= r["target"])
+
+
+def test_measured_ratios_from_a_spec_or_run_csv(tmp_path):
+    assert cost_calibrate.measured_ratios("W3=0.5, W4=1.25") == {"W3": (0.5, 2048), "W4": (1.25, 4096)}
+    path = tmp_path / "r.csv"
+    path.write_text("workload,mode,time_T,t_ratio_vs_stock\nW3,inductor,2048,1.0\nW3,chunked_logits,2048,0.6\n"
+                    "W4,chunked_logits,512,1.3\n")
+    assert cost_calibrate.measured_ratios(str(path)) == {"W3": (0.6, 2048), "W4": (1.3, 512)}
+
+
+def test_devices_are_frozen_and_stated():
+    for dev in cm.DEVICES:
+        assert dataclasses.is_dataclass(dev) and dev.source
+        assert dev.flops[cm.BF16] == 989e12 and dev.flops[cm.FP32] == 67e12
+
+
+def test_gpu_check_prints_the_table_or_why_not(monkeypatch):
+    from benchmarks import gpu_check, gpu_report
+    text = gpu_check.predicted()
+    assert text.startswith("Predicted") and "| WV | gpu |" in text
+    monkeypatch.setattr(cm, "report", lambda: (_ for _ in ()).throw(KeyError("gpu")))
+    assert gpu_check.predicted().startswith("(no prediction: the cost model failed: KeyError")
+    summary = {"meta": {"date": "d", "device": "H200", "torch": "2.11", "triton": "3", "source": "s",
+                        "command": "c", "dry_run": False},
+               "tests": {"summary": "ok"}, "rows": [], "cases": [], "targets": [], "notes": [],
+               "prediction": text}
+    page = gpu_report.markdown(summary)
+    assert "## Predicted by the cost model (not measured here)" in page and text in page
+
+
+def test_first_touch_counts_only_buffers_a_cpu_maps_fresh():
+    t, v = 2048, 32768  # W3: stock's FP32 zero-fill (256 MiB) and bf16 gradient (128 MiB); ours the gradient
+    assert sum(k.fresh for k in cm.stock(t, 0, v, "logprob")) == 6 * t * v
+    assert sum(k.fresh for k in cm.ours(t, 0, v, None, False, 32 * cm.MIB)) == 2 * t * v
+    assert cm.fresh(32 * cm.MIB) == 0 and cm.fresh(32 * cm.MIB + 1) == 32 * cm.MIB + 1
+    cpu = dataclasses.replace(GEMM_ONLY, first_touch=1e9)
+    assert cm.step_time(cm.stock(t, 0, v, "logprob"), cpu) == pytest.approx(6 * t * v / 1e9)
+    assert cm.step_time(cm.stock(t, 0, v, "logprob"), GEMM_ONLY) == pytest.approx(0.0)  # a GPU: reused
+
+
+def test_a_plan_this_checkout_cannot_size_is_one_row_saying_so(monkeypatch):
+    monkeypatch.delattr(tiling, "gpu_block_cols")  # an older tiling
+    rows = cm.predict(cm.DEVICES, ["gpu", "two_sweeps"])
+    bad = [r for r in rows if "error" in r]
+    assert [(r["workload"], r["path"].split(":")[0]) for r in bad] == [
+        ("W4", "per-token"), ("W4L", "per-token"), ("WV", "per-token")]
+    assert "gpu_block_cols" in bad[0]["error"] and len(rows) == 1 + 3 * 4
+    assert "not modelled: AttributeError" in cm.table(rows, cm.DEVICES)
+
+
+def test_what_ifs_name_both_lm_head_workloads():
+    text = cm.what_ifs()
+    assert text.count("\n* ") == 2 and "* W4: loss in graph as built" in text and "at 32 MiB" in text
