@@ -1,7 +1,11 @@
 """What rewritten graphs call at run time: ``stats`` (``row_stats``, the fused per-row
 log-softmax statistics), ``lm_head`` (the lm_head chunk loop and its backward), ``bodies``
-(its per-chunk bodies), ``tiling`` (chunk sizes and backward plans), ``graph_bodies`` and
-``shard_lm_head`` (vocab-parallel stage bodies and their lm_head loop).  Kernels know no
+(its per-chunk bodies), ``tiling`` (chunk sizes and backward plans), ``gpu_plan`` (the
+``"gpu"`` backward: model-precision GEMMs, FP32 sums through ``out_dtype``),
+``lm_head_loss`` (the lm_head loop that also computes the gradients in the forward when
+the loss is in the graph), ``row_local`` (a row-local region's loop over row chunks),
+``graph_bodies`` and ``shard_lm_head`` (bodies made of the user's own ops, for
+vocab-parallel stages and row-local regions, and the vocab-parallel lm_head loop).  Kernels know no
 graph matching.
 
 May import: fx (no graph of the user's), reporting, config, env, compat."""
