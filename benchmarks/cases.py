@@ -2,9 +2,11 @@
 
 A *mode* is how the workload function runs: eagerly, under stock Inductor, under
 Inductor with its AutoChunker, or under the ``chunked_logits`` backend (static or
-``dynamic=True``).  Each mode compiles its own copy of the function (a fresh code
-object), so Dynamo keeps one cache per mode and modes interleaved in one process
-never reuse each other's compiled graphs.
+``dynamic=True``); or, for a *peer* mode, another implementation of the same loss
+(torch's ``F.linear_cross_entropy``, benchmarks/baselines.py), eager or compiled.  Each
+mode compiles its own copy of the function (a fresh code object), so Dynamo keeps one
+cache per mode and modes interleaved in one process never reuse each other's compiled
+graphs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import baselines  # noqa: E402
 from fx_passes.testing.workloads import (  # noqa: E402, F401 (run.py reads WORKLOADS here)
     ALL_WORKLOADS,
     WORKLOADS,
@@ -42,6 +45,7 @@ MODES = {
     "chunked_logits_dyn": 'torch.compile(backend="chunked_logits", dynamic=True)',
     "chunked_logits_up": 'torch.compile(backend="chunked_logits", options={"upgrade_low_precision": True})',
     "chunked_logits_up_dyn": "the same with dynamic=True",
+    **baselines.PEERS,  # torch_lce, torch_lce_compiled: WV only
 }
 UPGRADE_OPTIONS = {"upgrade_low_precision": True}
 
@@ -54,7 +58,8 @@ def default_modes(name: str) -> list[str]:
     """
     if ALL_WORKLOADS[name].upgrade:
         return ["eager", "inductor", "chunked_logits", "chunked_logits_up", "chunked_logits_up_dyn"]
-    return [m for m in MODES if not m.startswith("chunked_logits_up")]
+    ours = [m for m in MODES if not m.startswith("chunked_logits_up") and m not in baselines.PEERS]
+    return ours + baselines.peers_for(name)
 
 
 STOCK = "inductor"
@@ -102,9 +107,9 @@ def _autochunk_backend(gm, example_inputs):
 def compile_mode(fn: Callable, mode: str) -> Callable:
     """``fn`` as it runs in ``mode`` (compiled lazily, on the first call)."""
     f = _fresh(fn)
-    if mode == "eager":
+    if mode in ("eager", "torch_lce"):
         return f
-    if mode == "inductor":
+    if mode in ("inductor", "torch_lce_compiled"):
         return torch.compile(f, backend="inductor")
     if mode == "autochunk":
         return torch.compile(f, backend=_autochunk_backend)
@@ -119,9 +124,11 @@ def compile_mode(fn: Callable, mode: str) -> Callable:
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
 
 
-def sizes(name: str, scale: int = 1) -> tuple[int, int]:
-    """(T, V) of workload ``name``: the issue's full size divided by ``scale``."""
+def sizes(name: str, scale: int = 1, rows: int | None = None, vocab: int | None = None) -> tuple[int, int]:
+    """(T, V) of workload ``name``: the issue's full size divided by ``scale``; ``rows``
+    and ``vocab``, when given, replace T and V (before the division)."""
     T, V = ALL_WORKLOADS[name].full_size
+    T, V = rows or T, vocab or V
     return max(T // scale, 1), max(V // scale, 2)
 
 
@@ -151,10 +158,13 @@ class Case:
 
 
 def make_case(name: str, mode: str, T: int, V: int, inputs: tuple | None = None) -> Case:
-    """The setup factory: pass ``inputs`` to share one set of inputs between modes."""
+    """The setup factory: pass ``inputs`` to share one set of inputs between modes.
+    A peer mode runs its own function of the workload's inputs; the workload's stays
+    the reference (its FP64 run gives the errors)."""
     w = ALL_WORKLOADS[name]
     inputs = make_inputs(name, T, V) if inputs is None else inputs
-    return Case(name, mode, T, V, w, compile_mode(w.fn, mode), inputs)
+    fn = baselines.peer_fn(mode, name) if mode in baselines.PEERS else w.fn
+    return Case(name, mode, T, V, w, compile_mode(fn, mode), inputs)
 
 
 def limit_bytes(name: str, T: int, V: int) -> int:

@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/run.py --scale 8 --workloads W1,W3
     .venv/bin/python benchmarks/run.py --workloads U1,U2,U3   # the FP32 upgrade (issue 6)
     .venv/bin/python benchmarks/run.py --workloads W4L --steps 3   # W4 at long T (issue 3)
+    .venv/bin/python benchmarks/run.py --workloads WV --vocab 32768 --rows 256,1024,4096 \
+        --modes inductor,chunked_logits,torch_lce,torch_lce_compiled --plot   # peers, against T
 
 The parent process only orchestrates: every memory case (workload, mode) runs in a
 fresh child process (``--case W3 --mode chunked_logits``), and the timing of each
@@ -26,7 +28,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import baselines, plot, report  # noqa: E402
 from benchmarks.cases import (  # noqa: E402
     ALL_WORKLOADS,
     LM_HEAD_WORKLOADS,
@@ -56,7 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first compiles)")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--rows", default=None,
+                   help="comma list of T values, each its own set of cases (default: the workload's T)")
+    p.add_argument("--vocab", type=int, default=0, help="V instead of the workload's (before --scale)")
     p.add_argument("--csv", default="bench_out/results.csv", help="where to write the CSV")
+    p.add_argument("--plot", action="store_true",
+                   help="also write memory and step time against T as a PNG next to the CSV (matplotlib)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child process")
     p.add_argument("--time-rows-div", type=int, default=0,
@@ -71,13 +78,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workloads = parse_names(args.workloads, ALL_WORKLOADS)
     args.modes = parse_names(args.modes, MODES) if args.modes else None
     args.time_modes = parse_names(args.time_modes, MODES) if args.time_modes else None
+    args.rows = [int(t) for t in args.rows.split(",") if t.strip()] if args.rows else []
     return args
 
 
 def modes_of(args, name: str) -> tuple[list[str], list[str]]:
-    """(memory modes, time modes) of workload ``name``."""
-    modes = args.modes or default_modes(name)
-    return modes, args.time_modes or modes
+    """(memory modes, time modes) of workload ``name``, less the peers that cannot run."""
+    skip = dict(skipped_modes(args, name))
+    modes = [m for m in args.modes or default_modes(name) if m not in skip]
+    return modes, [m for m in args.time_modes or modes if m not in skip]
+
+
+def skipped_modes(args, name: str) -> list[tuple[str, str]]:
+    """(peer mode, why) for each requested peer mode that cannot run on workload ``name``:
+    it computes another loss, or this torch has no ``F.linear_cross_entropy``."""
+    asked = dict.fromkeys([*(args.modes or default_modes(name)), *(args.time_modes or [])])
+    out = []
+    for mode in (m for m in asked if m in baselines.PEERS):
+        if mode not in baselines.peers_for(name):
+            out.append((mode, f"computes only {', '.join(baselines.PEER_WORKLOADS)}'s loss"))
+        elif why := baselines.peer_unavailable():
+            out.append((mode, why))
+    return out
+
+
+def case_sizes(args, name: str, rows: int | None = None) -> tuple[int, int]:
+    """(T, V) of a case: ``rows`` (one of --rows; in a child, the one it was given) and --vocab."""
+    return sizes(name, args.scale, rows or (args.rows[0] if args.rows else None), args.vocab or None)
 
 
 def parse_names(text: str, known) -> list[str]:
@@ -96,7 +123,7 @@ def memory_child(args) -> dict:
     from benchmarks.cases import errors, make_case, pass_report
     from benchmarks.memory import hwm, release, reset_peak, rss
 
-    T, V = sizes(args.case, args.scale)
+    T, V = case_sizes(args, args.case)
     case = make_case(args.case, args.mode, T, V)
     for _ in range(args.warmup):
         out = case.step()
@@ -140,7 +167,7 @@ def time_child(args) -> dict:
     """Interleaved step times of every mode on shared inputs.  With --report (the memory
     runs, which compute them, were skipped) also the errors and what each compile did."""
     from benchmarks.cases import errors, make_case, make_inputs
-    T, V = sizes(args.time, args.scale)
+    T, V = case_sizes(args, args.time)
     T = max(1, T // time_rows_div(args, args.time))
     inputs = make_inputs(args.time, T, V)
     cases, compiled, failed = [], {}, {}
@@ -203,20 +230,24 @@ def cpu_line() -> str:
             f"(lm_head backward plan: {_plan()})")
 
 
-def child_main(args) -> None:
+def child_result(args) -> dict:
+    """What a child process measures: one memory case (--case) or one timing (--time)."""
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    result = memory_child(args) if args.case else time_child(args)
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    return memory_child(args) if args.case else time_child(args)
+
+
+def child_main(args) -> None:
+    print(RESULT_TAG + json.dumps(child_result(args)), flush=True)
 
 
 # --- parent -----------------------------------------------------------------------
 
-def spawn(args, extra: list[str], env_extra: dict | None = None) -> dict:
-    """Run this script as a child with ``extra`` arguments; its result dict or an error."""
-    cmd = [sys.executable, __file__, "--scale", str(args.scale), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--threads", str(args.threads), *extra]
+def spawn(args, extra: list[str], env_extra: dict | None = None, rows: int | None = None) -> dict:
+    """Run this script as a child with ``extra`` arguments (at T ``rows``, when given);
+    its result dict or an error."""
+    cmd = [sys.executable, __file__, *child_argv(args, extra, rows)]
     # the package's switches (CHUNKED_LOGITS=1 puts the pass into stock Inductor,
     # CHUNKED_LOGITS_DISABLE=1 takes it out of the backend) are kept away from the children
     env = without_ours(**(env_extra or {}))
@@ -230,6 +261,13 @@ def spawn(args, extra: list[str], env_extra: dict | None = None) -> dict:
     return {"error": f"exit {proc.returncode}: {_error_line(proc.stderr)}"}
 
 
+def child_argv(args, extra: list[str], rows: int | None = None) -> list[str]:
+    """The command line of a child: the parent's settings, the case's T, then ``extra``."""
+    return ["--scale", str(args.scale), "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--threads", str(args.threads), "--vocab", str(args.vocab),
+            *(["--rows", str(rows)] if rows else []), *extra]
+
+
 def _error_line(stderr: str) -> str:
     """The exception line of a child's traceback (else its last line)."""
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()] or ["(no output)"]
@@ -239,21 +277,23 @@ def _error_line(stderr: str) -> str:
     return lines[-1][:300]
 
 
-def run_memory(args, name: str, rows: dict) -> None:
+def run_memory(args, name: str, t: int | None, rows: dict) -> None:
+    T = case_sizes(args, name, t)[0]
     for mode in modes_of(args, name)[0]:
         t0 = time.time()
-        res = spawn(args, ["--case", name, "--mode", mode], MALLOC_ENV)
-        rows[(name, mode)].update(res)
+        res = spawn(args, ["--case", name, "--mode", mode], MALLOC_ENV, t)
+        rows[(name, T, mode)].update(res)
         what = res.get("error") or f"peak {res['peak_mib']:.1f} MiB"
         print(f"  memory {name} {mode:<19} {what}  ({time.time() - t0:.0f} s)", flush=True)
 
 
-def run_time(args, name: str, rows: dict) -> None:
+def run_time(args, name: str, t: int | None, rows: dict) -> None:
     t0 = time.time()
+    T = case_sizes(args, name, t)[0]
     time_modes = modes_of(args, name)[1]
     extra = ["--time", name, "--time-modes", ",".join(time_modes), "--time-rows-div",
              str(time_rows_div(args, name))]
-    res = spawn(args, extra + (["--report"] if args.skip_memory else []))
+    res = spawn(args, extra + (["--report"] if args.skip_memory else []), rows=t)
     if "error" in res and len(res) == 1:
         res = {m: dict(res) for m in time_modes}
     gemm = res.pop("gemm_ms", None)
@@ -264,7 +304,7 @@ def run_time(args, name: str, rows: dict) -> None:
     for mode, r in res.items():
         if stock and "t_median_ms" in r:
             r["t_ratio_vs_stock"] = r["t_median_ms"] / stock
-        rows[(name, mode)].update(r, time_T=sizes(name, args.scale)[0] // time_rows_div(args, name))
+        rows[(name, T, mode)].update(r, time_T=T // time_rows_div(args, name))
     print(f"  time   {name} all modes interleaved  ({time.time() - t0:.0f} s)", flush=True)
 
 
@@ -313,16 +353,22 @@ def parent_main(args) -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
     rows: dict = {}
     for name in args.workloads:
-        T, V = sizes(name, args.scale)
-        for mode in dict.fromkeys(sum(modes_of(args, name), [])):
-            rows[(name, mode)] = {"workload": name, "mode": mode, "T": T, "V": V,
-                                  "limit_mib": limit_bytes(name, T, V) / MIB}
-        print(f"{name}: T={T} V={V}", flush=True)
-        if not args.skip_memory:
-            run_memory(args, name, rows)
-        if not args.skip_time:
-            run_time(args, name, rows)
+        for mode, why in skipped_modes(args, name):
+            print(f"{name}: {mode} skipped: {why}", flush=True)
+        for t in args.rows or [None]:
+            T, V = case_sizes(args, name, t)
+            for mode in dict.fromkeys(sum(modes_of(args, name), [])):
+                rows[(name, T, mode)] = {"workload": name, "mode": mode, "T": T, "V": V,
+                                         "limit_mib": limit_bytes(name, T, V) / MIB}
+            print(f"{name}: T={T} V={V}", flush=True)
+            if not args.skip_memory:
+                run_memory(args, name, t, rows)
+            if not args.skip_time:
+                run_time(args, name, t, rows)
+            report.write_csv(list(rows.values()), args.csv)  # so far: a long sweep cut short keeps it
     report.finish(list(rows.values()), args.csv)
+    if args.plot:
+        plot.write_plot(args.csv)
     if source_version() != version:
         print(f"WARNING: fx_passes changed during the run (now {source_version()}): rerun", flush=True)
 
