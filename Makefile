@@ -28,22 +28,20 @@ ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_up
 	tests/test_declines.py tests/test_codegen.py tests/test_batch_invariance.py tests/test_examples.py
 
 # Two pytest workers (pytest-xdist): most of a test's time is Dynamo and Inductor
-# compiling, on one core, so two workers take about half the time on two cores; one ATen
-# thread each, so that they do not oversubscribe the cores (the numerics tests compare
-# with stock Inductor in the same process, whatever the thread count).
-PARALLEL := OMP_NUM_THREADS=1
+# compiling, on one core, so two workers share two cores well.  Each keeps torch's
+# default thread count: the batch-invariance tests need Inductor's parallel reductions.
 WORKERS := -n 2
 
 # Lint, the whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs
 # them (x86-64 only: elsewhere there is no AVX2 to emulate).
 test: lint
-	$(PARALLEL) $(BIN)/python -m pytest -q $(WORKERS)
+	$(BIN)/python -m pytest -q $(WORKERS)
 ifeq ($(shell uname -m),x86_64)
-	$(PARALLEL) $(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"
+	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"
 endif
 
 test-avx2: setup
-	$(PARALLEL) $(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"
+	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"
 
 # the property suite's deep profile (minutes, not run by CI)
 test-long: setup

@@ -33,6 +33,7 @@ from fx_passes.config import Config
 from fx_passes.fx.graph_ops import canon
 from fx_passes.kernels.compiler import compiling_with
 from fx_passes.kernels.lm_head import lm_head_row_stats
+from fx_passes.kernels.lm_head_loss import lm_head_loss
 from fx_passes.kernels.stats import row_stats
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER, Reason
@@ -756,11 +757,14 @@ def pass_counters() -> dict[str, int]:
 
 
 def assert_rewritten_graph(gm: torch.fx.GraphModule, case: Case) -> None:
-    """A rewritten graph keeps no FP32 upcast and no softmax-like op: only row_stats calls."""
+    """A rewritten graph keeps no FP32 upcast and no softmax-like op: only row_stats calls
+    (or lm_head loop calls, which compute the loss and its gradients in the forward when
+    the loss is in the graph: ``lm_head_loss``)."""
+    fused_ops = (lm_head_row_stats, lm_head_loss)
     n_stats = sum(1 for n in gm.graph.nodes if n.op == "call_function"
-                  and n.target in (row_stats, lm_head_row_stats))
+                  and n.target in (row_stats, *fused_ops))
     assert n_stats == case.expected_counters()["rewritten"], gm.code
-    fused = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is lm_head_row_stats)
+    fused = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in fused_ops)
     assert fused == (1 if case.lm_head_fused else 0), gm.code
     heads = {"log_softmax", "softmax", "logsumexp", "cross_entropy", "nll_loss"}
     left = [n.format_node() for n in gm.graph.nodes if canon(n) in heads]

@@ -15,20 +15,30 @@ from tests.codegen import allocations, full_fp32_buffers, step_codes
 T, V = 256, 4096  # small enough for CPU CI, distinct so [T, V] is recognisable
 
 
-def _codes(name, backend, dynamic):
+def _codes(name, backend, dynamic, **options):
     w = WORKLOADS[name]
-    return step_codes(w, torch.compile(w.fn, backend=backend, dynamic=dynamic), w.make(T, V))
+    extra = {"options": options} if options else {}
+    compiled = torch.compile(w.fn, backend=backend, dynamic=dynamic, **extra)
+    return step_codes(w, compiled, w.make(T, V))
+
+
+# W4 twice: its loss is in the graph, so by default the loop computes the gradients in
+# the forward (kernels/lm_head_loss.py); without that, the recomputing backward (kernels/lm_head.py)
+CASES = [*sorted(WORKLOADS), "W4-recompute"]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
-def test_no_full_size_fp32_buffer(name, dynamic):
-    codes = _codes(name, "chunked_logits", dynamic)
+@pytest.mark.parametrize("case", CASES)
+def test_no_full_size_fp32_buffer(case, dynamic):
+    name = case.split("-")[0]
+    options = {"gradients_in_forward": False} if case.endswith("-recompute") else {}
+    codes = _codes(name, "chunked_logits", dynamic, **options)
     assert counters["chunked_logits"]["rewritten"] == 1
     if name == "W4":
+        assert counters["chunked_logits"]["gradients_in_forward"] == (0 if options else 1)
         # the lm_head loop bodies (one row chunk / vocabulary block each, sized by the
         # budget) are compiled on first use too; the outer graph is what calls the op
-        codes = [c for c in codes if "torch.ops.chunked_logits.lm_head_stats" in c]
+        codes = [c for c in codes if "torch.ops.chunked_logits.lm_head_" in c]
     assert len(codes) == (2 if WORKLOADS[name].train else 1)  # forward (+ backward)
     assert full_fp32_buffers(codes, T, V) == []
 
