@@ -314,12 +314,15 @@ def time_floor_line(name: str, gemm: float, stock: float) -> str | None:
     A backward that never stores the logits computes them again, and with bf16 GEMMs
     (each rounds its own output, so each must hold whole sums) it needs one pass whose
     GEMMs hold whole rows and one whose GEMMs hold whole vocabulary blocks: five in all
-    (``tiling.backward_plan``).  Elsewhere (FP32 GEMMs) no floor is printed."""
+    (``tiling.backward_plan``); four when the loss is in the graph and the forward
+    computes ``grad_hidden`` (``Config.gradients_in_forward``: W4, W4L, WV).  Elsewhere
+    (FP32 GEMMs) no floor is printed."""
     if _plan() != "two_sweeps":
         return None
     return (f"  floor  {name}: one [T, H] x [H, V] bf16 GEMM {gemm:.0f} ms, stock's step {stock:.0f} ms "
-            f"(3 GEMMs + {stock - 3 * gemm:.0f} ms); two_sweeps runs 5, "
-            f"about {5 * gemm / stock:.2f}x stock's step in GEMMs alone")
+            f"(3 GEMMs + {stock - 3 * gemm:.0f} ms); two_sweeps runs 4 with the gradients in the "
+            f"forward (5 without), about {4 * gemm / stock:.2f}x ({5 * gemm / stock:.2f}x) stock's step "
+            "in GEMMs alone")
 
 
 def _plan() -> str:

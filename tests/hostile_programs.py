@@ -2,7 +2,8 @@
 
 A program is one region written as a list of statements (:data:`REGIONS`: plain logits,
 two row-local regions (issue 21: a top-k masked log-prob; a label-smoothed CE reduced
-over the rows plus a z-loss), the lm_head matmul in the graph, the lm_head whose logits
+over the rows plus a z-loss), the lm_head matmul in the graph (per-token results; a loss
+the graph reduces, whose gradients the fused loop computes in the forward), the lm_head whose logits
 the graph also returns, a vocab-parallel region on a one-rank group) with one *state change* put into it
 (:data:`CHANGES`): a statement inserted at a slot, or a run of the region's statements
 wrapped in a ``with`` block.  Every slot and every run from the region's first absorbed
@@ -68,6 +69,16 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
         "ent = -(lp.exp() * lp).sum(-1)",
     ], "picked, ent", 2),
+    # the loss in the graph: the gradients computed in the forward (issue 22, kernels/lm_head_loss.py)
+    "loss": ("h, w, tok", [
+        "h = h * 1",
+        "w = w * 1",
+        "logits = h @ w.T",
+        "z = logits.to(up)",
+        "lp = torch.log_softmax(z, -1)",
+        "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
+        "loss = -(picked * torch.linspace(-1, 1, picked.shape[0], dtype=picked.dtype)).mean()",
+    ], "loss", 2),
     "returned": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
@@ -117,6 +128,7 @@ _APPLIES = {
     "topk": _X_CHANGES,
     "smoothing": _X_CHANGES,
     "lm_head": _LM_CHANGES,
+    "loss": _LM_CHANGES,
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
 }
