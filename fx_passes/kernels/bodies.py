@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from .compiler import compile_body
 from .stats import grad_of_logits, stats_of_logits
 
-__all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms"]
+__all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms",
+           "transformed", "grad_through_transforms"]
 
 
 def compiled(fn):
@@ -56,11 +57,24 @@ def _logits(h, w, b, dtype: torch.dtype, transforms: str) -> tuple[torch.Tensor,
     the model dtype, as the unfused graph stores it; the transforms run in FP32 on it with
     no rounding between them, as stock Inductor's fused kernel computes them (rounding
     each to bf16, as eager does, would be less accurate than the stock compiled path)."""
-    x = F.linear(h, w, b).to(dtype)
-    outs = []
+    return transformed(F.linear(h, w, b).to(dtype), transforms)
+
+
+def transformed(x: torch.Tensor, transforms: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The model-precision logits ``x`` through the ``transforms`` (in FP32, no rounding
+    between them), and each transform's output (``x`` itself when there is none)."""
+    outs: list[torch.Tensor] = []
     for op, c in parse_transforms(transforms):
         outs.append(_transform(outs[-1] if outs else x.float(), op, c))
     return (outs[-1] if outs else x), outs
+
+
+def grad_through_transforms(grad: torch.Tensor, outs: list[torch.Tensor], transforms: str) -> torch.Tensor:
+    """The FP32 gradient of the logits from that of the transformed logits (``outs``:
+    ``transformed``'s)."""
+    for (op, c), out in zip(reversed(parse_transforms(transforms)), reversed(outs)):
+        grad = _transform_grad(grad, out, op, c)
+    return grad
 
 
 def forward_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
@@ -95,6 +109,4 @@ def backward_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, s
     grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
     if g_x is not None:
         grad = grad + g_x.float()
-    for (op, c), out in zip(reversed(parse_transforms(transforms)), reversed(outs)):
-        grad = _transform_grad(grad, out, op, c)
-    return grad.to(dtype)
+    return grad_through_transforms(grad, outs, transforms).to(dtype)

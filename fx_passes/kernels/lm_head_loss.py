@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import compat
 from . import graph_bodies
-from .bodies import _transform, _transform_grad, compiled, parse_transforms
+from .bodies import compiled, grad_through_transforms, transformed
 from .lm_head import lm_head_grads
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, resolve_budget
@@ -61,22 +61,15 @@ def logits_and_stats(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, t
     """(lse, logprob or None, entropy or None, x): the chunk's stats, as ``bodies.forward_chunk``
     computes them, and its logits ``x`` in model precision (before the transforms)."""
     x = F.linear(h, w, b).to(h.dtype)
-    z = x
-    for i, (op, c) in enumerate(parse_transforms(transforms)):
-        z = _transform(z.float() if i == 0 else z, op, c)
+    z = transformed(x, transforms)[0]
     return (*stats_of_logits(z, tokens, scale, is_div, want_entropy), x)
 
 
 def logits_grad(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool, transforms: str):
     """``bodies.backward_block``'s gradient from the chunk's logits ``x`` (no matmul)."""
-    outs = []
-    for op, c in parse_transforms(transforms):
-        outs.append(_transform(outs[-1] if outs else x.float(), op, c))
-    grad = grad_of_logits(outs[-1] if outs else x, tokens, lse, entropy, g_lse, g_logprob, g_entropy,
-                          scale, is_div)
-    for (op, c), out in zip(reversed(parse_transforms(transforms)), reversed(outs)):
-        grad = _transform_grad(grad, out, op, c)
-    return grad.to(x.dtype)
+    z, outs = transformed(x, transforms)
+    grad = grad_of_logits(z, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
+    return grad_through_transforms(grad, outs, transforms).to(x.dtype)
 
 
 def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:

@@ -33,7 +33,7 @@ from torch.fx import Graph, Node
 
 from ..fx.graph_ops import canon, is_pure, is_scalar, meta, requires_grad
 from ..kernels.lm_head import lm_head_row_stats
-from .row_local import _pointwise, op_name, same
+from .row_local import op_name, pointwise_op, same
 
 __all__ = ["LossTail", "NoTail", "match_loss_tail", "VIEWS"]
 
@@ -137,7 +137,7 @@ class _Matcher:
             if node.all_input_nodes != [inner[0]] and name in ("view", "reshape"):
                 raise NoTail(f"{node.name} reshapes to a size the graph computes")
             return ROW
-        if not (_pointwise(name) or canon(node) == "convert" or name in _SAME_VALUES):
+        if not (pointwise_op(name) or canon(node) == "convert" or name in _SAME_VALUES):
             raise NoTail(f"{node.name} ({name}) is not a pointwise op on the rows")
         for a in node.all_input_nodes:
             if a in self.kind:

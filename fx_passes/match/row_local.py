@@ -51,8 +51,8 @@ from ..fx.graph_ops import (
 from ..reporting.report import Decline, Reason
 from .upcast import upcast_input
 
-__all__ = ["RowRegion", "find_row_region", "TERMINAL_LOSSES", "op_name", "check_row_local", "loss_arg",
-           "first_user", "LOSS_PARAMS", "same"]
+__all__ = ["RowRegion", "pointwise_op", "find_row_region", "TERMINAL_LOSSES", "op_name", "check_row_local",
+           "loss_arg", "first_user", "LOSS_PARAMS", "same"]
 
 # Python operator names -> ATen's
 _ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "and": "bitwise_and",
@@ -98,7 +98,7 @@ def op_name(node: Node) -> str:
 
 
 @functools.lru_cache(None)
-def _pointwise(name: str) -> bool:
+def pointwise_op(name: str) -> bool:
     """Does ATen tag ``name`` pointwise (and not random)?"""
     op = getattr(torch.ops.aten, name, None) if name and not name.startswith("_") else None
     if not isinstance(op, torch._ops.OpOverloadPacket):
@@ -213,7 +213,7 @@ def check_row_local(node: Node) -> Optional[str]:
         if dims is None or 0 in dims:
             return "reduces or reorders along dim 0 (across rows)"
         return None
-    if _pointwise(name):
+    if pointwise_op(name):
         return None
     return "is not known to act on each row on its own"
 
@@ -344,7 +344,7 @@ def _operands(nodes: list[Node], region: dict, sources: list[Any], rows: Any) ->
                 continue
             v = meta(a)
             if is_scalar(a):  # (the body gets it as a 0-d tensor: an operand of pointwise maths only)
-                if not isinstance(v, (float, torch.SymFloat)) or not _pointwise(name):
+                if not isinstance(v, (float, torch.SymFloat)) or not pointwise_op(name):
                     raise _not_row_local(n, f"reads {a.name}, a number the graph computes, as an argument "
                                             "that takes no tensor")
                 whole[a] = None

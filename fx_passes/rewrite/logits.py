@@ -39,7 +39,7 @@ from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 
-__all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes"]
+__all__ = ["rewrite_region", "plan_rewrite", "fp32_bytes", "Emitter"]
 
 
 def fp32_bytes(node: Node) -> int:
@@ -48,7 +48,7 @@ def fp32_bytes(node: Node) -> int:
     return 4 * numel if isinstance(numel, int) else 0
 
 
-class _Emitter:
+class Emitter:
     """Adds nodes before ``anchor`` and fills in their example values."""
 
     def __init__(self, graph: Graph, anchor: Node) -> None:
@@ -83,7 +83,7 @@ class _Emitter:
         return node
 
 
-def _replay_view(e: _Emitter, view: Node, src: Node, on_hidden: bool = False) -> Node:
+def _replay_view(e: Emitter, view: Node, src: Node, on_hidden: bool = False) -> Node:
     """``view`` applied to ``src`` (the logits, or the lm_head's hidden states, where a
     flatten to ``[N, V]`` becomes a flatten to ``[N, H]``)."""
     op = canon(view)
@@ -120,7 +120,7 @@ def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
     return sorted(late, key=order.__getitem__)
 
 
-def emit_stats(e: _Emitter, region: Region, xv: Node, tokens: Node | None, config: Config,
+def emit_stats(e: Emitter, region: Region, xv: Node, tokens: Node | None, config: Config,
                lm_head: LMHead | None) -> Node:
     """The node computing ``(lse, logprob, entropy)`` for the region's rows: from the
     model-precision logits ``xv``, or from the lm_head's hidden states ``xv``."""
@@ -185,7 +185,7 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> Outcome:
     plan = plan_rewrite(graph, region, config)  # the only place that declines
     for n in plan.late:  # hoist what the token indices need to before the anchor
         plan.anchor.prepend(n)
-    e = _Emitter(graph, plan.anchor)
+    e = Emitter(graph, plan.anchor)
     lm_head = plan.lm_head
     src = lm_head.hidden if lm_head else region.x
     twins: dict[Node, Node] = {region.upcast: src}
@@ -211,7 +211,7 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> Outcome:
     return Outcome.not_fused(plan.why)
 
 
-def _emit_tokens(e: _Emitter, region: Region, plan: _Plan) -> tuple[Node | None, Node | None]:
+def _emit_tokens(e: Emitter, region: Region, plan: _Plan) -> tuple[Node | None, Node | None]:
     """(token indices with one per row, the not-ignored mask of a loss, or None)."""
     if region.index is None:
         return None, None
@@ -221,7 +221,7 @@ def _emit_tokens(e: _Emitter, region: Region, plan: _Plan) -> tuple[Node | None,
     return e.function(torch.where, valid, region.index, 0), valid
 
 
-def _replace_sinks(e: _Emitter, region: Region, stats: Node, valid: Node | None, detach: set[Node]) -> None:
+def _replace_sinks(e: Emitter, region: Region, stats: Node, valid: Node | None, detach: set[Node]) -> None:
     """Each per-row result of the region, computed from ``stats`` = (lse, logprob, entropy);
     detached where the original was computed under no_grad (``detach``)."""
     outputs: dict[int, Node] = {}

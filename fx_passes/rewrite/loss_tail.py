@@ -39,7 +39,7 @@ from ..kernels.tiling import backward_plan
 from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail
 from ..match.row_local import op_name
 from ..reporting.report import COUNTER, Decline, log
-from .logits import _Emitter
+from .logits import Emitter
 
 __all__ = ["rewrite_loss_tail", "fused_calls", "GEMMS"]
 
@@ -124,7 +124,7 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
     tail_key, final_key = _bodies(tail)
     kinds = ",".join(f"{op_name(r)}:{str(meta(r).dtype).removeprefix('torch.')}" for r in tail.reductions)
     hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget, transforms = stats.args[:9]
-    e = _Emitter(graph, tail.loss)
+    e = Emitter(graph, tail.loss)
     call = e.function(lm_head_loss, hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget,
                       transforms, plan, tail_key, final_key, kinds, requires_grad(hidden),
                       requires_grad(weight) or requires_grad(bias), len(tail.row_operands),
