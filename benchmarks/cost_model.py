@@ -249,16 +249,18 @@ def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
 def gif_gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     """``lm_head_loss``, ``gpu``: 3 GEMMs; each chunk's ``g.t() @ h`` added into an FP32
     ``[V, H]`` buffer in place (``compat.addmm_fp32_``: ``out_dtype``, ``out=``) in blocks
-    of ``budget / 4H`` columns; the backward scales both FP32 gradients and rounds them."""
+    of ``budget / 4H`` columns; the backward scales both FP32 gradients and rounds them
+    in one fused pass."""
     ks, cols = _gif_chunks(budget, T, H, V, FP32), max(1, min(V, budget // (4 * H)))
     for r in splits(T, tiling.forward_rows(budget, T, V)):
         for c in splits(V, cols):
             ks.append(gemm("grad_weight (out_dtype FP32)", c, r, H, out=FP32, acc=True))
+    # the backward's ``(grad * g).to(bf16)`` is traced into the compiled backward graph,
+    # where Inductor fuses it into one kernel per gradient (read on the CPU: one
+    # ``cpp_fused__to_copy_mul`` kernel, no FP32 temporary)
     n = (T + V) * H
-    scale = elementwise("backward: gradients x g", 4 * n, 4 * n)
-    rounded = elementwise("backward: round to bf16", 4 * n, 2 * n)
-    return ks + [dataclasses.replace(scale, fresh=fresh(4 * T * H) + fresh(4 * V * H)),
-                 dataclasses.replace(rounded, fresh=fresh(2 * T * H) + fresh(2 * V * H))]
+    scaled = elementwise("backward: gradients x g, rounded to bf16 (one fused kernel)", 4 * n, 2 * n)
+    return ks + [dataclasses.replace(scaled, fresh=fresh(2 * T * H) + fresh(2 * V * H))]
 
 
 def gif_two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:

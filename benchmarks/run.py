@@ -333,11 +333,11 @@ def _plan() -> str:
 
 
 def source_version() -> str:
-    """The commit, and a hash of fx_passes/*.py as they are now (the tree may be edited)."""
+    """The commit, and a hash of every fx_passes/**/*.py as they are now (the tree may be edited)."""
     root = pathlib.Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted((root / "fx_passes").glob("*.py")):
-        h.update(path.name.encode() + path.read_bytes())
+    for path in sorted((root / "fx_passes").rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + path.read_bytes())
     try:
         commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
                                 capture_output=True, text=True).stdout.strip()

@@ -55,7 +55,7 @@ import torch._inductor.custom_graph_pass as custom_graph_pass
 __all__ = ["TELEMETRY_FUNCTIONS", "CACHEABLE_MARKS", "PRE_GRAD_PASS_TIMING", "PASS_LISTS",
            "CONTROL_FLOW_ERRORS", "custom_graph_passes", "dynamo_node_attributes",
            "below_autograd_no_grad", "cpu_matmul_in_hardware", "gemm_out_dtype", "addmm_fp32_",
-           "free_device_bytes", "available"]
+           "free_device_bytes", "available", "without_saved_tensors_hooks"]
 
 log = logging.getLogger("fx_passes")
 
@@ -130,6 +130,25 @@ def below_autograd_no_grad() -> Iterator[None]:
             stack.enter_context(_AUTO_DISPATCH())
         stack.enter_context(torch.no_grad())
         yield
+
+
+@contextlib.contextmanager
+def without_saved_tensors_hooks() -> Iterator[None]:
+    """The user's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
+    ``save_on_cpu``, activation offloading) set aside while a chunk body runs: a body's
+    temporaries live only within its call, and ``torch.func.vjp`` (the row-local and
+    vocab-parallel backward bodies) refuses to run under such hooks at all."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = []
+    while top is not None and (pair := top(True)) is not None:
+        hooks.append(pair)
+        autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 # CPU features torch reads itself (``torch.cpu._is_*_supported``), for the lm_head

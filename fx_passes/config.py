@@ -50,6 +50,10 @@ class Config:
             know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
             its own ops over chunks of rows when every op acts on each row on its own
             (``match/row_local.py``); False leaves such regions as they are.
+        save_masks: a row-local region's forward saves the boolean masks its sorts /
+            top-k / scans make (packed: ``V / 8`` bytes a row each) and its backward
+            reads them instead of sorting again (``rewrite/saved_masks.py``); False
+            recomputes them (no saved bytes, the forward's work twice).
         lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "gpu" on
             CUDA/XPU where torch has ``mm(.., out_dtype=)`` for it, else "blocks";
             "two_sweeps" on CPUs that multiply bf16/fp16 in hardware, "fp32_tiles" on
@@ -78,6 +82,7 @@ class Config:
     chunk_budget_mib: Optional[float] = None
     lm_head_plan: str = "auto"
     row_local: bool = True
+    save_masks: bool = True
     gradients_in_forward: bool = True
 
     def __post_init__(self) -> None:

@@ -86,6 +86,9 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
         what += ", its stages in one pass over the rows"
     elif outcome.one_pass is False:
         what += f", one lm_head pass per stage: {outcome.one_pass_why}"
+    if outcome.saved_masks:
+        counters[COUNTER]["row_local_saved_masks"] += 1
+        what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"
     return what
 
 
@@ -111,14 +114,14 @@ def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken
         if config.report_only or not config.rewrite:
             record_rewrite(where, what, nbytes, report_only=True)
             return
-        rewrite_row_region(graph, region, config)
+        outcome = rewrite_row_region(graph, region, config)
     except Decline as d:  # raised before the graph is touched
         # (the same reason twice: the hand-derived path's words, which docs/declines.md shows)
         record_decline(_where(node), decline if d.reason is decline.reason else d)
         return
     taken.update(region.nodes)
     counters[COUNTER]["row_local"] += 1
-    record_rewrite(where, what, nbytes, report_only=False)
+    record_rewrite(where, _counted(outcome, what, "row_local_lm_head"), nbytes, report_only=False)
 
 
 def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:

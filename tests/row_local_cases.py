@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from tests.helpers import chunked_counters
+from tests.numerics import assert_no_less_accurate, reference, run
 
 F32 = torch.float32
 NEG_INF = float("-inf")
@@ -171,3 +175,64 @@ def noisy_logits(rows, vocab, dtype, seed=0, scale=2.0):
 def kept_tokens(logits: torch.Tensor, rank: int = 1) -> torch.Tensor:
     """The ``rank``-th most likely token of each row: kept by every filter above."""
     return logits.float().topk(rank + 1, -1).indices[:, rank].contiguous()
+
+
+# --- the test cases (tests/test_row_local.py, tests/test_saved_masks.py) ---------------------
+
+T, V = 64, 1024  # T rows (a multiple of 8 for the sequence losses), V distinct values per row
+
+
+def inputs(name: str, dtype):
+    """(fn, inputs, grad positions) of case ``name``."""
+    g = torch.Generator().manual_seed(1)
+    x = distinct_logits(T, V, dtype)
+    teacher = distinct_logits(T, V, dtype, seed=2)
+    tokens = kept_tokens(x)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::7] = -100
+    per_row = lambda: torch.rand(T, generator=g) + 0.5  # noqa: E731
+    old_logp = topk_topp_logprob(x, tokens, up=torch.float64).float() + 0.05 * torch.randn(T, generator=g)
+    mask = (torch.rand(T, generator=g) > 0.2).float()
+    weight = torch.rand(V, generator=g) + 0.5
+    table = {
+        "topk": (topk_logprob, (x, tokens)),
+        "topk_topp": (topk_topp_logprob, (x, tokens)),
+        "minp": (minp_logprob, (x, tokens)),
+        "topp_policy": (topp_policy_loss, (x, tokens, old_logp, torch.randn(T, generator=g), mask)),
+        "forward_kl": (forward_kl, (x, teacher)),
+        "reverse_kl": (reverse_kl, (x, teacher)),
+        "jsd": (jsd_rowwise, (x, teacher)),
+        "kl_div_log_target": (kl_div_log_target, (x, teacher)),
+        "kl_div_probs": (kl_div_probs, (x, teacher)),
+        "kl_div_sum": (kl_div_sum, (x, teacher)),
+        "ce_label_smoothing": (ce_label_smoothing, (x, labels)),
+        "ce_weight_smoothing": (ce_weight_smoothing, (x, labels, weight)),
+        "ce_weight_sum": (ce_weight_sum, (x, labels, weight)),
+        "ce_smoothing_per_token": (ce_smoothing_per_token, (x, labels, per_row())),
+        "ce_smoothing_z_loss": (ce_smoothing_z_loss, (x, labels)),
+        "ce_smoothing_flattened": (ce_smoothing_flattened, (x.view(4, T // 4, V), labels.view(4, T // 4))),
+        "dpo": (dpo_loss, (x, tokens, old_logp)),
+        "gspo": (gspo_loss, (x, tokens, old_logp, torch.randn(T // 8, generator=g))),
+    }
+    fn, inputs = table[name]
+    return fn, inputs, (0,)
+
+
+CASES = ["topk", "topk_topp", "minp", "topp_policy", "forward_kl", "reverse_kl", "jsd", "kl_div_log_target",
+         "kl_div_probs", "kl_div_sum", "ce_label_smoothing", "ce_weight_smoothing", "ce_weight_sum",
+         "ce_smoothing_per_token", "ce_smoothing_z_loss", "ce_smoothing_flattened", "dpo", "gspo"]
+
+
+def check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=False, **options):
+    """Rewritten (counters) and no less accurate than stock against FP64; the counters."""
+    ref = reference(fn, inputs, grad_pos)
+    torch._dynamo.reset()
+    stock = run(torch.compile(fn, backend="inductor", dynamic=dynamic), inputs, grad_pos)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic, options=options)
+    ours = run(compiled, inputs, grad_pos)
+    c = chunked_counters()
+    assert c.get("row_local", 0) >= 1 and not c.get("declined") and not c.get("pass_failed"), c
+    assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+    return c

@@ -20,65 +20,10 @@ from fx_passes.kernels.row_local import BYTES_PER_ELEMENT
 from tests import row_local_cases as rl
 from tests.codegen import compiled_codes, full_fp32_buffers
 from tests.helpers import LargestFP32, chunked_counters, rewrite_graphs
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
+from tests.numerics import F32, TOLERANCES, reference, run
 
-T, V = 64, 1024  # T rows (a multiple of 8 for the sequence losses), V distinct values per row
 EAGER = lambda fn, options: fn  # noqa: E731  (bodies run eagerly: only the outer graph is generated)
-
-
-def _inputs(name: str, dtype):
-    """(fn, inputs, grad positions) of case ``name``."""
-    g = torch.Generator().manual_seed(1)
-    x = rl.distinct_logits(T, V, dtype)
-    teacher = rl.distinct_logits(T, V, dtype, seed=2)
-    tokens = rl.kept_tokens(x)
-    labels = torch.randint(0, V, (T,), generator=g)
-    labels[::7] = -100
-    per_row = lambda: torch.rand(T, generator=g) + 0.5  # noqa: E731
-    old_logp = rl.topk_topp_logprob(x, tokens, up=torch.float64).float() + 0.05 * torch.randn(T, generator=g)
-    mask = (torch.rand(T, generator=g) > 0.2).float()
-    weight = torch.rand(V, generator=g) + 0.5
-    table = {
-        "topk": (rl.topk_logprob, (x, tokens)),
-        "topk_topp": (rl.topk_topp_logprob, (x, tokens)),
-        "minp": (rl.minp_logprob, (x, tokens)),
-        "topp_policy": (rl.topp_policy_loss, (x, tokens, old_logp, torch.randn(T, generator=g), mask)),
-        "forward_kl": (rl.forward_kl, (x, teacher)),
-        "reverse_kl": (rl.reverse_kl, (x, teacher)),
-        "jsd": (rl.jsd_rowwise, (x, teacher)),
-        "kl_div_log_target": (rl.kl_div_log_target, (x, teacher)),
-        "kl_div_probs": (rl.kl_div_probs, (x, teacher)),
-        "kl_div_sum": (rl.kl_div_sum, (x, teacher)),
-        "ce_label_smoothing": (rl.ce_label_smoothing, (x, labels)),
-        "ce_weight_smoothing": (rl.ce_weight_smoothing, (x, labels, weight)),
-        "ce_weight_sum": (rl.ce_weight_sum, (x, labels, weight)),
-        "ce_smoothing_per_token": (rl.ce_smoothing_per_token, (x, labels, per_row())),
-        "ce_smoothing_z_loss": (rl.ce_smoothing_z_loss, (x, labels)),
-        "ce_smoothing_flattened": (rl.ce_smoothing_flattened, (x.view(4, T // 4, V), labels.view(4, T // 4))),
-        "dpo": (rl.dpo_loss, (x, tokens, old_logp)),
-        "gspo": (rl.gspo_loss, (x, tokens, old_logp, torch.randn(T // 8, generator=g))),
-    }
-    fn, inputs = table[name]
-    return fn, inputs, (0,)
-
-
-CASES = ["topk", "topk_topp", "minp", "topp_policy", "forward_kl", "reverse_kl", "jsd", "kl_div_log_target",
-         "kl_div_probs", "kl_div_sum", "ce_label_smoothing", "ce_weight_smoothing", "ce_weight_sum",
-         "ce_smoothing_per_token", "ce_smoothing_z_loss", "ce_smoothing_flattened", "dpo", "gspo"]
-
-
-def _check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=False, **options):
-    ref = reference(fn, inputs, grad_pos)
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor", dynamic=dynamic), inputs, grad_pos)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic, options=options)
-    ours = run(compiled, inputs, grad_pos)
-    c = chunked_counters()
-    assert c.get("row_local", 0) >= 1 and not c.get("declined") and not c.get("pass_failed"), c
-    assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
-    return c
+T, V, CASES, _inputs, _check = rl.T, rl.V, rl.CASES, rl.inputs, rl.check
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -7,6 +7,9 @@ bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.graph_bodies`
 * Each call passes detached tensors under one dispatch-key set and grad mode
   (``compat.below_autograd_no_grad``), since Dynamo guards on all three and the loops'
   first call and later ones can differ: each body compiles once.
+* The user's saved-tensor hooks are set aside during the call
+  (``compat.without_saved_tensors_hooks``): they are for what the user's graph saves,
+  and ``torch.func.vjp`` refuses to run under them.
 * The fall-back policy: if compiling (or running the compiled body) raises, the body
   runs eagerly from then on (the same maths, with FP32 temporaries), said once in the log
   and counted (``counter``); a compile failure inside a training step never ends it.
@@ -87,7 +90,7 @@ def compile_body(key: Any, fn: Callable, name: str, counter: str, options: Optio
 
         def call(*args):
             args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            with grad_mode():
+            with grad_mode(), compat.without_saved_tensors_hooks():
                 return run(*args)
         _cache[cache_key] = call
     return _cache[cache_key]

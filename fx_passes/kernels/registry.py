@@ -13,6 +13,9 @@ registry                  registered by (compile time)          read by (run tim
 ``GATHER_INDEXES``        ``shard_lm_head.gather_index_         the lm_head stage loop (which
                           positions``                           operands are gather indexes)
 ``ONE_PASS_PLANS``        ``distributed.one_pass.register``     ``shard_lm_head_stages``
+``REPLAYING_BODIES``      ``rewrite.row_local``: a region       ``row_local`` (its backward runs
+                          body that saves masks -> (the key of  the replaying body on the
+                          the body replaying them, how many)    saved masks)
 ========================  ====================================  ===================================
 
 Lifetime: the whole process; nothing is removed (an entry is small: a graph module, a
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Iterator, TypeVar
 
-__all__ = ["Registry", "GRAPH_BODIES", "GATHER_INDEXES", "ONE_PASS_PLANS"]
+__all__ = ["Registry", "GRAPH_BODIES", "GATHER_INDEXES", "ONE_PASS_PLANS", "REPLAYING_BODIES"]
 
 T = TypeVar("T")
 
@@ -68,3 +71,4 @@ class Registry(Generic[T]):
 GRAPH_BODIES: Registry = Registry("region body (an FX graph)")
 GATHER_INDEXES: Registry = Registry("gather index positions")
 ONE_PASS_PLANS: Registry = Registry("one-pass plan")
+REPLAYING_BODIES: Registry = Registry("replaying body of a mask-saving region")

@@ -26,6 +26,7 @@ class Outcome:
     returns_logits: bool = False  # the fused loop also writes the logits the graph returns
     one_pass: Optional[bool] = None  # vocab-parallel, lm_head fused: all stages in one pass?
     one_pass_why: str = ""  # why not (one_pass False)
+    saved_masks: int = 0  # row-local: boolean masks its forward saves (packed) for its backward
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":

@@ -36,10 +36,12 @@ from ..config import Config
 from ..fx.graph_ops import is_scalar, meta, requires_grad, scalar_tensor, tensor_input
 from ..fx.placement import check_placement, states
 from ..kernels import graph_bodies
+from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
 from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
+from .saved_masks import saved_masks
 
 __all__ = ["rewrite_row_region", "build_body", "plan_row_region"]
 
@@ -166,16 +168,37 @@ def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
     return anchor, detach
 
 
+def _row_shape(r: Any) -> tuple[Any, ...]:
+    v = meta(_node(r))
+    return (v.shape[:-1].numel(), v.shape[-1]) if isinstance(r, Flattened) else tuple(v.shape)
+
+
+def _saving_key(body: GraphModule, region: RowRegion, config: Config) -> tuple[str | None, int]:
+    """The key of the body that saves masks for the backward, if it has some to save,
+    and how many it saves."""
+    if not config.save_masks or not any(requires_grad(_node(r)) for r in region.rows):
+        return None, 0
+    split = saved_masks(body, [_row_shape(r) for r in region.rows])
+    if split is None:
+        return None, 0
+    saving = graph_bodies.register(split.saving)
+    REPLAYING_BODIES.add(saving, (graph_bodies.register(split.replaying), split.count))
+    return saving, split.count
+
+
 def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outcome:
     """Replace the region by one ``row_local`` call; raises Decline before touching the graph."""
     anchor, detach = plan_row_region(graph, region)
-    key = graph_bodies.register(build_body(region))
+    body = build_body(region)
+    key = graph_bodies.register(body)
+    saving, count = _saving_key(body, region, config)
     inside = set(region.nodes)
     with graph.inserting_before(anchor):
         rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
                 for r in region.rows]
         whole = [scalar_tensor(graph, w) if is_scalar(w) else w for w in region.whole]
-        call = graph.call_function(row_local, (key, config.chunk_budget_bytes, len(rows), *rows, *whole))
+        call = graph.call_function(row_local, (key, config.chunk_budget_bytes, len(rows), *rows, *whole),
+                                   {"saving": saving} if saving else {})
         for i, o in enumerate(region.outputs):
             value = graph.call_function(operator.getitem, (call, i))
             if o in region.terminals:
@@ -186,4 +209,4 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
     for n in reversed(region.nodes):
         graph.erase_node(n)
-    return Outcome()
+    return Outcome(saved_masks=count)

@@ -1,0 +1,187 @@
+"""A row-local region's backward reads the masks its forward made (issue 21: WP's step
+time): saved bit-packed, no sort / top-k / cumsum run again in the backward, the same
+results and gradients as recomputing them, as accurate as stock against FP64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fx_passes.kernels.bitmask import pack_bits, unpack_bits
+from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels.registry import REPLAYING_BODIES
+from fx_passes.kernels.row_local import row_local
+from tests import row_local_cases as rl
+from tests.helpers import chunked_counters, rewrite_graphs
+from tests.numerics import run
+
+T, V, _check, _inputs = rl.T, rl.V, rl.check, rl.inputs
+
+EAGER = lambda fn, options: fn  # noqa: E731
+SAVING = ["topk", "topk_topp", "topp_policy"]
+
+
+@pytest.mark.parametrize("shape", [(5, 13), (4, 3, 17), (6, 64), (0, 9), (3, 1)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_pack_round_trip(shape, compiled):
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.4
+    pack = torch.compile(pack_bits, dynamic=True) if compiled else pack_bits
+    packed = pack(mask)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (shape[0], -(-mask.shape[1:].numel() // 8))
+    assert torch.equal(unpack_bits(packed, mask), mask)
+    assert packed.sum() > 0 or not mask.any()  # (the bits are there, not all zero)
+
+
+def test_bit_order():
+    mask = torch.zeros(1, 16, dtype=torch.bool)
+    mask[0, [0, 3, 9]] = True
+    assert pack_bits(mask).tolist() == [[0b1001, 0b10]]
+
+
+@pytest.mark.parametrize("name", SAVING)
+def test_saved_masks_match_recompute_and_stock(name):
+    """Saving is taken (counter), the results and every gradient are bit for bit those
+    of recomputing the masks, and both are as accurate as stock against FP64."""
+    fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
+    c = _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_saved_masks") == 1, c
+    saved = run(torch.compile(fn, backend="chunked_logits"), inputs, grad_pos)
+    torch._dynamo.reset()
+    counters.clear()
+    recompute = torch.compile(fn, backend="chunked_logits", options={"save_masks": False})
+    recomputed = run(recompute, inputs, grad_pos)
+    assert "row_local_saved_masks" not in chunked_counters()
+    for a, b in zip(saved[0] + saved[1], recomputed[0] + recomputed[1]):
+        assert torch.equal(a, b)
+
+
+def test_dynamic_shapes():
+    fn, inputs, grad_pos = _inputs("topk_topp", torch.bfloat16)
+    c = _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8, dynamic=True)
+    assert c.get("row_local_saved_masks", 0) >= 1, c
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_backward_does_not_sort_again(save):
+    """With the masks saved the backward bodies run none of the ops that made them (the
+    bodies run eagerly, each under a dispatch mode that sees its ops); recomputing runs
+    them all again."""
+    fn, inputs, _ = _inputs("topk_topp", torch.bfloat16)
+    x = inputs[0].detach().clone().requires_grad_()
+    seen = {"forward": _Ops(), "backward": _Ops()}
+
+    def watched(body, options):
+        ops = seen["backward" if body.__name__.startswith("body_backward") else "forward"]
+
+        def call(*args):
+            with ops:
+                return body(*args)
+        return call
+    torch._dynamo.reset()
+    with compiling_with(watched):
+        loss = torch.compile(fn, backend="chunked_logits", options={"save_masks": save})(x, *inputs[1:])
+        loss.sum().backward()
+    assert x.grad is not None
+    assert {"sort", "topk", "cumsum"} <= seen["forward"].names
+    backward = seen["backward"].names
+    assert "_log_softmax_backward_data" in backward or "exp" in backward, backward  # (it ran)
+    deciding = {"sort", "topk", "cumsum"}
+    assert (backward & deciding == set()) if save else deciding <= backward
+
+
+def _saved(fn, *args) -> int:
+    """How many packed masks the region's forward saves."""
+    _, after = rewrite_graphs(fn, *args)
+    calls = [n for n in after.graph.nodes if n.target is row_local]
+    assert len(calls) == 1
+    saving = calls[0].kwargs.get("saving")
+    return REPLAYING_BODIES[saving][1] if saving else 0
+
+
+def _topk_then_topp_reading_between(logits, tokens):
+    z = logits.float() / rl.TEMPERATURE
+    z1 = z.masked_fill(z < z.topk(50, dim=-1).values[..., -1, None], rl.NEG_INF)
+    sorted_p, order = z1.softmax(-1).sort(dim=-1, descending=True)
+    drop = (sorted_p.cumsum(-1) - sorted_p) > 0.9
+    z2 = z1.masked_fill(drop.scatter(-1, order, drop), rl.NEG_INF)
+    logp = torch.log_softmax(z2, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return logp - 0.1 * z1.logsumexp(-1)  # the top-k-only values are read as well
+
+
+def _pointwise_mask(logits, tokens):
+    z = logits.float()
+    return torch.log_softmax(z.masked_fill(z < -1.0, rl.NEG_INF), -1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def test_what_is_saved():
+    """Top-k then top-p: one mask (their union: the chain fills twice); read in between,
+    two; a mask of pointwise ops and reductions alone: none (recomputing it is cheaper);
+    no gradient: none."""
+    x = rl.distinct_logits(T, V, torch.bfloat16)
+    tokens = rl.kept_tokens(x)
+    grad = x.detach().clone().requires_grad_()
+    assert _saved(rl.topk_topp_logprob, grad, tokens) == 1
+    assert _saved(rl.topk_logprob, grad, tokens) == 1
+    assert _saved(_topk_then_topp_reading_between, grad, tokens) == 2
+    assert _saved(_pointwise_mask, grad, tokens) == 0
+    assert _saved(rl.minp_logprob, grad, tokens) == 0  # (a softmax and a max: cheaper to run again)
+    assert _saved(rl.topk_topp_logprob, x, tokens) == 0
+
+
+def test_unmerged_chain_matches_recompute():
+    """Two masks saved apart (the top-k-only values are read too): the same results and
+    gradients as recomputing them."""
+    x = rl.distinct_logits(T, V, torch.bfloat16)
+    inputs, fn = (x, rl.kept_tokens(x)), _topk_then_topp_reading_between
+    torch._dynamo.reset()
+    saved = run(torch.compile(fn, backend="chunked_logits"), inputs, (0,))
+    torch._dynamo.reset()
+    recomputed = run(torch.compile(fn, backend="chunked_logits", options={"save_masks": False}), inputs, (0,))
+    for a, b in zip(saved[0] + saved[1], recomputed[0] + recomputed[1]):
+        assert torch.equal(a, b)
+
+
+def test_saved_bytes_are_a_sixteenth_of_the_bf16_gradient():
+    """What the forward keeps for the backward besides the inputs: one uint8
+    ``[T, V / 8]`` tensor for a top-k + top-p region (no FP32 or boolean ``[T, V]``)."""
+    fn, inputs, _ = _inputs("topk_topp", torch.bfloat16)
+    x = inputs[0].detach().clone().requires_grad_()
+    kept = []
+
+    def pack(t):
+        kept.append((t.dtype, tuple(t.shape)))
+        return t
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="chunked_logits")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(x, *inputs[1:]).sum().backward()
+    big = [k for k in kept if k[1] and k[1][0] == T and len(k[1]) == 2 and k[1][1] > 1]
+    assert (torch.uint8, (T, V // 8)) in big, kept
+    assert all(k == (torch.uint8, (T, V // 8)) or k[0] == torch.bfloat16 for k in big), kept
+
+
+@pytest.mark.parametrize("name", ["topk_topp", "forward_kl"])
+def test_backward_under_the_users_saved_tensor_hooks(name):
+    """Forward and backward under ``save_on_cpu`` (activation offloading): the backward
+    bodies set the user's hooks aside (``torch.func.vjp`` refuses to run under them) and
+    give the gradients they give without them."""
+    fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="chunked_logits")
+    plain = run(compiled, inputs, grad_pos)
+    with torch.autograd.graph.save_on_cpu():
+        hooked = run(compiled, inputs, grad_pos)
+    for a, b in zip(plain[0] + plain[1], hooked[0] + hooked[1]):
+        assert torch.equal(a, b)
