@@ -52,8 +52,12 @@ class Config:
             (``match/row_local.py``); False leaves such regions as they are.
         save_masks: a row-local region's forward saves the boolean masks its sorts /
             top-k / scans make (packed: ``V / 8`` bytes a row each) and its backward
-            reads them instead of sorting again (``rewrite/saved_masks.py``); False
+            reads them instead of sorting again (``rewrite/saved.py``); False
             recomputes them (no saved bytes, the forward's work twice).
+        save_normalizers: a row-local region's forward also returns the ``logsumexp``
+            of each softmax / log_softmax its backward needs (one number a row) and the
+            backward computes their values pointwise from it (``rewrite/saved.py``); False
+            recomputes the reductions.
         lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "gpu" on
             CUDA/XPU where torch has ``mm(.., out_dtype=)`` for it, else "blocks";
             "two_sweeps" on CPUs that multiply bf16/fp16 in hardware, "fp32_tiles" on
@@ -83,6 +87,7 @@ class Config:
     lm_head_plan: str = "auto"
     row_local: bool = True
     save_masks: bool = True
+    save_normalizers: bool = True
     gradients_in_forward: bool = True
 
     def __post_init__(self) -> None:

@@ -89,6 +89,9 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
     if outcome.saved_masks:
         counters[COUNTER]["row_local_saved_masks"] += 1
         what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"
+    if outcome.saved_normalizers:
+        counters[COUNTER]["row_local_saved_normalizers"] += 1
+        what += f", {outcome.saved_normalizers} softmax normaliser(s) saved for the backward"
     return what
 
 

@@ -177,7 +177,7 @@ def kept_tokens(logits: torch.Tensor, rank: int = 1) -> torch.Tensor:
     return logits.float().topk(rank + 1, -1).indices[:, rank].contiguous()
 
 
-# --- the test cases (tests/test_row_local.py, tests/test_saved_masks.py) ---------------------
+# --- the test cases (tests/test_row_local.py, tests/test_saved_for_backward.py) ---------------------
 
 T, V = 64, 1024  # T rows (a multiple of 8 for the sequence losses), V distinct values per row
 

@@ -1,5 +1,5 @@
 """Boolean per-row masks packed eight to a byte, for a row-local region's forward to save
-and its backward to read (:mod:`fx_passes.rewrite.saved_masks`).
+and its backward to read (:mod:`fx_passes.rewrite.saved`).
 
 Both functions are plain tensor maths that the region bodies call, so Inductor compiles
 them into the body's own kernels: the forward writes ``V / 8`` bytes a row, the backward

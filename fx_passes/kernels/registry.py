@@ -14,8 +14,8 @@ registry                  registered by (compile time)          read by (run tim
                           positions``                           operands are gather indexes)
 ``ONE_PASS_PLANS``        ``distributed.one_pass.register``     ``shard_lm_head_stages``
 ``REPLAYING_BODIES``      ``rewrite.row_local``: a region       ``row_local`` (its backward runs
-                          body that saves masks -> (the key of  the replaying body on the
-                          the body replaying them, how many)    saved masks)
+                          body that saves state -> (the key of  the replaying body on the
+                          the body replaying it, how many)      saved state)
 ========================  ====================================  ===================================
 
 Lifetime: the whole process; nothing is removed (an entry is small: a graph module, a
@@ -71,4 +71,4 @@ class Registry(Generic[T]):
 GRAPH_BODIES: Registry = Registry("region body (an FX graph)")
 GATHER_INDEXES: Registry = Registry("gather index positions")
 ONE_PASS_PLANS: Registry = Registry("one-pass plan")
-REPLAYING_BODIES: Registry = Registry("replaying body of a mask-saving region")
+REPLAYING_BODIES: Registry = Registry("replaying body of a region that saves state for its backward")

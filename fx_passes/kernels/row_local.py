@@ -59,7 +59,8 @@ def _fill(out: list[Optional[torch.Tensor]], got, a: int, b: int, n: int) -> Non
 @torch.library.custom_op("chunked_logits::row_local", mutates_args=())
 def _row_local(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
                budget_bytes: int) -> list[torch.Tensor]:
-    # (``key`` may name a saving body: its packed masks are results past the region's own)
+    # (``key`` may name a saving body: what it saves for the backward (packed masks,
+    # normalisers: ``rewrite/saved.py``) are results past the region's own)
     body = graph_bodies.body(key, COUNTER)
     step, n = chunk_rows(rows, budget_bytes), rows[0].shape[0]
     out: list[Optional[torch.Tensor]] = []
@@ -77,29 +78,29 @@ def _(key, rows, whole, budget_bytes):
 
 @torch.library.custom_op("chunked_logits::row_local_backward", mutates_args=())
 def _row_local_backward(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
-                        whole: list[torch.Tensor], masks: list[torch.Tensor], grads: list[torch.Tensor],
+                        whole: list[torch.Tensor], saved: list[torch.Tensor], grads: list[torch.Tensor],
                         budget_bytes: int) -> list[torch.Tensor]:
-    # ``key``: the region's body, or its replaying body when the forward saved ``masks``
+    # ``key``: the region's body, or its replaying body when the forward ``saved`` state for it
     vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER)
     step = chunk_rows(rows, budget_bytes)
     out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
     for a, b in _spans(rows[0].shape[0], step):  # each chunk's gradient written in place, then freed
-        chunk = vjp(*(r[a:b] for r in rows), *whole, *(m[a:b] for m in masks), *(g[a:b] for g in grads))
+        chunk = vjp(*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
         for o, g in zip(out, chunk):
             o[a:b] = g
     return out
 
 
 @_row_local_backward.register_fake
-def _(key, wanted, outputs, rows, whole, masks, grads, budget_bytes):
+def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes):
     return [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
 
 
 def _setup(ctx, inputs, output):
     key, rows, whole, budget_bytes = inputs
     ctx.budget_bytes, ctx.n_rows, ctx.n_whole = budget_bytes, len(rows), len(whole)
-    ctx.key, n_masks = REPLAYING_BODIES.get(key, (key, 0))
-    results = output[:len(output) - n_masks]
+    ctx.key, n_saved = REPLAYING_BODIES.get(key, (key, 0))
+    results = output[:len(output) - n_saved]
     ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
     ctx.outputs = [i for i, o in enumerate(results) if o.is_floating_point()]
     ctx.shapes = [(results[i].shape, results[i].dtype) for i in ctx.outputs]
@@ -109,13 +110,13 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
     rows, whole = list(saved[:ctx.n_rows]), list(saved[ctx.n_rows:ctx.n_rows + ctx.n_whole])
-    masks = list(saved[ctx.n_rows + ctx.n_whole:])
+    state = list(saved[ctx.n_rows + ctx.n_whole:])
     picked = [grads[i] for i in ctx.outputs]
     picked = [g if g is not None else torch.zeros(shape, dtype=dtype, device=rows[0].device)
               for g, (shape, dtype) in zip(picked, ctx.shapes)]
     result: list[Optional[torch.Tensor]] = [None] * len(rows)
     if ctx.wanted and ctx.outputs:
-        got = _row_local_backward(ctx.key, ctx.wanted, ctx.outputs, rows, whole, masks, picked,
+        got = _row_local_backward(ctx.key, ctx.wanted, ctx.outputs, rows, whole, state, picked,
                                   ctx.budget_bytes)
         for i, g in zip(ctx.wanted, got):
             result[i] = g
@@ -128,9 +129,9 @@ def row_local(key: str, budget_bytes: int, n_rows: int, *inputs: torch.Tensor,
               saving: Optional[str] = None) -> tuple[torch.Tensor, ...]:
     """The per-row results of the row-local region registered under ``key``: ``inputs``
     are its ``n_rows`` row inputs (sliced along dim 0), then its whole inputs.  ``saving``:
-    the key of the region's body that also returns masks for the backward
-    (:mod:`fx_passes.rewrite.saved_masks`), run in place of ``key``'s when a gradient will
-    be taken; its backward replays the ops from those masks on."""
+    the key of the region's body that also returns state for the backward (masks,
+    normalisers: :mod:`fx_passes.rewrite.saved`), run in place of ``key``'s when a
+    gradient will be taken; its backward replays the ops from that state on."""
     rows, whole = list(inputs[:n_rows]), list(inputs[n_rows:])
     if saving is not None and torch.is_grad_enabled() and any(r.requires_grad for r in rows):
         count = REPLAYING_BODIES[saving][1]

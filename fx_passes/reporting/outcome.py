@@ -27,6 +27,7 @@ class Outcome:
     one_pass: Optional[bool] = None  # vocab-parallel, lm_head fused: all stages in one pass?
     one_pass_why: str = ""  # why not (one_pass False)
     saved_masks: int = 0  # row-local: boolean masks its forward saves (packed) for its backward
+    saved_normalizers: int = 0  # row-local: softmax normalisers its forward saves for its backward
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":

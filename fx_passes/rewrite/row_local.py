@@ -41,7 +41,7 @@ from ..kernels.row_local import row_local
 from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
-from .saved_masks import saved_masks
+from .saved import saved_for_backward
 
 __all__ = ["rewrite_row_region", "build_body", "plan_row_region"]
 
@@ -173,17 +173,19 @@ def _row_shape(r: Any) -> tuple[Any, ...]:
     return (v.shape[:-1].numel(), v.shape[-1]) if isinstance(r, Flattened) else tuple(v.shape)
 
 
-def _saving_key(body: GraphModule, region: RowRegion, config: Config) -> tuple[str | None, int]:
-    """The key of the body that saves masks for the backward, if it has some to save,
-    and how many it saves."""
-    if not config.save_masks or not any(requires_grad(_node(r)) for r in region.rows):
-        return None, 0
-    split = saved_masks(body, [_row_shape(r) for r in region.rows])
+def _saving_key(body: GraphModule, region: RowRegion, config: Config) -> tuple[str | None, int, int]:
+    """The key of the body that saves state for the backward (``rewrite/saved.py``), if
+    there is some to save, and how many masks and normalisers it saves."""
+    if not (config.save_masks or config.save_normalizers) or not any(requires_grad(_node(r))
+                                                                     for r in region.rows):
+        return None, 0, 0
+    split = saved_for_backward(body, [_row_shape(r) for r in region.rows], config.save_masks,
+                               config.save_normalizers)
     if split is None:
-        return None, 0
+        return None, 0, 0
     saving = graph_bodies.register(split.saving)
     REPLAYING_BODIES.add(saving, (graph_bodies.register(split.replaying), split.count))
-    return saving, split.count
+    return saving, split.masks, split.normalizers
 
 
 def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outcome:
@@ -191,7 +193,7 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     anchor, detach = plan_row_region(graph, region)
     body = build_body(region)
     key = graph_bodies.register(body)
-    saving, count = _saving_key(body, region, config)
+    saving, masks, normalizers = _saving_key(body, region, config)
     inside = set(region.nodes)
     with graph.inserting_before(anchor):
         rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
@@ -209,4 +211,4 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
     for n in reversed(region.nodes):
         graph.erase_node(n)
-    return Outcome(saved_masks=count)
+    return Outcome(saved_masks=masks, saved_normalizers=normalizers)

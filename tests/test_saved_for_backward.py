@@ -1,6 +1,7 @@
-"""A row-local region's backward reads the masks its forward made (issue 21: WP's step
-time): saved bit-packed, no sort / top-k / cumsum run again in the backward, the same
-results and gradients as recomputing them, as accurate as stock against FP64."""
+"""A row-local region's backward reads what its forward saved (issue 21: WP's and WD's
+step time): the masks of its sorts, bit-packed (no sort / top-k / cumsum run again in the
+backward; the same results and gradients as recomputing them), and its softmaxes'
+row statistics (no max / sum over the rows again); as accurate as stock against FP64."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes.kernels.bitmask import pack_bits, unpack_bits
 from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels.normalizers import log_softmax_given, log_softmax_stats, softmax_given, softmax_stats
 from fx_passes.kernels.registry import REPLAYING_BODIES
 from fx_passes.kernels.row_local import row_local
 from tests import row_local_cases as rl
@@ -47,10 +49,12 @@ def test_saved_masks_match_recompute_and_stock(name):
     fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
     c = _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
     assert c.get("row_local_saved_masks") == 1, c
-    saved = run(torch.compile(fn, backend="chunked_logits"), inputs, grad_pos)
+    masks_only = torch.compile(fn, backend="chunked_logits", options={"save_normalizers": False})
+    saved = run(masks_only, inputs, grad_pos)
     torch._dynamo.reset()
     counters.clear()
-    recompute = torch.compile(fn, backend="chunked_logits", options={"save_masks": False})
+    recompute = torch.compile(fn, backend="chunked_logits", options={"save_masks": False,
+                                                                      "save_normalizers": False})
     recomputed = run(recompute, inputs, grad_pos)
     assert "row_local_saved_masks" not in chunked_counters()
     for a, b in zip(saved[0] + saved[1], recomputed[0] + recomputed[1]):
@@ -101,13 +105,13 @@ def test_backward_does_not_sort_again(save):
     assert (backward & deciding == set()) if save else deciding <= backward
 
 
-def _saved(fn, *args) -> int:
-    """How many packed masks the region's forward saves."""
-    _, after = rewrite_graphs(fn, *args)
+def _saved(fn, *args, **options) -> int:
+    """How many tensors the region's forward saves (masks only, unless ``options``)."""
+    _, after = rewrite_graphs(fn, *args, **{"save_normalizers": False, **options})
     calls = [n for n in after.graph.nodes if n.target is row_local]
     assert len(calls) == 1
     saving = calls[0].kwargs.get("saving")
-    return REPLAYING_BODIES[saving][1] if saving else 0
+    return REPLAYING_BODIES[saving][1] if saving else 0  # (masks + 2 per saved softmax)
 
 
 def _topk_then_topp_reading_between(logits, tokens):
@@ -138,6 +142,9 @@ def test_what_is_saved():
     assert _saved(_pointwise_mask, grad, tokens) == 0
     assert _saved(rl.minp_logprob, grad, tokens) == 0  # (a softmax and a max: cheaper to run again)
     assert _saved(rl.topk_topp_logprob, x, tokens) == 0
+    # with the normalisers: top-k + top-p's final log_softmax (its softmax before the sort
+    # feeds only the mask: not saved), two numbers a row
+    assert _saved(rl.topk_topp_logprob, grad, tokens, save_normalizers=True) == 1 + 2
 
 
 def test_unmerged_chain_matches_recompute():
@@ -146,9 +153,11 @@ def test_unmerged_chain_matches_recompute():
     x = rl.distinct_logits(T, V, torch.bfloat16)
     inputs, fn = (x, rl.kept_tokens(x)), _topk_then_topp_reading_between
     torch._dynamo.reset()
-    saved = run(torch.compile(fn, backend="chunked_logits"), inputs, (0,))
+    off = {"save_normalizers": False}
+    saved = run(torch.compile(fn, backend="chunked_logits", options=off), inputs, (0,))
     torch._dynamo.reset()
-    recomputed = run(torch.compile(fn, backend="chunked_logits", options={"save_masks": False}), inputs, (0,))
+    recompute = torch.compile(fn, backend="chunked_logits", options={**off, "save_masks": False})
+    recomputed = run(recompute, inputs, (0,))
     for a, b in zip(saved[0] + saved[1], recomputed[0] + recomputed[1]):
         assert torch.equal(a, b)
 
@@ -185,3 +194,57 @@ def test_backward_under_the_users_saved_tensor_hooks(name):
         hooked = run(compiled, inputs, grad_pos)
     for a, b in zip(plain[0] + plain[1], hooked[0] + hooked[1]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_softmax_from_saved_statistics_is_the_forward_and_its_gradient(dim):
+    """The backward's values bit for bit those of the forward's decomposition, and the
+    gradient autograd gives ``log_softmax`` / ``softmax`` (FP64, to rounding)."""
+    z = torch.randn(5, 7, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    z[0, 0, :3] = float("-inf")
+    g = torch.randn(5, 7, 11, dtype=torch.float64)
+    for stats, given, ref in ((log_softmax_stats, log_softmax_given, torch.log_softmax),
+                              (softmax_stats, softmax_given, torch.softmax)):
+        out, a, b = stats(z, dim)
+        assert torch.allclose(out, ref(z, dim), atol=1e-12, equal_nan=True)
+        x = z.clone().requires_grad_()
+        again = given(x, a, b, dim)
+        assert torch.equal(again, out)
+        (grad,) = torch.autograd.grad(again, x, g)
+        y = z.clone().requires_grad_()
+        (want,) = torch.autograd.grad(ref(y, dim), y, g)
+        assert torch.allclose(grad, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "jsd", "topk_topp"])
+def test_saved_normalizers_as_accurate_as_stock(name):
+    fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
+    c = _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_saved_normalizers") == 1, c
+    c = _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8, save_normalizers=False)
+    assert "row_local_saved_normalizers" not in c, c
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_backward_does_not_reduce_the_softmax_again(save):
+    """Forward KL (student and teacher log_softmax): with the statistics saved the
+    backward bodies run no max over the rows and no log_softmax; without, both."""
+    fn, inputs, _ = _inputs("forward_kl", torch.bfloat16)
+    x = inputs[0].detach().clone().requires_grad_()
+    seen = {"forward": _Ops(), "backward": _Ops()}
+
+    def watched(body, options):
+        ops = seen["backward" if body.__name__.startswith("body_backward") else "forward"]
+
+        def call(*args):
+            with ops:
+                return body(*args)
+        return call
+    torch._dynamo.reset()
+    with compiling_with(watched):
+        compiled = torch.compile(fn, backend="chunked_logits", options={"save_normalizers": save})
+        loss = compiled(x, *inputs[1:])
+        loss.backward()
+    assert x.grad is not None
+    again = {"amax", "_log_softmax"} & seen["backward"].names
+    assert not again if save else again, seen["backward"].names
