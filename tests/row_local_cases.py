@@ -234,5 +234,6 @@ def check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=False, **opt
     ours = run(compiled, inputs, grad_pos)
     c = chunked_counters()
     assert c.get("row_local", 0) >= 1 and not c.get("declined") and not c.get("pass_failed"), c
+    assert not c.get("row_local_body_eager"), c  # (every chunk body compiled)
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
     return c

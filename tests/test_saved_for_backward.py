@@ -77,6 +77,24 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _ops_of_bodies(fn, *args, **options) -> dict[str, _Ops]:
+    """The ops the forward and the backward chunk bodies ran in one step of ``fn``
+    (bodies run eagerly, each under a dispatch mode that sees its ops)."""
+    seen = {"forward": _Ops(), "backward": _Ops()}
+
+    def watched(body, _options):
+        ops = seen["backward" if body.__name__.startswith("body_backward") else "forward"]
+
+        def call(*a):
+            with ops:
+                return body(*a)
+        return call
+    torch._dynamo.reset()
+    with compiling_with(watched):
+        torch.compile(fn, backend="chunked_logits", options=options)(*args).sum().backward()
+    return seen
+
+
 @pytest.mark.parametrize("save", [True, False])
 def test_backward_does_not_sort_again(save):
     """With the masks saved the backward bodies run none of the ops that made them (the
@@ -84,19 +102,7 @@ def test_backward_does_not_sort_again(save):
     them all again."""
     fn, inputs, _ = _inputs("topk_topp", torch.bfloat16)
     x = inputs[0].detach().clone().requires_grad_()
-    seen = {"forward": _Ops(), "backward": _Ops()}
-
-    def watched(body, options):
-        ops = seen["backward" if body.__name__.startswith("body_backward") else "forward"]
-
-        def call(*args):
-            with ops:
-                return body(*args)
-        return call
-    torch._dynamo.reset()
-    with compiling_with(watched):
-        loss = torch.compile(fn, backend="chunked_logits", options={"save_masks": save})(x, *inputs[1:])
-        loss.sum().backward()
+    seen = _ops_of_bodies(fn, x, *inputs[1:], save_masks=save)
     assert x.grad is not None
     assert {"sort", "topk", "cumsum"} <= seen["forward"].names
     backward = seen["backward"].names
@@ -231,20 +237,7 @@ def test_backward_does_not_reduce_the_softmax_again(save):
     backward bodies run no max over the rows and no log_softmax; without, both."""
     fn, inputs, _ = _inputs("forward_kl", torch.bfloat16)
     x = inputs[0].detach().clone().requires_grad_()
-    seen = {"forward": _Ops(), "backward": _Ops()}
-
-    def watched(body, options):
-        ops = seen["backward" if body.__name__.startswith("body_backward") else "forward"]
-
-        def call(*args):
-            with ops:
-                return body(*args)
-        return call
-    torch._dynamo.reset()
-    with compiling_with(watched):
-        compiled = torch.compile(fn, backend="chunked_logits", options={"save_normalizers": save})
-        loss = compiled(x, *inputs[1:])
-        loss.backward()
+    seen = _ops_of_bodies(fn, x, *inputs[1:], save_normalizers=save)
     assert x.grad is not None
     again = {"amax", "_log_softmax"} & seen["backward"].names
     assert not again if save else again, seen["backward"].names

@@ -21,15 +21,17 @@ import torch
 __all__ = ["log_softmax_stats", "softmax_stats", "log_softmax_given", "softmax_given"]
 
 
+def _setup(ctx, inputs, output):  # (z, a, b, dim): the op's output is what its gradient reads
+    ctx.dim = inputs[3]
+    ctx.save_for_backward(output)
+
+
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(z, m, ls, dim):
         return (z - m) - ls
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dim = inputs[3]
-        ctx.save_for_backward(output)
+    setup_context = staticmethod(_setup)
 
     @staticmethod
     def backward(ctx, g):
@@ -42,10 +44,7 @@ class _Softmax(torch.autograd.Function):
     def forward(z, m, s, dim):
         return (z - m).exp() / s
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dim = inputs[3]
-        ctx.save_for_backward(output)
+    setup_context = staticmethod(_setup)
 
     @staticmethod
     def backward(ctx, g):
