@@ -125,6 +125,7 @@ def _backward(ctx, grads):
 
 _row_local.register_autograd(_backward, setup_context=_setup)
 
+
 def row_local(key: str, budget_bytes: int, n_rows: int, *inputs: torch.Tensor,
               saving: Optional[str] = None) -> tuple[torch.Tensor, ...]:
     """The per-row results of the row-local region registered under ``key``: ``inputs``
