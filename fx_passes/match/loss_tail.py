@@ -33,7 +33,7 @@ from torch.fx import Graph, Node
 
 from ..fx.graph_ops import canon, is_pure, is_scalar, meta, requires_grad
 from ..kernels.lm_head import lm_head_row_stats
-from .row_local import op_name, pointwise_op, same
+from .row_local import op_name, pointwise_op, same, same_shape
 
 __all__ = ["LossTail", "NoTail", "match_loss_tail", "VIEWS"]
 
@@ -75,10 +75,6 @@ def _is_stats(node: Node) -> bool:
     return node.op == "call_function" and node.target is lm_head_row_stats
 
 
-def _same_shape(a: Any, b: Any) -> bool:
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-
-
 def _tensor(value: Any) -> torch.Tensor | None:
     v = meta(value)
     return v if isinstance(v, torch.Tensor) else None
@@ -104,7 +100,7 @@ class _Matcher:
             raise NoTail(f"{node.name} reads {a.name}, which is not a tensor or a number")
         if t.dim() == 0:
             self.whole[a] = None
-        elif per_row_shape is not None and _same_shape(t.shape, per_row_shape):
+        elif per_row_shape is not None and same_shape(t.shape, per_row_shape):
             self.row_operands[a] = None
         else:
             raise NoTail(f"{node.name} reads {a.name} {tuple(t.shape)}: neither one value per row of the "
@@ -142,7 +138,7 @@ class _Matcher:
         for a in node.all_input_nodes:
             if a in self.kind:
                 t = _tensor(a)
-                if t.dim() and not _same_shape(t.shape, out.shape):
+                if t.dim() and not same_shape(t.shape, out.shape):
                     raise NoTail(f"{node.name} broadcasts {a.name} {tuple(t.shape)} to {tuple(out.shape)}")
             else:
                 self.operand(node, a, out.shape)

@@ -52,7 +52,7 @@ from ..reporting.report import Decline, Reason
 from .upcast import upcast_input
 
 __all__ = ["RowRegion", "pointwise_op", "find_row_region", "TERMINAL_LOSSES", "op_name", "check_row_local",
-           "loss_arg", "first_user", "LOSS_PARAMS", "same"]
+           "loss_arg", "first_user", "LOSS_PARAMS", "same", "same_shape"]
 
 # Python operator names -> ATen's
 _ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "and": "bitwise_and",
@@ -146,6 +146,11 @@ class RowRegion:
 def same(a: Any, b: Any) -> bool:
     """Are sizes ``a`` and ``b`` equal for every value of their symbols?"""
     return statically_known_true(a == b) if not (isinstance(a, int) and isinstance(b, int)) else a == b
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Are shapes ``a`` and ``b`` equal for every value of their symbols?"""
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def _tensors(node: Node) -> list[torch.Tensor]:

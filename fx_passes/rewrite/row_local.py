@@ -38,7 +38,7 @@ from ..fx.placement import check_placement, states
 from ..kernels import graph_bodies
 from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
-from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same
+from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same_shape
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 from .saved import saved_for_backward
@@ -76,9 +76,7 @@ def _same_shape_row(region: RowRegion, n: Node) -> Node:
     """A row input of the shape of loss ``n``'s input (whose numel a mean divides by)."""
     shape = tuple(meta(tensor_input(n)).shape)
     for r in region.rows:
-        v = meta(_node(r))
-        have = (v.shape[:-1].numel(), v.shape[-1]) if isinstance(r, Flattened) else tuple(v.shape)
-        if len(have) == len(shape) and all(same(a, b) for a, b in zip(have, shape)):
+        if same_shape(_row_shape(r), shape):
             return _node(r)  # (a flattened view has the numel of the logits)
     raise Decline(Reason.NOT_ROW_LOCAL, f"{n.name} (kl_div, mean) divides by the numel of a tensor the "
                                         "region does not read whole")
@@ -169,6 +167,7 @@ def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
 
 
 def _row_shape(r: Any) -> tuple[Any, ...]:
+    """The shape of row input ``r`` as the body reads it (a flattened view: ``[N, V]``)."""
     v = meta(_node(r))
     return (v.shape[:-1].numel(), v.shape[-1]) if isinstance(r, Flattened) else tuple(v.shape)
 

@@ -40,7 +40,7 @@ from torch.fx.node import map_arg
 from ..fx.graph_ops import meta
 from ..kernels.bitmask import pack_bits, unpack_bits
 from ..kernels.normalizers import log_softmax_given, log_softmax_stats, softmax_given, softmax_stats
-from ..match.row_local import op_name, same
+from ..match.row_local import op_name, same_shape
 
 __all__ = ["Saved", "saved_for_backward", "REORDERING"]
 
@@ -68,7 +68,7 @@ class Saved:
 
 def _row_input(v: torch.Tensor, row_shapes: list[tuple[Any, ...]]) -> int | None:
     for j, shape in enumerate(row_shapes):
-        if len(shape) == v.dim() and all(same(a, b) for a, b in zip(v.shape, shape)):
+        if same_shape(v.shape, shape):
             return j
     return None
 
