@@ -78,6 +78,9 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
         if outcome.returns_logits:
             counters[COUNTER]["lm_head_returns_logits"] += 1
             what += ", which also writes the logits the graph returns"
+    elif outcome.lm_head is LMHead.IN_CALL:
+        counters[COUNTER]["row_local_lm_head_in_call"] += 1
+        what += ", lm_head matmul run by the call, whose backward writes the logits' gradient over them"
     elif outcome.lm_head is LMHead.NOT_FUSED:
         counters[COUNTER]["lm_head_not_fused"] += 1
         what += f", lm_head not fused: {outcome.why}"

@@ -125,6 +125,14 @@ def ce_smoothing_flattened(logits, labels, up=F32):
     return F.cross_entropy(z, labels.view(-1), label_smoothing=0.1, ignore_index=-100)
 
 
+def kl_div_flattened(student, teacher, up=F32):
+    """``[B, S, V]`` logits, both flattened after the upcast (Hugging Face style): one
+    region reads both."""
+    s = student.to(up).view(-1, student.shape[-1]).log_softmax(-1)
+    t = teacher.to(up).view(-1, teacher.shape[-1]).log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
 def ce_smoothing_per_token(logits, labels, tok_w, up=F32):
     """Per-token weights on label-smoothed CE (reduction none), then a weighted mean."""
     per = F.cross_entropy(logits.to(up), labels, label_smoothing=0.2, reduction="none")
@@ -211,6 +219,7 @@ def inputs(name: str, dtype):
         "ce_smoothing_per_token": (ce_smoothing_per_token, (x, labels, per_row())),
         "ce_smoothing_z_loss": (ce_smoothing_z_loss, (x, labels)),
         "ce_smoothing_flattened": (ce_smoothing_flattened, (x.view(4, T // 4, V), labels.view(4, T // 4))),
+        "kl_div_flattened": (kl_div_flattened, (x.view(4, T // 4, V), teacher.view(4, T // 4, V))),
         "dpo": (dpo_loss, (x, tokens, old_logp)),
         "gspo": (gspo_loss, (x, tokens, old_logp, torch.randn(T // 8, generator=g))),
     }
@@ -220,7 +229,8 @@ def inputs(name: str, dtype):
 
 CASES = ["topk", "topk_topp", "minp", "topp_policy", "forward_kl", "reverse_kl", "jsd", "kl_div_log_target",
          "kl_div_probs", "kl_div_sum", "ce_label_smoothing", "ce_weight_smoothing", "ce_weight_sum",
-         "ce_smoothing_per_token", "ce_smoothing_z_loss", "ce_smoothing_flattened", "dpo", "gspo"]
+         "ce_smoothing_per_token", "ce_smoothing_z_loss", "ce_smoothing_flattened", "kl_div_flattened", "dpo",
+         "gspo"]
 
 
 def check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=False, **options):

@@ -103,6 +103,7 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
         seen[region] = dict(counters["chunked_logits"])
     assert seen["plain"].get("rewritten") == 1, seen
     assert seen["topk"].get("row_local") == 1 and seen["smoothing"].get("row_local") == 1, seen
+    assert seen["head_smoothing"].get("row_local_lm_head_in_call") == 1, seen
     assert seen["lm_head"].get("lm_head_fused") == 1, seen
     assert seen["loss"].get("gradients_in_forward") == 1, seen
     assert seen["returned"].get("lm_head_returns_logits") == 1, seen
@@ -114,6 +115,8 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
     (Program("lm_head", "autocast", (2, 2), True), {"rewritten": 1, "lm_head_not_fused": 1}),
     (Program("lm_head", "no_grad", (2, 2), True), {"lm_head_fused": 1}),  # results detached
     (Program("lm_head", "mul_h", (3,), False), {"rewritten": 1, "lm_head_not_fused": 1}),
+    (Program("head_smoothing", "autocast", (2, 2), True), {"row_local": 1, "lm_head_not_fused": 1}),
+    (Program("head_smoothing", "no_grad", (2, 2), True), {"row_local": 1}),  # no gradient: a plain call
     (Program("plain", "mul_x", (3,), False), {"declined:MUTATION": 1}),
     (Program("plain", "mul_x", (6,), True), {"declined:MUTATION": 1}),  # x saved for the backward
     (Program("vocab", "mul_h", (4,), False), {"vocab_parallel": 1}),  # its lm_head not fused

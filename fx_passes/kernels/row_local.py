@@ -25,7 +25,8 @@ import torch
 from . import graph_bodies
 from .registry import REPLAYING_BODIES
 
-__all__ = ["row_local", "BYTES_PER_ELEMENT", "chunk_rows"]
+__all__ = ["row_local", "run_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows", "setup_outputs",
+           "grads_of_outputs"]
 
 # Working set of a chunk per element of its widest row input: what a top-p region's
 # compiled body keeps at once (a sort's FP32 values and int64 indices, the cumsum, the
@@ -56,19 +57,39 @@ def _fill(out: list[Optional[torch.Tensor]], got, a: int, b: int, n: int) -> Non
         out[i][a:b] = g
 
 
-@torch.library.custom_op("chunked_logits::row_local", mutates_args=())
-def _row_local(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
+def run_chunks(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
                budget_bytes: int) -> list[torch.Tensor]:
-    # (``key`` may name a saving body: what it saves for the backward (packed masks,
-    # normalisers: ``rewrite/saved.py``) are results past the region's own)
+    """The compiled body ``key`` on each chunk of rows, its results written in place (no
+    list of parts to concatenate).  (``key`` may name a saving body: what it saves for the
+    backward (packed masks, normalisers: ``rewrite/saved.py``) are results past the
+    region's own.)"""
     body = graph_bodies.body(key, COUNTER)
     step, n = chunk_rows(rows, budget_bytes), rows[0].shape[0]
     out: list[Optional[torch.Tensor]] = []
-    for a, b in _spans(n, step):  # each chunk's results written in place (no list of parts to concatenate)
+    for a, b in _spans(n, step):
         got = list(body(*(r[a:b] for r in rows), *whole))
         out = out or [None] * len(got)
         _fill(out, got, a, b, n)
     return [o for o in out if o is not None]
+
+
+def backward_chunks(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
+                    whole: list[torch.Tensor], saved: list[torch.Tensor], grads: list[torch.Tensor],
+                    budget_bytes: int, out: list[torch.Tensor]) -> None:
+    """The vector-Jacobian product of body ``key`` chunk by chunk: the gradient of
+    ``rows[wanted[k]]`` written into ``out[k]`` (which may be that row input itself: a
+    chunk's rows are read only by its own step)."""
+    vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER)
+    for a, b in _spans(rows[0].shape[0], chunk_rows(rows, budget_bytes)):
+        chunk = vjp(*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
+        for o, g in zip(out, chunk):
+            o[a:b] = g
+
+
+@torch.library.custom_op("chunked_logits::row_local", mutates_args=())
+def _row_local(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
+               budget_bytes: int) -> list[torch.Tensor]:
+    return run_chunks(key, rows, whole, budget_bytes)
 
 
 @_row_local.register_fake
@@ -81,13 +102,8 @@ def _row_local_backward(key: str, wanted: list[int], outputs: list[int], rows: l
                         whole: list[torch.Tensor], saved: list[torch.Tensor], grads: list[torch.Tensor],
                         budget_bytes: int) -> list[torch.Tensor]:
     # ``key``: the region's body, or its replaying body when the forward ``saved`` state for it
-    vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER)
-    step = chunk_rows(rows, budget_bytes)
     out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
-    for a, b in _spans(rows[0].shape[0], step):  # each chunk's gradient written in place, then freed
-        chunk = vjp(*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
-        for o, g in zip(out, chunk):
-            o[a:b] = g
+    backward_chunks(key, wanted, outputs, rows, whole, saved, grads, budget_bytes, out)
     return out
 
 
@@ -99,21 +115,33 @@ def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes):
 def _setup(ctx, inputs, output):
     key, rows, whole, budget_bytes = inputs
     ctx.budget_bytes, ctx.n_rows, ctx.n_whole = budget_bytes, len(rows), len(whole)
+    state = setup_outputs(ctx, key, output)
+    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
+    ctx.save_for_backward(*rows, *whole, *state)
+
+
+def setup_outputs(ctx, key: str, output) -> list[torch.Tensor]:
+    """Record on ``ctx`` the body the backward replays (``ctx.key``), which results take a
+    gradient and their shapes; returns the state the saving body ``key`` saved."""
     ctx.key, n_saved = REPLAYING_BODIES.get(key, (key, 0))
     results = output[:len(output) - n_saved]
-    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
     ctx.outputs = [i for i, o in enumerate(results) if o.is_floating_point()]
     ctx.shapes = [(results[i].shape, results[i].dtype) for i in ctx.outputs]
-    ctx.save_for_backward(*rows, *whole, *output[len(results):])
+    return list(output[len(results):])
+
+
+def grads_of_outputs(ctx, grads, device: torch.device) -> list[torch.Tensor]:
+    """The incoming gradients of the results that take one (zeros where none came)."""
+    picked = [grads[i] for i in ctx.outputs]
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype) in zip(picked, ctx.shapes)]
 
 
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
     rows, whole = list(saved[:ctx.n_rows]), list(saved[ctx.n_rows:ctx.n_rows + ctx.n_whole])
     state = list(saved[ctx.n_rows + ctx.n_whole:])
-    picked = [grads[i] for i in ctx.outputs]
-    picked = [g if g is not None else torch.zeros(shape, dtype=dtype, device=rows[0].device)
-              for g, (shape, dtype) in zip(picked, ctx.shapes)]
+    picked = grads_of_outputs(ctx, grads, rows[0].device)
     result: list[Optional[torch.Tensor]] = [None] * len(rows)
     if ctx.wanted and ctx.outputs:
         got = _row_local_backward(ctx.key, ctx.wanted, ctx.outputs, rows, whole, state, picked,

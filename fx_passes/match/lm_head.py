@@ -30,7 +30,8 @@ from torch.fx import Node
 
 from ..fx.graph_ops import canon, is_low_precision, meta, scaled_by_number
 
-__all__ = ["LMHead", "match_lm_head", "producer", "TRANSFORMS_KNOWN"]
+__all__ = ["LMHead", "match_lm_head", "producer", "model_precision_operands", "NOT_MODEL_PRECISION",
+           "TRANSFORMS_KNOWN"]
 
 TRANSFORMS_KNOWN = "x / c, x * c and tanh(x), c a constant"
 _MAX_TRANSFORMS = 8  # how far back from the upcast the logit transforms are followed
@@ -142,6 +143,19 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
     return head, ""
 
 
+NOT_MODEL_PRECISION = "the matmul's operands are not a model-precision [.., H] x [V, H] lm_head"
+
+
+def model_precision_operands(head: LMHead, x: Node) -> bool:
+    """Are ``head``'s operands a model-precision ``[.., H] x [V, H]`` lm_head (bias
+    ``[V]``) of the dtype of its logits ``x`` and of every transform between?"""
+    h, w, b = meta(head.hidden), meta(head.weight), meta(head.bias) if head.bias is not None else None
+    return (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and h.dim() >= 1
+            and is_low_precision(head.hidden) and h.dtype == w.dtype == meta(x).dtype
+            and all(meta(n).dtype == w.dtype for n in head.chain)
+            and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == w.dtype)))
+
+
 def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     """The lm_head producing the region's logits, or None with the reason it stays."""
     x = region.x
@@ -153,13 +167,8 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     if region.meta_users or any(u.op != "output" for u in outside):
         return None, "the logits are also used outside the region; the matmul runs once in full"
     head.returned = bool(outside)
-    h, w, b = meta(head.hidden), meta(head.weight), meta(head.bias) if head.bias is not None else None
-    ok = (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2 and h.dim() >= 1
-          and is_low_precision(head.hidden) and h.dtype == w.dtype == meta(x).dtype
-          and all(meta(n).dtype == w.dtype for n in head.chain)
-          and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == w.dtype)))
-    if not ok:
-        return None, "the matmul's operands are not a model-precision [.., H] x [V, H] lm_head"
+    if not model_precision_operands(head, x):
+        return None, NOT_MODEL_PRECISION
     for view in region.views:
         if canon(view) in ("reshape", "flatten") and meta(view).dim() != 2:
             return None, f"the row view {view.name} is not a flatten to [N, V]"

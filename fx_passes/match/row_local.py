@@ -136,7 +136,8 @@ class RowRegion:
     whole: list[Any]  # graph values read whole by every chunk: tensors, symbolic scalars
     outputs: list[Node]  # region nodes read outside it (per-row results)
     terminals: list[Node]  # losses reduced over rows outside the region (among outputs)
-    flattened: Optional[Node] = None  # the upcast whose flattening views are the seeds
+    flattened: tuple[Node, ...] = ()  # the upcasts the graph only flattens: their views are seeds
+
     def describe(self) -> str:
         ops = sorted({op_name(n) for n in self.nodes if op_name(n) not in ("", "getitem")})
         return (f"row-local region over {len(self.seeds)} logits tensor(s) ({', '.join(ops)}), "
@@ -273,7 +274,7 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
     if _seed_of(seed) is None:
         raise Decline(Reason.NOT_ROW_LOCAL, f"{seed.name} is not an FP32 upcast of bf16/fp16 logits")
     starts = _flattening_views(seed) or [seed]
-    flattened = seed if starts[0] is not seed else None
+    flattened = [seed] if starts[0] is not seed else []
     v = meta(starts[0])
     rows, width = v.shape[0], v.shape[-1]
     region: dict[Node, None] = dict.fromkeys([seed, *starts])
@@ -288,7 +289,13 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
         for a in n.all_input_nodes:  # backwards: FP32 [rows, .., V] tensors computed row-locally
             if a in region or not _wide(a, rows, width):
                 continue
-            if _seed_of(a) is not None or check_row_local(a) is None:
+            up = _flattened_upcast(a)
+            if up is not None:  # (a teacher's logits.float().view(-1, V): the upcast and all its views)
+                region[up] = None
+                flattened.append(up)
+                for view in _flattening_views(up):
+                    take(view)
+            elif _seed_of(a) is not None or check_row_local(a) is None:
                 take(a)
         if _is_terminal(n):  # (reduced over the rows: what reads it is outside the region)
             continue
@@ -303,12 +310,13 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
             elif _wide(n, rows, width):
                 raise _not_row_local(u, f"{why} and reads {n.name} (FP32 [rows x .. x V])")
     nodes = [n for n in graph.nodes if n in region]
-    replaced = {flattened, *starts} if flattened is not None else set()  # (the body upcasts the flattened x)
+    views = [v for f in flattened for v in _flattening_views(f)]
+    replaced = {*flattened, *views}  # (the body upcasts the flattened x)
     seeds = [n for n in nodes
              if n not in replaced and _seed_of(n) is not None and upcast_input(n) not in region]
     sources = [upcast_input(s) for s in seeds]  # (a teacher's upcast among them)
-    if flattened is not None:
-        seeds, sources = [*starts, *seeds], [Flattened(upcast_input(flattened)), *sources]
+    if flattened:  # (the seed's own first: the logits first)
+        seeds, sources = [*views, *seeds], [*(Flattened(upcast_input(f)) for f in flattened), *sources]
     rows_in, whole = _operands([n for n in nodes if n not in replaced], region, sources, rows)
     outputs = [n for n in nodes if any(u not in region for u in n.users)]
     terminals = [n for n in nodes if _is_terminal(n)]
@@ -323,13 +331,22 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
         if isinstance(meta(o), (tuple, list)):
             raise Decline(Reason.ESCAPES, f"{o.name}'s tuple is read outside the region whole")
     for n in nodes:
-        if n in terminals or n is flattened:
+        if n in terminals or n in flattened:
             continue
         for t in _tensors(n):
             if t.dim() == 0 or not same(t.shape[0], rows):
                 raise _not_row_local(n, f"makes a tensor of shape {tuple(t.shape)}, whose dim 0 is not "
                                         "the rows")
-    return RowRegion(seeds, nodes, rows_in, whole, outputs, terminals, flattened)
+    return RowRegion(seeds, nodes, rows_in, whole, outputs, terminals, tuple(flattened))
+
+
+def _flattened_upcast(view: Node) -> Optional[Node]:
+    """The upcast of ``[.., .., V]`` logits that ``view`` flattens to ``[rows, V]``, when
+    the graph only flattens it, else None."""
+    up = tensor_input(view) if canon(view) in ("reshape", "flatten") else None
+    if not isinstance(up, Node) or _seed_of(up) is None:
+        return None
+    return up if view in _flattening_views(up) else None
 
 
 def _operands(nodes: list[Node], region: dict, sources: list[Any], rows: Any) -> tuple[list[Any], list[Any]]:

@@ -17,6 +17,7 @@ class LMHead(str, enum.Enum):
     NONE = "none"  # no lm_head matmul near the region, and nothing to say
     FUSED = "fused"  # computed inside the chunk loop: the logits never exist whole
     NOT_FUSED = "not_fused"  # run once in full before the region (``why`` says why)
+    IN_CALL = "in_call"  # run whole by a row-local call, whose backward writes the logits' gradient over them
 
 
 @dataclasses.dataclass(frozen=True)

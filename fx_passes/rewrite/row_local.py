@@ -25,6 +25,7 @@ region reads, and is checked like every fused op
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -38,7 +39,10 @@ from ..fx.placement import check_placement, states
 from ..kernels import graph_bodies
 from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
+from ..kernels.row_local_head import row_local_head
+from ..match.lm_head import NOT_MODEL_PRECISION, LMHead, model_precision_operands, producer
 from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same_shape
+from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 from .saved import saved_for_backward
@@ -97,10 +101,10 @@ def build_body(region: RowRegion) -> GraphModule:
         env[w] = g.placeholder(f"whole{i}")
     differentiable = any(requires_grad(_node(r)) for r in region.rows)
     for n in region.nodes:
-        if n is region.flattened:
+        if n in region.flattened:
             continue  # its views read the flattened logits instead, upcast in the body:
-        if region.flattened is not None and tensor_input(n) is region.flattened:
-            env[n] = g.node_copy(region.flattened, lambda a: env[Flattened(a)])
+        if tensor_input(n) in region.flattened:
+            env[n] = g.node_copy(tensor_input(n), lambda a: env[Flattened(a)])
         elif n in region.terminals:
             env[n] = _per_row_loss(g, n, env)
         else:
@@ -187,19 +191,77 @@ def _saving_key(body: GraphModule, region: RowRegion, config: Config) -> tuple[s
     return saving, split.masks, split.normalizers
 
 
+@dataclasses.dataclass
+class _Head:
+    """The lm_head matmul that makes row input ``index``, run by the call."""
+
+    index: int
+    head: LMHead
+    detach: set[Node]  # (the placement check's, with the matmul among the absorbed nodes)
+
+
+def _plan_head(graph: Graph, region: RowRegion, anchor: Node, config: Config) -> tuple[_Head | None, str]:
+    """The lm_head whose logits (a row input needing a gradient) nothing but the region
+    reads, when the call may run it at ``anchor`` (the placement rule, from the matmul
+    on); or None and why not ("" when no such matmul makes a row input)."""
+    inside = set(region.nodes)
+    for i, r in enumerate(region.rows):
+        x = _node(r)
+        head = producer(x) if isinstance(x, Node) and requires_grad(x) else None
+        if head is None:
+            continue
+        if not config.fuse_lm_head:
+            return None, "fuse_lm_head is off"
+        if any(u not in inside for u in x.users):
+            return None, "the logits are also used outside the region; the matmul runs once in full"
+        if not model_precision_operands(head, x):
+            return None, NOT_MODEL_PRECISION
+        operands = [o for o in (head.hidden, head.weight, head.bias) if o is not None]
+        others = [_node(q) for j, q in enumerate(region.rows) if j != i]
+        whole = [w for w in region.whole if isinstance(w, Node)]
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        try:
+            detach = check_placement(graph, [*region.nodes, x, *filter(None, [head.transpose])], anchor,
+                                     region.outputs, [*others, *operands, *whole],
+                                     max(region.nodes, key=order.__getitem__),
+                                     [o for o in [*operands, *others] if requires_grad(o)],
+                                     replays_grad_modes=True)
+        except Decline as d:
+            return None, f"{d.reason.name}: {d.detail}"
+        return _Head(i, head, detach), ""
+    return None, ""
+
+
+def _call(graph: Graph, region: RowRegion, head: _Head | None, key: str, saving: str | None,
+          config: Config) -> Node:
+    """The ``row_local`` (or ``row_local_head``) call, before the graph's insertion point."""
+    skip = head.index if head is not None else None  # (the call computes that row itself)
+    rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
+            for j, r in enumerate(region.rows) if j != skip]
+    whole = [scalar_tensor(graph, w) if is_scalar(w) else w for w in region.whole]
+    kwargs = {"saving": saving} if saving else {}
+    budget, n = config.chunk_budget_bytes, len(region.rows)
+    if head is None:
+        return graph.call_function(row_local, (key, budget, n, *rows, *whole), kwargs)
+    h = head.head
+    how = "linear" if h.transpose is None else "matmul"
+    flatten = isinstance(region.rows[head.index], Flattened)
+    return graph.call_function(row_local_head, (key, budget, n, head.index, how, flatten,
+                                                h.hidden, h.weight, h.bias, *rows, *whole), kwargs)
+
+
 def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outcome:
     """Replace the region by one ``row_local`` call; raises Decline before touching the graph."""
     anchor, detach = plan_row_region(graph, region)
+    head, why = _plan_head(graph, region, anchor, config)
     body = build_body(region)
     key = graph_bodies.register(body)
     saving, masks, normalizers = _saving_key(body, region, config)
     inside = set(region.nodes)
+    if head is not None:
+        detach = head.detach
     with graph.inserting_before(anchor):
-        rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
-                for r in region.rows]
-        whole = [scalar_tensor(graph, w) if is_scalar(w) else w for w in region.whole]
-        call = graph.call_function(row_local, (key, config.chunk_budget_bytes, len(rows), *rows, *whole),
-                                   {"saving": saving} if saving else {})
+        call = _call(graph, region, head, key, saving, config)
         for i, o in enumerate(region.outputs):
             value = graph.call_function(operator.getitem, (call, i))
             if o in region.terminals:
@@ -210,4 +272,9 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
     for n in reversed(region.nodes):
         graph.erase_node(n)
-    return Outcome(saved_masks=masks, saved_normalizers=normalizers)
+    if head is None:
+        return Outcome.not_fused(why, saved_masks=masks, saved_normalizers=normalizers)
+    for n in filter(None, [head.head.logits, head.head.transpose]):  # (a W.T read elsewhere stays)
+        if not n.users:
+            graph.erase_node(n)
+    return Outcome(Fused.IN_CALL, saved_masks=masks, saved_normalizers=normalizers)

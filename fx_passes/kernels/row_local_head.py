@@ -1,0 +1,158 @@
+"""A row-local region whose logits an lm_head matmul makes: the call runs the matmul and
+writes the logits' gradient over them.
+
+Stock autograd keeps the model-precision logits ``hidden @ weight.T`` for the backward,
+and Inductor writes their gradient over that buffer (a donated buffer): one ``[T, V]``
+buffer in the backward.  A row-local call that reads logits made outside it cannot write
+over them (the graph may read them again), so its backward held two: the logits and
+their gradient (WD, distillation with the student's lm_head in the graph: 514 MiB against
+stock's 337).  When nothing but the region reads the matmul's result
+(:func:`fx_passes.rewrite.row_local.rewrite_row_region`), the call computes it itself,
+with the op the graph had (``F.linear`` or ``hidden @ weight.T``), keeps it for its
+backward and writes each chunk's gradient over that chunk's logits, which no later chunk
+reads.  The lm_head's gradients are then the GEMMs stock runs on the whole gradient
+(``g @ W``, ``g.T @ h``, ``g.sum(0)``): one FP32 sum rounded once per element.
+
+A second backward through the same forward (``retain_graph=True``) finds a flag the
+first one cleared and recomputes the matmul before it starts: the same op on the same
+operands.  The flag is a one-byte host tensor on every device, so reading it never waits
+for a GPU; a graph holding a host tensor is one Inductor's CUDA graphs
+(``mode="reduce-overhead"``) skip, with the reason in its log.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import graph_bodies
+from .registry import REPLAYING_BODIES
+from .row_local import backward_chunks, grads_of_outputs, row_local, run_chunks, setup_outputs
+
+__all__ = ["row_local_head", "HOW"]
+
+HOW = ("linear", "matmul")  # F.linear(hidden, weight, bias) / hidden @ weight.T
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], how: str,
+            flatten: bool) -> torch.Tensor:
+    x = F.linear(hidden, weight, bias) if how == "linear" else torch.matmul(hidden, weight.t())
+    return x.flatten(0, -2) if flatten else x
+
+
+def _full(rows: list[torch.Tensor], index: int, x: torch.Tensor) -> list[torch.Tensor]:
+    return [*rows[:index], x, *rows[index:]]
+
+
+@torch.library.custom_op("chunked_logits::row_local_head", mutates_args=())
+def _row_local_head(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
+                    index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    how: str, flatten: bool) -> list[torch.Tensor]:
+    # -> the body's results, the logits (kept for the backward) and a flag (on the host):
+    # 1 until a backward writes the gradient over the logits
+    x = _logits(hidden, weight, bias, how, flatten)
+    return [*run_chunks(key, _full(rows, index, x), whole, budget_bytes), x, torch.ones(1, dtype=torch.uint8)]
+
+
+@_row_local_head.register_fake
+def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten):
+    x = _logits(hidden, weight, bias, how, flatten)
+    results = graph_bodies.function(key)(*_full(rows, index, x), *whole)
+    return [*(torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in results), x,
+            torch.empty(1, dtype=torch.uint8)]
+
+
+def _grad_shapes(rows, wanted, hidden, weight, bias, needs) -> list[tuple[torch.Size, torch.Tensor]]:
+    """(shape, tensor of its dtype and device) of each gradient the backward returns."""
+    of = [(rows[i].shape, rows[i]) for i in wanted]
+    for need, t in zip(needs, (hidden, weight, bias)):
+        if need:
+            of.append((t.shape, t))
+    return of
+
+
+@torch.library.custom_op("chunked_logits::row_local_head_backward", mutates_args=())
+def _row_local_head_backward(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
+                             whole: list[torch.Tensor], saved: list[torch.Tensor], grads: list[torch.Tensor],
+                             budget_bytes: int, index: int, hidden: torch.Tensor, weight: torch.Tensor,
+                             bias: Optional[torch.Tensor], how: str, flatten: bool, x: torch.Tensor,
+                             flag: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
+    # ``x`` (the logits this call's forward made and only it reads) and ``flag`` are
+    # written in place: no graph value reads them after this op.
+    # (their version counters are kept: autograd checks them when a retained graph's
+    # backward unpacks them again, and the flag makes that second backward correct)
+    keep = torch.autograd._unsafe_preserve_version_counter
+    with keep(x), keep(flag):
+        if not bool(flag.item()):  # a second backward: the first wrote the gradient over the logits
+            x.copy_(_logits(hidden, weight, bias, how, flatten))
+        full = _full(rows, index, x)
+        others = [(i if i < index else i + 1) for i in wanted]
+        out = [torch.empty_like(full[i], memory_format=torch.contiguous_format) for i in others]
+        backward_chunks(key, [index, *others], outputs, full, whole, saved, grads, budget_bytes, [x, *out])
+        flag.zero_()
+    g = x.reshape(-1, x.shape[-1])  # the logits' gradient, model precision, where they were
+    if needs[0]:
+        out.append((g @ weight).view(hidden.shape))
+    if needs[1]:
+        out.append(g.t() @ hidden.reshape(-1, hidden.shape[-1]))
+    if needs[2]:
+        out.append(g.sum(0))
+    return out
+
+
+@_row_local_head_backward.register_fake
+def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes, index, hidden, weight, bias, how,
+      flatten, x, flag, needs):
+    return [torch.empty(shape, dtype=t.dtype, device=t.device)
+            for shape, t in _grad_shapes(rows, wanted, hidden, weight, bias, needs)]
+
+
+def _setup(ctx, inputs, output):
+    key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten = inputs
+    ctx.budget_bytes, ctx.index, ctx.how, ctx.flatten = budget_bytes, index, how, flatten
+    ctx.n_rows, ctx.n_whole = len(rows), len(whole)
+    state = setup_outputs(ctx, key, output[:-2])
+    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
+    ctx.needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    ctx.n_state = len(state)
+    ctx.save_for_backward(*rows, *whole, *state, hidden, weight, bias, output[-2], output[-1])
+
+
+def _backward(ctx, grads):
+    saved = list(ctx.saved_tensors)
+    n, m, k = ctx.n_rows, ctx.n_whole, ctx.n_state
+    rows, whole, state = saved[:n], saved[n:n + m], saved[n + m:n + m + k]
+    hidden, weight, bias, x, flag = saved[n + m + k:]
+    row_grads: list[Optional[torch.Tensor]] = [None] * n
+    head: list[Optional[torch.Tensor]] = [None] * 3
+    if ctx.outputs:
+        got = iter(_row_local_head_backward(
+            ctx.key, ctx.wanted, ctx.outputs, rows, whole, state, grads_of_outputs(ctx, grads, x.device),
+            ctx.budget_bytes, ctx.index, hidden, weight, bias, ctx.how, ctx.flatten, x, flag, ctx.needs))
+        for i in ctx.wanted:
+            row_grads[i] = next(got)
+        head = [next(got) if need else None for need in ctx.needs]
+    return None, row_grads, [None] * m, None, None, *head, None, None
+
+
+_row_local_head.register_autograd(_backward, setup_context=_setup)
+
+
+def row_local_head(key: str, budget_bytes: int, n_rows: int, index: int, how: str, flatten: bool,
+                   hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   *inputs: torch.Tensor, saving: Optional[str] = None) -> tuple[torch.Tensor, ...]:
+    """:func:`~fx_passes.kernels.row_local.row_local` for a region whose row input
+    ``index`` is the lm_head's logits (``how``: ``"linear"`` or ``"matmul"``, flattened to
+    ``[N, V]`` when ``flatten``): ``inputs`` are the region's other ``n_rows - 1`` row
+    inputs, then its whole inputs.  Without a gradient to take the matmul runs before a
+    plain ``row_local`` call."""
+    rows, whole = list(inputs[:n_rows - 1]), list(inputs[n_rows - 1:])
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (hidden, weight, bias))):
+        x = _logits(hidden, weight, bias, how, flatten)
+        return row_local(key, budget_bytes, n_rows, *_full(rows, index, x), *whole, saving=saving)
+    out = _row_local_head(saving or key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten)
+    count = REPLAYING_BODIES[saving][1] if saving is not None else 0
+    return tuple(out[:len(out) - 2 - count])
