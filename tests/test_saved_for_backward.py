@@ -222,8 +222,11 @@ def test_softmax_from_saved_statistics_is_the_forward_and_its_gradient(dim):
         assert torch.allclose(grad, want, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["forward_kl", "jsd", "topk_topp"])
+@pytest.mark.parametrize("name", ["forward_kl", "jsd", "topk_topp", "ce_label_smoothing",
+                                  "ce_weight_smoothing"])
 def test_saved_normalizers_as_accurate_as_stock(name):
+    """(A cross-entropy of class indices is built in the body as torch computes it, a
+    ``log_softmax`` and ``nll_loss`` and the smoothing term, so its softmax is saved too.)"""
     fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
     c = _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
     assert c.get("row_local_saved_normalizers") == 1, c

@@ -45,13 +45,21 @@ def body(key: str, counter: str = "shard_body_eager"):
 
 
 def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | None = None,
-                  counter: str = "shard_body_eager"):
+                  counter: str = "shard_body_eager", into: bool = False):
     """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
     product of the body, compiled once per key (a pointwise pass that writes the logits
     gradient in model precision).  ``grads`` are those of ``outputs`` (positions; all
-    outputs when None: a body's integer outputs, such as top-k indices, have none)."""
+    outputs when None: a body's integer outputs, such as top-k indices, have none).
+    ``into``: ``(*inputs, *grads, *buffers) -> ()`` writes each gradient into its buffer
+    instead (the generated kernel stores it there: no copy of a returned chunk)."""
     fn = GRAPH_BODIES[key]
     n = sum(1 for node in fn.graph.nodes if node.op == "placeholder")
+
+    def vjp_into(*args):
+        buffers = args[len(args) - len(wanted):]
+        for b, g in zip(buffers, vjp(*args[:len(args) - len(wanted)])):
+            b.copy_(g)
+        return ()
 
     def vjp(*args):
         inputs, grads = args[:n], args[n:]
@@ -64,5 +72,6 @@ def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | 
             return out if outputs is None else tuple(out[i] for i in outputs)
         _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
         return pullback(tuple(grads))
-    name = f"body_backward_{key}_{'_'.join(map(str, wanted))}"
-    return compile_body(("vjp", key, wanted, outputs), vjp, name, counter, grad_mode=torch.no_grad)
+    name = f"body_backward{'_into' if into else ''}_{key}_{'_'.join(map(str, wanted))}"
+    return compile_body(("vjp", key, wanted, outputs, into), vjp_into if into else vjp, name, counter,
+                        grad_mode=torch.no_grad)

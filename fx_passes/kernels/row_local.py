@@ -79,10 +79,18 @@ def backward_chunks(key: str, wanted: list[int], outputs: list[int], rows: list[
     """The vector-Jacobian product of body ``key`` chunk by chunk: the gradient of
     ``rows[wanted[k]]`` written into ``out[k]`` (which may be that row input itself: a
     chunk's rows are read only by its own step)."""
-    vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER)
+    # (the compiled product stores each gradient straight into ``out``, unless a buffer
+    # is also a row input, the lm_head call's logits: a compiled call given one buffer as
+    # an input it reads and one it writes would be compiled for the aliasing)
+    storages = {r.untyped_storage().data_ptr() for r in rows}
+    into = not any(o.untyped_storage().data_ptr() in storages for o in out)
+    vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER, into=into)
     for a, b in _spans(rows[0].shape[0], chunk_rows(rows, budget_bytes)):
-        chunk = vjp(*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
-        for o, g in zip(out, chunk):
+        args = (*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
+        if into:
+            vjp(*args, *(o[a:b] for o in out))
+            continue
+        for o, g in zip(out, vjp(*args)):
             o[a:b] = g
 
 

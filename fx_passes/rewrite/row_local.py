@@ -67,8 +67,32 @@ def _per_row_loss(g: Graph, n: Node, env: dict) -> Node:
         if k in _given(n):
             v = loss_arg(n, k)
             kwargs[k] = env[v] if isinstance(v, Node) else v
-    fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
-    return g.call_function(fn, (inp, tgt), kwargs)
+    smoothing = kwargs.pop("label_smoothing", 0.0)
+    if name == "nll_loss" or meta(loss_arg(n, "target")).is_floating_point() or isinstance(smoothing, Node):
+        fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
+        if smoothing:
+            kwargs["label_smoothing"] = smoothing
+        return g.call_function(fn, (inp, tgt), kwargs)
+    return _cross_entropy_rows(g, inp, tgt, kwargs, smoothing)
+
+
+def _cross_entropy_rows(g: Graph, inp: Node, tgt: Node, kwargs: dict[str, Any], smoothing: float) -> Node:
+    """``F.cross_entropy(inp, tgt, reduction="none", ...)`` of class indices, as torch
+    computes it (``cross_entropy_loss_label_smoothing``): a ``log_softmax``, ``nll_loss``
+    and label smoothing's term, so the softmax's statistics can be saved for the backward."""
+    logp = g.call_function(torch.log_softmax, (inp, 1))
+    nll = g.call_function(F.nll_loss, (logp, tgt), kwargs)
+    if not smoothing:
+        return nll
+    weight = kwargs.get("weight")
+    terms = g.call_function(operator.mul, (logp, weight)) if weight is not None else logp
+    smooth = g.call_function(operator.neg, (g.call_method("sum", (terms, 1)),))
+    ignored = g.call_function(operator.eq, (tgt, kwargs.get("ignore_index", -100)))
+    smooth = g.call_method("masked_fill", (smooth, ignored, 0.0))
+    classes = g.call_method("size", (inp, 1))
+    return g.call_function(operator.add, (g.call_function(operator.mul, (nll, 1.0 - smoothing)),
+                                          g.call_function(operator.mul, (smooth, g.call_function(
+                                              operator.truediv, (smoothing, classes))))))
 
 
 def _given(n: Node) -> set[str]:
