@@ -88,6 +88,23 @@ def test_the_call_runs_the_matmul_as_accurate_as_stock(name):
     assert c.get("row_local_lm_head_in_call") == 1 and not c.get("lm_head_not_fused"), c
 
 
+@pytest.mark.parametrize("name", ["distillation", "kl_div_linear"])
+def test_bit_for_bit_the_plain_calls_results(name):
+    """The call's matmul and gradients are the ops the graph and autograd run, and its
+    chunk gradients are the plain call's (stored over the logits instead of into a new
+    buffer): the same bits as with the matmul left in the graph (``fuse_lm_head=False``)."""
+    fn, inputs, grad_pos = _case(name)
+    got = []
+    for options in ({"fuse_lm_head": False}, {}):
+        torch._dynamo.reset()
+        args = [x.clone().requires_grad_(i in grad_pos) for i, x in enumerate(inputs)]
+        out = torch.compile(fn, backend="chunked_logits", dynamic=True, options=options)(*args)
+        out.backward()
+        got.append([out.detach(), *(args[i].grad for i in grad_pos)])
+    assert chunked_counters().get("row_local_lm_head_in_call") == 1
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("name", ["distillation", "kl_div_linear"])
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):

@@ -45,20 +45,23 @@ def body(key: str, counter: str = "shard_body_eager"):
 
 
 def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | None = None,
-                  counter: str = "shard_body_eager", into: bool = False):
+                  counter: str = "shard_body_eager", into: tuple[int | None, ...] | None = None):
     """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
     product of the body, compiled once per key (a pointwise pass that writes the logits
     gradient in model precision).  ``grads`` are those of ``outputs`` (positions; all
     outputs when None: a body's integer outputs, such as top-k indices, have none).
-    ``into``: ``(*inputs, *grads, *buffers) -> ()`` writes each gradient into its buffer
-    instead (the generated kernel stores it there: no copy of a returned chunk)."""
+    ``into`` (one entry per gradient): ``(*inputs, *grads, *buffers) -> ()`` writes each
+    gradient into ``inputs[into[k]]`` (over the input it is the gradient of) or, for
+    None, into the next of ``buffers``: the generated kernels store it there, no copy of
+    a returned chunk."""
     fn = GRAPH_BODIES[key]
     n = sum(1 for node in fn.graph.nodes if node.op == "placeholder")
+    extra = sum(1 for t in into or () if t is None)
 
     def vjp_into(*args):
-        buffers = args[len(args) - len(wanted):]
-        for b, g in zip(buffers, vjp(*args[:len(args) - len(wanted)])):
-            b.copy_(g)
+        buffers = iter(args[len(args) - extra:])
+        for t, g in zip(into, vjp(*args[:len(args) - extra])):
+            (args[t] if t is not None else next(buffers)).copy_(g)
         return ()
 
     def vjp(*args):
@@ -72,6 +75,6 @@ def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | 
             return out if outputs is None else tuple(out[i] for i in outputs)
         _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
         return pullback(tuple(grads))
-    name = f"body_backward{'_into' if into else ''}_{key}_{'_'.join(map(str, wanted))}"
-    return compile_body(("vjp", key, wanted, outputs, into), vjp_into if into else vjp, name, counter,
+    name = f"body_backward{'_into' if into is not None else ''}_{key}_{'_'.join(map(str, wanted))}"
+    return compile_body(("vjp", key, wanted, outputs, into), vjp if into is None else vjp_into, name, counter,
                         grad_mode=torch.no_grad)

@@ -79,16 +79,18 @@ def backward_chunks(key: str, wanted: list[int], outputs: list[int], rows: list[
     """The vector-Jacobian product of body ``key`` chunk by chunk: the gradient of
     ``rows[wanted[k]]`` written into ``out[k]`` (which may be that row input itself: a
     chunk's rows are read only by its own step)."""
-    # (the compiled product stores each gradient straight into ``out``, unless a buffer
-    # is also a row input, the lm_head call's logits: a compiled call given one buffer as
-    # an input it reads and one it writes would be compiled for the aliasing)
+    # (the compiled product stores each gradient straight into its buffer; one that is
+    # the row input itself, the lm_head call's logits, is written over as that input:
+    # a second view of it would make the compiled call's inputs alias)
+    into = tuple(next((j for j, r in enumerate(rows) if o is r), None) for o in out)
     storages = {r.untyped_storage().data_ptr() for r in rows}
-    into = not any(o.untyped_storage().data_ptr() in storages for o in out)
+    if any(t is None and o.untyped_storage().data_ptr() in storages for t, o in zip(into, out)):
+        into = None  # (a buffer overlapping a row input some other way: returned, then copied)
     vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER, into=into)
     for a, b in _spans(rows[0].shape[0], chunk_rows(rows, budget_bytes)):
         args = (*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
-        if into:
-            vjp(*args, *(o[a:b] for o in out))
+        if into is not None:
+            vjp(*args, *(o[a:b] for t, o in zip(into, out) if t is None))
             continue
         for o, g in zip(out, vjp(*args)):
             o[a:b] = g
