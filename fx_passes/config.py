@@ -43,9 +43,10 @@ class Config:
             forward chunk are ``budget / (4 V)``, vocabulary columns per backward
             block ``budget / (8 T)`` (``budget / (4 T)`` in the "gpu" plan).  None (the
             default): the device's (``kernels.tiling.device_budget``): 32 MiB on a CPU;
-            for the lm_head loop on a GPU an eighth of the free memory, within 32 MiB
-            and 4 GiB, so that its GEMMs are large enough to run near peak.  The other
-            chunk loops (row-local regions, vocab-parallel shards) take 32 MiB.
+            for the lm_head loop and row-local regions on a GPU an eighth of the free
+            memory, within 32 MiB and 4 GiB, so that their GEMMs are large enough to
+            run near peak and a step is not thousands of small chunks.  The
+            vocab-parallel shards' loops take 32 MiB.
         row_local: a region the hand-derived path does not take (an op it does not
             know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
             its own ops over chunks of rows when every op acts on each row on its own
@@ -117,9 +118,9 @@ class Config:
         return max(1, int((self.chunk_budget_mib or DEFAULT_BUDGET_MIB) * 2**20))
 
     @property
-    def lm_head_budget_bytes(self) -> int:
-        """The lm_head loop's budget in bytes; unset, 0: the device's, chosen where the
-        loop runs (``kernels.tiling.resolve_budget``)."""
+    def device_budget_bytes(self) -> int:
+        """The lm_head and row-local loops' budget in bytes; unset, 0: the device's,
+        chosen where the loop runs (``kernels.tiling.resolve_budget``)."""
         return self.chunk_budget_bytes if self.chunk_budget_mib is not None else 0
 
     @classmethod

@@ -95,10 +95,10 @@ def test_chunk_budget_unset_is_the_devices() -> None:
     loop: kernels.tiling.resolve_budget); every other loop takes 32 MiB, as an explicit
     budget is the same for all."""
     assert Config().chunk_budget_mib is None
-    assert (Config().chunk_budget_bytes, Config().lm_head_budget_bytes) == (32 * 2**20, 0)
+    assert (Config().chunk_budget_bytes, Config().device_budget_bytes) == (32 * 2**20, 0)
     assert Config(chunk_budget_mib=None) == Config() == Config.from_options({"chunk_budget_mib": None})
     explicit = Config.from_options({"chunk_budget_mib": 1.5})
-    assert explicit.chunk_budget_bytes == explicit.lm_head_budget_bytes == 3 * 2**19
+    assert explicit.chunk_budget_bytes == explicit.device_budget_bytes == 3 * 2**19
 
 
 def test_good_options_round_trip() -> None:

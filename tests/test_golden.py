@@ -248,7 +248,7 @@ def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
     l_x_ = L_x_
     l_tok_ = L_tok_
     unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
-    row_local = fx_passes_kernels_row_local_row_local('<key>', 33554432, 2, l_x_, unsqueeze);  l_x_ = unsqueeze = None
+    row_local = fx_passes_kernels_row_local_row_local('<key>', 0, 2, l_x_, unsqueeze);  l_x_ = unsqueeze = None
     getitem_1 = row_local[0];  row_local = None
     return (getitem_1,)""")
         self.assertEqual(chunked_counters(), {"rewritten": 1, "row_local": 1})
@@ -266,7 +266,7 @@ def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1);  l_labels_ = None
     flatten = l_x_.flatten(0, -2);  l_x_ = None
-    row_local = fx_passes_kernels_row_local_row_local('<key>', 33554432, 2, flatten, view_1);  flatten = None
+    row_local = fx_passes_kernels_row_local_row_local('<key>', 0, 2, flatten, view_1);  flatten = None
     getitem = row_local[0];  row_local = None
     sum_1 = getitem.sum();  getitem = None
     ne = view_1 != -100;  view_1 = None

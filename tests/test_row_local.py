@@ -172,3 +172,24 @@ def test_reflected_operators_are_pointwise_and_random_ops_are_not():
     # (FX marks random ops impure: a side effect inside the region, MUTATION, before any
     # row-locality question; match.row_local would also refuse it, untagged pointwise)
     assert chunked_counters() == {"declined": 1, "declined:MUTATION": 1}
+
+
+def test_chunks_take_the_devices_budget_unless_one_is_set(monkeypatch):
+    """Unset, ``chunk_budget_mib`` leaves the budget to the device where the call runs
+    (``tiling.device_budget``: 32 MiB on a CPU, up to 4 GiB on a GPU, where 32 MiB would
+    make a step thousands of chunks of a few rows at V 151936); set, it is used as is."""
+    from fx_passes.kernels import row_local as kernel
+    from fx_passes.kernels import tiling
+
+    fn, inputs, _ = _inputs("topk", torch.bfloat16)
+    budgets = []
+    for options in ({}, {"chunk_budget_mib": 3}):
+        _, after = rewrite_graphs(fn, *inputs, **options)
+        calls = [n for n in after.graph.nodes if n.target is kernel.row_local]
+        budgets += [calls[0].args[1]]
+    assert budgets == [tiling.BY_DEVICE, 3 * 2**20], budgets
+    rows = [inputs[0]]
+    assert kernel.chunk_rows(rows, tiling.BY_DEVICE) == kernel.chunk_rows(rows, tiling.CPU_BUDGET)
+    monkeypatch.setattr(tiling, "device_budget", lambda device_type, free: 4096 * 2**20)
+    assert kernel.chunk_rows(rows, tiling.BY_DEVICE) == 4096 * 2**20 // (BYTES_PER_ELEMENT * V)
+    assert kernel.chunk_rows(rows, 2**20) == 2**20 // (BYTES_PER_ELEMENT * V)

@@ -24,6 +24,7 @@ import torch
 
 from . import graph_bodies
 from .registry import REPLAYING_BODIES
+from .tiling import resolve_budget
 
 __all__ = ["row_local", "run_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows", "setup_outputs",
            "grads_of_outputs"]
@@ -36,9 +37,10 @@ COUNTER = "row_local_body_eager"
 
 
 def chunk_rows(rows: list[torch.Tensor], budget_bytes: int) -> int:
-    """Rows (indices of dim 0) per chunk: the budget over the widest row's working set."""
+    """Rows (indices of dim 0) per chunk: the budget (``tiling.BY_DEVICE``: the device's,
+    ``tiling.device_budget``) over the widest row's working set."""
     width = max((r[0].numel() if r.dim() and r.shape[0] else 1 for r in rows), default=1)
-    return max(1, budget_bytes // (BYTES_PER_ELEMENT * max(width, 1)))
+    return max(1, resolve_budget(budget_bytes, rows[0].device) // (BYTES_PER_ELEMENT * max(width, 1)))
 
 
 def _spans(n: int, step: int) -> list[tuple[int, int]]:

@@ -127,7 +127,7 @@ def emit_stats(e: Emitter, region: Region, xv: Node, tokens: Node | None, config
     if lm_head is not None:
         returned = (lm_head.hidden,) if lm_head.returned else ()  # the logits' shape: the 4th result's
         return e.function(lm_head_row_stats, xv, lm_head.weight, lm_head.bias, tokens, region.scale,
-                          region.scale_is_div, region.want_entropy, config.lm_head_budget_bytes,
+                          region.scale_is_div, region.want_entropy, config.device_budget_bytes,
                           lm_head.transforms, config.lm_head_plan, *returned)
     return e.function(row_stats, xv, tokens, region.scale, region.scale_is_div, region.want_entropy)
 

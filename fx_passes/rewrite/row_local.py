@@ -264,7 +264,7 @@ def _call(graph: Graph, region: RowRegion, head: _Head | None, key: str, saving:
             for j, r in enumerate(region.rows) if j != skip]
     whole = [scalar_tensor(graph, w) if is_scalar(w) else w for w in region.whole]
     kwargs = {"saving": saving} if saving else {}
-    budget, n = config.chunk_budget_bytes, len(region.rows)
+    budget, n = config.device_budget_bytes, len(region.rows)  # (0: the device's, where the call runs)
     if head is None:
         return graph.call_function(row_local, (key, budget, n, *rows, *whole), kwargs)
     h = head.head
