@@ -55,10 +55,11 @@ class Config:
             top-k / scans make (packed: ``V / 8`` bytes a row each) and its backward
             reads them instead of sorting again (``rewrite/saved.py``); False
             recomputes them (no saved bytes, the forward's work twice).
-        save_normalizers: a row-local region's forward also returns the ``logsumexp``
-            of each softmax / log_softmax its backward needs (one number a row) and the
-            backward computes their values pointwise from it (``rewrite/saved.py``); False
-            recomputes the reductions.
+        save_normalizers: a row-local region's forward also returns the two reductions
+            of each softmax / log_softmax its backward needs (the max and the sum of
+            exponentials or its log: two numbers a row) and the backward computes their
+            values pointwise from them (``rewrite/saved.py``); False recomputes the
+            reductions.
         lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "gpu" on
             CUDA/XPU where torch has ``mm(.., out_dtype=)`` for it, else "blocks";
             "two_sweeps" on CPUs that multiply bf16/fp16 in hardware, "fp32_tiles" on

@@ -27,7 +27,7 @@ from .registry import REPLAYING_BODIES
 from .tiling import resolve_budget
 
 __all__ = ["row_local", "run_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows", "setup_outputs",
-           "grads_of_outputs"]
+           "grads_of_outputs", "fake_results"]
 
 # Working set of a chunk per element of its widest row input: what a top-p region's
 # compiled body keeps at once (a sort's FP32 values and int64 indices, the cumsum, the
@@ -47,8 +47,10 @@ def _spans(n: int, step: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
 
 
-def _outputs(key: str, rows, whole) -> list[torch.Tensor]:
-    return list(graph_bodies.function(key)(*rows, *whole))
+def fake_results(key: str, rows, whole) -> list[torch.Tensor]:
+    """Empty tensors shaped like body ``key``'s results (the custom ops' fake kernels)."""
+    results = graph_bodies.function(key)(*rows, *whole)
+    return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in results]
 
 
 def _fill(out: list[Optional[torch.Tensor]], got, a: int, b: int, n: int) -> None:
@@ -106,7 +108,7 @@ def _row_local(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
 
 @_row_local.register_fake
 def _(key, rows, whole, budget_bytes):
-    return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in _outputs(key, rows, whole)]
+    return fake_results(key, rows, whole)
 
 
 @torch.library.custom_op("chunked_logits::row_local_backward", mutates_args=())

@@ -27,13 +27,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import graph_bodies
 from .registry import REPLAYING_BODIES
-from .row_local import backward_chunks, grads_of_outputs, row_local, run_chunks, setup_outputs
+from .row_local import backward_chunks, fake_results, grads_of_outputs, row_local, run_chunks, setup_outputs
 
-__all__ = ["row_local_head", "HOW"]
-
-HOW = ("linear", "matmul")  # F.linear(hidden, weight, bias) / hidden @ weight.T
+__all__ = ["row_local_head"]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], how: str,
@@ -59,9 +56,7 @@ def _row_local_head(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
 @_row_local_head.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten):
     x = _logits(hidden, weight, bias, how, flatten)
-    results = graph_bodies.function(key)(*_full(rows, index, x), *whole)
-    return [*(torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in results), x,
-            torch.empty(1, dtype=torch.uint8)]
+    return [*fake_results(key, _full(rows, index, x), whole), x, torch.empty(1, dtype=torch.uint8)]
 
 
 def _grad_shapes(rows, wanted, hidden, weight, bias, needs) -> list[tuple[torch.Size, torch.Tensor]]:
@@ -116,15 +111,14 @@ def _setup(ctx, inputs, output):
     state = setup_outputs(ctx, key, output[:-2])
     ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
     ctx.needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    ctx.n_state = len(state)
     ctx.save_for_backward(*rows, *whole, *state, hidden, weight, bias, output[-2], output[-1])
 
 
 def _backward(ctx, grads):
     saved = list(ctx.saved_tensors)
-    n, m, k = ctx.n_rows, ctx.n_whole, ctx.n_state
-    rows, whole, state = saved[:n], saved[n:n + m], saved[n + m:n + m + k]
-    hidden, weight, bias, x, flag = saved[n + m + k:]
+    n, m = ctx.n_rows, ctx.n_whole
+    rows, whole, state = saved[:n], saved[n:n + m], saved[n + m:-5]
+    hidden, weight, bias, x, flag = saved[-5:]
     row_grads: list[Optional[torch.Tensor]] = [None] * n
     head: list[Optional[torch.Tensor]] = [None] * 3
     if ctx.outputs:

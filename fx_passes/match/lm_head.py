@@ -31,7 +31,7 @@ from torch.fx import Node
 from ..fx.graph_ops import canon, is_low_precision, meta, scaled_by_number
 
 __all__ = ["LMHead", "match_lm_head", "producer", "model_precision_operands", "NOT_MODEL_PRECISION",
-           "TRANSFORMS_KNOWN"]
+           "READ_ELSEWHERE", "FUSION_OFF", "TRANSFORMS_KNOWN"]
 
 TRANSFORMS_KNOWN = "x / c, x * c and tanh(x), c a constant"
 _MAX_TRANSFORMS = 8  # how far back from the upcast the logit transforms are followed
@@ -143,7 +143,10 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
     return head, ""
 
 
+# why the matmul stays whole (rewrite/logits.py and rewrite/row_local.py say them too)
 NOT_MODEL_PRECISION = "the matmul's operands are not a model-precision [.., H] x [V, H] lm_head"
+READ_ELSEWHERE = "the logits are also used outside the region; the matmul runs once in full"
+FUSION_OFF = "fuse_lm_head is off"
 
 
 def model_precision_operands(head: LMHead, x: Node) -> bool:
@@ -165,7 +168,7 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
         return None, why
     outside = [u for u in x.users if u not in reads]
     if region.meta_users or any(u.op != "output" for u in outside):
-        return None, "the logits are also used outside the region; the matmul runs once in full"
+        return None, READ_ELSEWHERE
     head.returned = bool(outside)
     if not model_precision_operands(head, x):
         return None, NOT_MODEL_PRECISION

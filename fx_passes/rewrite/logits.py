@@ -33,7 +33,7 @@ from ..fx.graph_ops import canon, get_arg, is_pure, meta, requires_grad
 from ..fx.placement import check_placement
 from ..kernels.lm_head import lm_head_row_stats
 from ..kernels.stats import row_stats
-from ..match.lm_head import LMHead, match_lm_head
+from ..match.lm_head import FUSION_OFF, LMHead, match_lm_head
 from ..match.logits import Region, Role
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
@@ -164,7 +164,7 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
     ignore = loss_sinks[0].ignore_index if loss_sinks else None
     if any(s.ignore_index != ignore for s in loss_sinks):
         raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
-    lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, "fuse_lm_head is off")
+    lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, FUSION_OFF)
     if lm_head is not None:  # the loop also computes the matmul at the anchor: the same rule from there
         head_nodes = [lm_head.logits, *lm_head.chain, *filter(None, [lm_head.transpose])]
         try:

@@ -40,7 +40,14 @@ from ..kernels import graph_bodies
 from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
 from ..kernels.row_local_head import row_local_head
-from ..match.lm_head import NOT_MODEL_PRECISION, LMHead, model_precision_operands, producer
+from ..match.lm_head import (
+    FUSION_OFF,
+    NOT_MODEL_PRECISION,
+    READ_ELSEWHERE,
+    LMHead,
+    model_precision_operands,
+    producer,
+)
 from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same_shape
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
@@ -235,19 +242,17 @@ def _plan_head(graph: Graph, region: RowRegion, anchor: Node, config: Config) ->
         if head is None:
             continue
         if not config.fuse_lm_head:
-            return None, "fuse_lm_head is off"
+            return None, FUSION_OFF
         if any(u not in inside for u in x.users):
-            return None, "the logits are also used outside the region; the matmul runs once in full"
+            return None, READ_ELSEWHERE
         if not model_precision_operands(head, x):
             return None, NOT_MODEL_PRECISION
         operands = [o for o in (head.hidden, head.weight, head.bias) if o is not None]
         others = [_node(q) for j, q in enumerate(region.rows) if j != i]
         whole = [w for w in region.whole if isinstance(w, Node)]
-        order = {n: k for k, n in enumerate(graph.nodes)}
-        try:
+        try:  # (region.nodes are in graph order: the last is its last node)
             detach = check_placement(graph, [*region.nodes, x, *filter(None, [head.transpose])], anchor,
-                                     region.outputs, [*others, *operands, *whole],
-                                     max(region.nodes, key=order.__getitem__),
+                                     region.outputs, [*others, *operands, *whole], region.nodes[-1],
                                      [o for o in [*operands, *others] if requires_grad(o)],
                                      replays_grad_modes=True)
         except Decline as d:
