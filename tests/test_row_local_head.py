@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -202,3 +203,27 @@ def test_a_retained_graphs_second_backward_equals_the_first(donated):
         h.grad = w.grad = None
         loss.backward()
     assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+
+
+def test_the_call_runs_stocks_three_gemms():
+    """GEMM audit, recorded by the profiler (``aten::mm`` / ``aten::addmm`` and their
+    shapes; the audit's dispatch mode cannot run the bodies' ``torch.func.vjp``): the
+    call's forward matmul and the backward's ``g @ W`` and ``g.T @ h`` are stock's three
+    ``[T, H] x [H, V]`` GEMMs, with the lm_head plans forced or not (they are the fused
+    loop's, not this call's)."""
+    from torch.profiler import profile
+
+    from tests.numerics import run
+
+    fn, inputs, grad_pos = _case("distillation")
+    for options in ({}, {"lm_head_plan": "gpu"}, {"lm_head_plan": "fp32_tiles"}):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend="chunked_logits", options=options)
+        run(compiled, inputs, grad_pos)  # compiled before the recorded step
+        with profile(record_shapes=True) as prof:
+            run(compiled, inputs, grad_pos)
+        assert chunked_counters().get("row_local_lm_head_in_call") == 1
+        shapes = [e.input_shapes[-2:] for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+        flops = sum(2 * a[0] * a[1] * b[1] for a, b in shapes)
+        assert len(shapes) == 3 and flops == 3 * 2 * T * H * V, shapes
