@@ -51,6 +51,15 @@ class Config:
             know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
             its own ops over chunks of rows when every op acts on each row on its own
             (``match/row_local.py``); False leaves such regions as they are.
+        row_local_sweeps: a row-local region whose logits an lm_head matmul in the graph
+            makes (read by nothing else) runs that matmul chunk by chunk when the body's
+            gradient is a pointwise function of the logits given a few per-row values
+            (distillation, KL / JSD, label smoothing, a top-k mask:
+            ``kernels/row_split.py``): neither the logits nor their gradient exists
+            whole, for five ``[T, H] x [H, V]`` GEMMs a step against stock's three
+            (``kernels/row_local_sweeps.py``).  False, or a body that does not split (a
+            sort, a scan): the call runs the matmul whole and writes the logits'
+            gradient over them (stock's memory and GEMMs).
         save_masks: a row-local region's forward saves the boolean masks its sorts /
             top-k / scans make (packed: ``V / 8`` bytes a row each) and its backward
             reads them instead of sorting again (``rewrite/saved.py``); False
@@ -88,6 +97,7 @@ class Config:
     chunk_budget_mib: Optional[float] = None
     lm_head_plan: str = "auto"
     row_local: bool = True
+    row_local_sweeps: bool = True
     save_masks: bool = True
     save_normalizers: bool = True
     gradients_in_forward: bool = True

@@ -81,6 +81,8 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
     elif outcome.lm_head is LMHead.IN_CALL:
         counters[COUNTER]["row_local_lm_head_in_call"] += 1
         what += ", lm_head matmul run by the call, whose backward writes the logits' gradient over them"
+        if outcome.why:
+            what += f" (logits kept whole: {outcome.why})"
     elif outcome.lm_head is LMHead.NOT_FUSED:
         counters[COUNTER]["lm_head_not_fused"] += 1
         what += f", lm_head not fused: {outcome.why}"

@@ -1,9 +1,10 @@
 """Hostile programs for the placement rule (issue 19, fx_passes/fx/placement.py).
 
 A program is one region written as a list of statements (:data:`REGIONS`: plain logits,
-three row-local regions (issue 21: a top-k masked log-prob; a label-smoothed CE reduced
+four row-local regions (issue 21: a top-k masked log-prob; a label-smoothed CE reduced
 over the rows plus a z-loss; a label-smoothed CE of ``h @ w.T``, whose matmul the call
-runs), the lm_head matmul in the graph (per-token results; a loss
+runs chunk by chunk; a top-p masked log-prob of ``h @ w.T``, whose matmul the call runs
+whole), the lm_head matmul in the graph (per-token results; a loss
 the graph reduces, whose gradients the fused loop computes in the forward), the lm_head whose logits
 the graph also returns, a vocab-parallel region on a one-rank group) with one *state change* put into it
 (:data:`CHANGES`): a statement inserted at a slot, or a run of the region's statements
@@ -60,13 +61,24 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "zl = torch.logsumexp(z, -1).pow(2)",
         "loss = ce + 1e-4 * zl.mean()",
     ], "loss", 1),
-    # a row-local region on the lm_head's logits: the call runs the matmul (kernels/row_local_head.py)
+    # row-local regions on the lm_head's logits: the call runs the matmul chunk by chunk
+    # (a body that splits: kernels/row_local_sweeps.py) or whole (a top-p mask's sort:
+    # kernels/row_local_head.py)
     "head_smoothing": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
         "logits = h @ w.T",
         "ce = torch.nn.functional.cross_entropy(logits.to(up), tok, label_smoothing=0.1)",
     ], "ce", 2),
+    "head_topp": ("h, w, tok", [
+        "h = h * 1",
+        "w = w * 1",
+        "logits = h @ w.T",
+        "z = logits.to(up)",
+        "sp, order = z.softmax(-1).sort(-1, descending=True)",
+        "lp = z.masked_fill(((sp.cumsum(-1) - sp) > 0.5).scatter(-1, order, (sp.cumsum(-1) - sp) > 0.5), "
+        "float('-inf')).log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)",
+    ], "lp", 2),
     "lm_head": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
@@ -136,6 +148,7 @@ _APPLIES = {
     "topk": _X_CHANGES,
     "smoothing": _X_CHANGES,
     "head_smoothing": _LM_CHANGES,
+    "head_topp": _LM_CHANGES,
     "lm_head": _LM_CHANGES,
     "loss": _LM_CHANGES,
     "returned": _LM_CHANGES,

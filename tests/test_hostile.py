@@ -103,7 +103,8 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
         seen[region] = dict(counters["chunked_logits"])
     assert seen["plain"].get("rewritten") == 1, seen
     assert seen["topk"].get("row_local") == 1 and seen["smoothing"].get("row_local") == 1, seen
-    assert seen["head_smoothing"].get("row_local_lm_head_in_call") == 1, seen
+    assert seen["head_smoothing"].get("row_local_lm_head") == 1, seen
+    assert seen["head_topp"].get("row_local_lm_head_in_call") == 1, seen
     assert seen["lm_head"].get("lm_head_fused") == 1, seen
     assert seen["loss"].get("gradients_in_forward") == 1, seen
     assert seen["returned"].get("lm_head_returns_logits") == 1, seen

@@ -1,7 +1,10 @@
 """A row-local region whose logits are ``hidden @ weight.T`` in the graph (issue 21, WD):
 the call runs the matmul and its backward writes the logits' gradient over them
 (``fx_passes/kernels/row_local_head.py``), so the backward holds one ``[T, V]``
-model-precision buffer where the plain call held two.
+model-precision buffer where the plain call held two.  This is the path of a body whose
+gradient does not split into per-row values (a sort, a scan) and of
+``row_local_sweeps=False``, which the tests here set (tests/test_row_local_sweeps.py: the
+chunked lm_head of the bodies that split).
 
 Each loss is rewritten (counter ``row_local_lm_head_in_call``) and no further from FP64
 than stock Inductor on its output and the gradients of ``hidden`` and ``weight``; the
@@ -30,6 +33,7 @@ from tests.helpers import chunked_counters
 from tests.numerics import F32, TOLERANCES
 
 T, V, H = rl.T, rl.V, 32
+WHOLE = {"row_local_sweeps": False}  # (the logits kept whole, for every body)
 EAGER = lambda fn, options: fn  # noqa: E731  (bodies run eagerly, so a dispatch mode sees their ops)
 
 
@@ -85,7 +89,7 @@ CASES = ["topk_policy", "distillation", "smoothed_ce", "frozen_weight", "kl_div_
 @pytest.mark.parametrize("name", CASES)
 def test_the_call_runs_the_matmul_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _case(name)
-    c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
+    c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8, **WHOLE)
     assert c.get("row_local_lm_head_in_call") == 1 and not c.get("lm_head_not_fused"), c
 
 
@@ -96,7 +100,7 @@ def test_bit_for_bit_the_plain_calls_results(name):
     buffer): the same bits as with the matmul left in the graph (``fuse_lm_head=False``)."""
     fn, inputs, grad_pos = _case(name)
     got = []
-    for options in ({"fuse_lm_head": False}, {}):
+    for options in ({"fuse_lm_head": False}, WHOLE):
         torch._dynamo.reset()
         args = [x.clone().requires_grad_(i in grad_pos) for i, x in enumerate(inputs)]
         out = torch.compile(fn, backend="chunked_logits", dynamic=True, options=options)(*args)
@@ -110,7 +114,7 @@ def test_bit_for_bit_the_plain_calls_results(name):
 @pytest.mark.parametrize("name", ["distillation", "kl_div_linear"])
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _case(name, dtype)
-    c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True)
+    c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True, **WHOLE)
     assert c.get("row_local_lm_head_in_call") == 1, c
 
 
@@ -196,7 +200,7 @@ def test_a_retained_graphs_second_backward_equals_the_first(donated):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     torch._dynamo.reset()
     with functorch_config.patch(donated_buffer=donated):
-        loss = torch.compile(smoothed_ce, backend="chunked_logits")(h, w, tokens)
+        loss = torch.compile(smoothed_ce, backend="chunked_logits", options=WHOLE)(h, w, tokens)
         assert chunked_counters().get("row_local_lm_head_in_call") == 1
         loss.backward(retain_graph=True)
         first = (h.grad.clone(), w.grad.clone())
@@ -216,7 +220,7 @@ def test_the_call_runs_stocks_three_gemms():
     from tests.numerics import run
 
     fn, inputs, grad_pos = _case("distillation")
-    for options in ({}, {"lm_head_plan": "gpu"}, {"lm_head_plan": "fp32_tiles"}):
+    for options in (WHOLE, {"lm_head_plan": "gpu", **WHOLE}, {"lm_head_plan": "fp32_tiles", **WHOLE}):
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(fn, backend="chunked_logits", options=options)

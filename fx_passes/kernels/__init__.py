@@ -3,7 +3,9 @@ log-softmax statistics), ``lm_head`` (the lm_head chunk loop and its backward), 
 (its per-chunk bodies), ``tiling`` (chunk sizes and backward plans), ``gpu_plan`` (the
 ``"gpu"`` backward: model-precision GEMMs, FP32 sums through ``out_dtype``),
 ``lm_head_loss`` (the lm_head loop that also computes the gradients in the forward when
-the loss is in the graph), ``row_local`` (a row-local region's loop over row chunks),
+the loss is in the graph), ``row_local`` (a row-local region's loop over row chunks;
+``row_local_head`` and ``row_local_sweeps`` when it runs the lm_head matmul, whole or
+chunk by chunk, the latter on the body's gradient split by ``row_split``),
 ``graph_bodies`` and ``shard_lm_head`` (bodies made of the user's own ops, for
 vocab-parallel stages and row-local regions, and the vocab-parallel lm_head loop).  Kernels know no
 graph matching.

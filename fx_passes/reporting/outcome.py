@@ -23,7 +23,7 @@ class LMHead(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     lm_head: LMHead = LMHead.NONE
-    why: str = ""  # why the lm_head stays whole (LMHead.NOT_FUSED)
+    why: str = ""  # why the lm_head stays whole (NOT_FUSED), or why a call keeps its logits (IN_CALL)
     returns_logits: bool = False  # the fused loop also writes the logits the graph returns
     one_pass: Optional[bool] = None  # vocab-parallel, lm_head fused: all stages in one pass?
     one_pass_why: str = ""  # why not (one_pass False)

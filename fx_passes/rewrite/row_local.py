@@ -40,6 +40,8 @@ from ..kernels import graph_bodies
 from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
 from ..kernels.row_local_head import row_local_head
+from ..kernels.row_local_sweeps import row_local_sweeps
+from ..kernels.row_split import Split, split_of_spec
 from ..match.lm_head import (
     FUSION_OFF,
     NOT_MODEL_PRECISION,
@@ -261,9 +263,36 @@ def _plan_head(graph: Graph, region: RowRegion, anchor: Node, config: Config) ->
     return None, ""
 
 
+def _hint(size: Any) -> int:
+    return int(size) if not isinstance(size, torch.SymInt) else (size.node.hint or 2)
+
+
+def _spec(value: Any, shape: tuple[Any, ...] | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+    v = meta(_node(value)) if isinstance(_node(value), Node) else value
+    if not isinstance(v, torch.Tensor):  # (a number: the call passes it as a 0-d tensor)
+        return (torch.float32 if isinstance(v, (float, torch.SymFloat)) else torch.int64), ()
+    return v.dtype, tuple(_hint(d) for d in (shape if shape is not None else v.shape))
+
+
+def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config) -> str:
+    """"" when the call may run the lm_head chunk by chunk (``row_local_sweeps``: the
+    body's gradient splits into per-row values and a pointwise function), else why the
+    logits stay whole."""
+    if not config.row_local_sweeps:
+        return "row_local_sweeps=False"
+    if len(_row_shape(region.rows[head.index])) != 2:
+        return "the body reads them as more than [N, V] rows"
+    others = (i for i, r in enumerate(region.rows) if i != head.index and requires_grad(_node(r)))
+    wanted = (head.index, *others)
+    split = split_of_spec(key, wanted, None, head.index, tuple(_spec(r, _row_shape(r)) for r in region.rows),
+                          tuple(_spec(w) for w in region.whole))
+    return "" if isinstance(split, Split) else f"the body's gradient needs whole rows: {split}"
+
+
 def _call(graph: Graph, region: RowRegion, head: _Head | None, key: str, saving: str | None,
-          config: Config) -> Node:
-    """The ``row_local`` (or ``row_local_head``) call, before the graph's insertion point."""
+          config: Config, sweeps: bool = False) -> Node:
+    """The ``row_local`` (``row_local_head``, ``row_local_sweeps``) call, before the
+    graph's insertion point."""
     skip = head.index if head is not None else None  # (the call computes that row itself)
     rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
             for j, r in enumerate(region.rows) if j != skip]
@@ -274,6 +303,9 @@ def _call(graph: Graph, region: RowRegion, head: _Head | None, key: str, saving:
         return graph.call_function(row_local, (key, budget, n, *rows, *whole), kwargs)
     h = head.head
     how = "linear" if h.transpose is None else "matmul"
+    if sweeps:
+        return graph.call_function(row_local_sweeps, (key, budget, n, head.index, how, h.hidden, h.weight,
+                                                      h.bias, *rows, *whole))
     flatten = isinstance(region.rows[head.index], Flattened)
     return graph.call_function(row_local_head, (key, budget, n, head.index, how, flatten,
                                                 h.hidden, h.weight, h.bias, *rows, *whole), kwargs)
@@ -285,12 +317,14 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     head, why = _plan_head(graph, region, anchor, config)
     body = build_body(region)
     key = graph_bodies.register(body)
-    saving, masks, normalizers = _saving_key(body, region, config)
+    whole_why = _whole_logits(region, head, key, config) if head is not None else ""
+    sweeps = head is not None and not whole_why
+    saving, masks, normalizers = _saving_key(body, region, config) if not sweeps else (None, 0, 0)
     inside = set(region.nodes)
     if head is not None:
         detach = head.detach
     with graph.inserting_before(anchor):
-        call = _call(graph, region, head, key, saving, config)
+        call = _call(graph, region, head, key, saving, config, sweeps)
         for i, o in enumerate(region.outputs):
             value = graph.call_function(operator.getitem, (call, i))
             if o in region.terminals:
@@ -306,4 +340,6 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     for n in filter(None, [head.head.logits, head.head.transpose]):  # (a W.T read elsewhere stays)
         if not n.users:
             graph.erase_node(n)
-    return Outcome(Fused.IN_CALL, saved_masks=masks, saved_normalizers=normalizers)
+    if sweeps:
+        return Outcome(Fused.FUSED)
+    return Outcome(Fused.IN_CALL, whole_why, saved_masks=masks, saved_normalizers=normalizers)

@@ -1,0 +1,212 @@
+"""A row-local region whose lm_head runs inside its chunk loop: neither the logits nor
+their gradient ever exists whole.
+
+The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the
+body on them (the region's own ops, :mod:`fx_passes.kernels.row_local`).  The backward
+needs ``grad_hidden[t]`` (a sum over the whole vocabulary) and ``grad_weight[v]`` (a sum
+over all rows), each one FP32 sum rounded once, so it runs the ``two_sweeps`` order of
+the hand-derived lm_head (:func:`fx_passes.kernels.lm_head.two_sweeps`) on a body split
+into per-row statistics and a pointwise function (:mod:`fx_passes.kernels.row_split`):
+
+1. row chunks over the whole vocabulary: the chunk's logits again, the ``stats`` graph
+   (the gradient of the chunk's logits and the per-row values its pointwise form reads),
+   then ``grad_hidden[rows] = g @ weight``: one GEMM over the whole vocabulary;
+2. vocabulary blocks over all rows: the block's logits ``hidden @ weight[block].T``, the
+   ``block`` graph (the same gradient from the per-row values), then
+   ``grad_weight[block] = g.T @ hidden`` (and the bias's sum): one GEMM over all rows.
+
+Five ``[T, H] x [H, V]`` GEMMs a step against stock's three (docs/gemms.md): the price
+of holding a chunk instead of ``[T, V]`` logits and their gradient.  Every GEMM has
+model-precision inputs.  The rewrite takes this call only where the body splits
+(``rewrite/row_local.py``); a split that fails at run time all the same (an input of
+another shape) recomputes the logits whole and runs ``row_local_head``'s backward,
+said once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..reporting.report import log
+from . import graph_bodies
+from .compiler import compile_body
+from .row_local import COUNTER, _fill, backward_chunks, fake_results, grads_of_outputs, setup_outputs
+from .row_split import COLUMNS, Split, split_of
+from .tiling import even_splits, resolve_budget
+
+__all__ = ["row_local_sweeps", "SWEEP_BYTES_PER_ELEMENT"]
+
+# Working set of a row chunk or a vocabulary block per logit: the logits and their
+# gradient in model precision and one FP32 temporary (a top-k's input), so that a chunk
+# of W-sized logits holds 128 rows at the CPU's 32 MiB: a GEMM that runs near its peak
+# (32-row GEMMs took 2.7x as long here).
+SWEEP_BYTES_PER_ELEMENT = 8
+
+
+def _matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            how: str) -> torch.Tensor:
+    return F.linear(hidden, weight, bias) if how == "linear" else torch.matmul(hidden, weight.t())
+
+
+def _flat(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _insert(rows: list[torch.Tensor], index: int, x: torch.Tensor) -> list[torch.Tensor]:
+    return [*rows[:index], x, *rows[index:]]
+
+
+def _step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
+    return max(1, min(n, resolve_budget(budget_bytes, device) // (SWEEP_BYTES_PER_ELEMENT * max(1, width))))
+
+
+@torch.library.custom_op("chunked_logits::row_local_sweeps", mutates_args=())
+def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
+                      index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      how: str) -> list[torch.Tensor]:
+    h = _flat(hidden)
+    body = graph_bodies.body(key, COUNTER)
+    n = h.shape[0]
+    out: list[Optional[torch.Tensor]] = []
+    for a, b in even_splits(n, _step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]:
+        x = _matmul(h[a:b], weight, bias, how)
+        got = list(body(*_insert([r[a:b] for r in rows], index, x), *whole))
+        out = out or [None] * len(got)
+        _fill(out, got, a, b, n)
+    return [o for o in out if o is not None]
+
+
+@_row_local_sweeps.register_fake
+def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how):
+    x = _matmul(_flat(hidden), weight, bias, how)
+    return fake_results(key, _insert(rows, index, x), whole)
+
+
+def _compiled(gm, key: tuple):
+    def graph(*args):
+        return gm(*args)
+    return compile_body(key, graph, f"{key[0]}_{key[1]}", COUNTER)
+
+
+@functools.lru_cache(None)
+def _say_whole(key: str, why: str) -> None:
+    log.warning("chunked_logits: the row-local body %s did not split at run time (%s): its backward "
+                "recomputes the logits whole (same results, stock's memory)", key, why)
+
+
+def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor], whole: list[torch.Tensor],
+            grads: list[torch.Tensor], budget_bytes: int, index: int, h: torch.Tensor, weight: torch.Tensor,
+            bias: Optional[torch.Tensor], how: str, needs: list[bool], out: list[torch.Tensor]
+            ) -> tuple[Optional[torch.Tensor], ...]:
+    """Both sweeps; ``out``: the other wanted row inputs' gradients, written in sweep 1."""
+    n, vocab = h.shape[0], weight.shape[0]
+    stats = _compiled(split.stats, ("sweep_stats", key, id(split)))  # (a split per body, dtypes, wanted)
+    block = _compiled(split.block, ("sweep_block", key, id(split)))
+    grad_h = torch.empty_like(h) if needs[0] else None
+    values: list[Optional[torch.Tensor]] = [None] * split.values
+    for a, b in even_splits(n, _step(n, vocab, budget_bytes, h.device)):
+        x = _matmul(h[a:b], weight, bias, how)
+        got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *(g[a:b] for g in grads))
+        del x
+        g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
+        if grad_h is not None:
+            torch.mm(g, weight, out=grad_h[a:b])
+        for o, got_o in zip(out, others):
+            o[a:b] = got_o
+        _fill(values, per_row, a, b, n)
+    grad_w = torch.empty_like(weight) if needs[1] else None
+    grad_b = torch.empty_like(bias) if bias is not None and needs[2] else None
+    if grad_w is not None or grad_b is not None:
+        def columns(v0: int, v1: int) -> torch.Tensor:
+            return torch.arange(v0, v1, device=h.device)[None]
+        args = [*_insert(rows, index, h), *whole, *grads]  # (the logits' place: filled per block)
+        for v0, v1 in even_splits(vocab, _step(vocab, n, budget_bytes, h.device)):
+            x = _matmul(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how)
+            picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
+                      args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
+            g = block(*picked, *values)
+            if grad_w is not None:
+                torch.mm(g.t(), h, out=grad_w[v0:v1])
+            if grad_b is not None:
+                grad_b[v0:v1] = g.sum(0, dtype=torch.float32)
+    return grad_h, grad_w, grad_b
+
+
+@torch.library.custom_op("chunked_logits::row_local_sweeps_backward", mutates_args=())
+def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
+                               whole: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
+                               index: int, hidden: torch.Tensor, weight: torch.Tensor,
+                               bias: Optional[torch.Tensor], how: str,
+                               needs: list[bool]) -> list[torch.Tensor]:
+    h = _flat(hidden)
+    # the body's row inputs that take a gradient: the logits first
+    body_wanted = [index, *(i if i < index else i + 1 for i in wanted)]
+    x_meta = torch.empty((h.shape[0], weight.shape[0]), dtype=h.dtype, device="meta")
+    split = split_of(key, body_wanted, outputs, index, _insert(rows, index, x_meta), whole)
+    out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
+    if isinstance(split, str):  # (not expected: the rewrite split the same body)
+        _say_whole(key, split)
+        g = _matmul(h, weight, bias, how)  # (the logits, then their gradient over them)
+        backward_chunks(key, body_wanted, outputs, _insert(rows, index, g), whole, [], grads, budget_bytes,
+                        [g, *out])
+        heads = [g @ weight if needs[0] else None, g.t() @ h if needs[1] else None,
+                 g.sum(0) if bias is not None and needs[2] else None]
+    else:
+        heads = list(_sweeps(split, key, body_wanted, rows, whole, grads, budget_bytes, index, h, weight,
+                             bias, how, needs, out))
+    if heads[0] is not None:
+        heads[0] = heads[0].view(hidden.shape)
+    return [*out, *(t for t in heads if t is not None)]
+
+
+@_row_local_sweeps_backward.register_fake
+def _(key, wanted, outputs, rows, whole, grads, budget_bytes, index, hidden, weight, bias, how, needs):
+    shapes = [rows[i] for i in wanted]
+    shapes += [t for need, t in zip(needs, (hidden, weight, bias)) if need and t is not None]
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in shapes]
+
+
+def _setup(ctx, inputs, output):
+    key, rows, whole, budget_bytes, index, hidden, weight, bias, how = inputs
+    ctx.budget_bytes, ctx.index, ctx.how = budget_bytes, index, how
+    ctx.n_rows, ctx.n_whole = len(rows), len(whole)
+    setup_outputs(ctx, key, output)
+    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
+    ctx.needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    ctx.save_for_backward(*rows, *whole, hidden, weight, bias)
+
+
+def _backward(ctx, grads):
+    saved = list(ctx.saved_tensors)
+    n, m = ctx.n_rows, ctx.n_whole
+    rows, whole = saved[:n], saved[n:n + m]
+    hidden, weight, bias = saved[-3:]
+    row_grads: list[Optional[torch.Tensor]] = [None] * n
+    head: list[Optional[torch.Tensor]] = [None] * 3
+    if ctx.outputs:
+        got = iter(_row_local_sweeps_backward(
+            ctx.key, ctx.wanted, ctx.outputs, rows, whole, grads_of_outputs(ctx, grads, hidden.device),
+            ctx.budget_bytes, ctx.index, hidden, weight, bias, ctx.how, ctx.needs))
+        for i in ctx.wanted:
+            row_grads[i] = next(got)
+        head = [next(got) if need and t is not None else None
+                for need, t in zip(ctx.needs, (hidden, weight, bias))]
+    return None, row_grads, [None] * m, None, None, *head, None
+
+
+_row_local_sweeps.register_autograd(_backward, setup_context=_setup)
+
+
+def row_local_sweeps(key: str, budget_bytes: int, n_rows: int, index: int, how: str,
+                     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The per-row results of the row-local region ``key`` whose row input ``index`` is
+    the lm_head's logits ``hidden @ weight.T`` (``how``: ``"linear"`` or ``"matmul"``;
+    ``[N, V]``, ``hidden`` flattened), computed chunk by chunk: ``inputs`` are the region's
+    other ``n_rows - 1`` row inputs, then its whole inputs."""
+    rows, whole = list(inputs[:n_rows - 1]), list(inputs[n_rows - 1:])
+    return tuple(_row_local_sweeps(key, rows, whole, budget_bytes, index, hidden, weight, bias, how))

@@ -1,0 +1,247 @@
+"""A row-local body's vector-Jacobian product split into per-row statistics and a
+pointwise function of the logits, so the lm_head's ``grad_weight`` can be computed by
+vocabulary blocks over all rows (:mod:`fx_passes.kernels.row_local_sweeps`).
+
+A body's gradient with respect to its logits ``x`` (``[R, V]``) is, for a distillation
+loss, a label-smoothed cross-entropy or a KL term, a pointwise function of ``x``, the
+other ``[R, V]`` row inputs (a teacher's logits), per-column constants (class weights),
+per-row inputs (the incoming gradients) and a few reductions over each row (the softmax
+maxima and sums, the sums of the incoming gradient's products).  Given those per-row
+values, the gradient of any block of columns ``[:, v0:v1]`` can be computed from that
+block alone.  :func:`split_of` finds this form by tracing the product to ATen ops
+(Inductor's decompositions: ``log_softmax`` and its backward become ``amax``, ``exp``,
+``sum``, ...) with symbolic sizes, and sorts every value by its shape:
+
+* *wide* (its last dimension is the vocabulary): must come from a pointwise op (or an
+  ``expand`` / a creation op), so that it can be computed per block of columns;
+* *narrow* and computed from a wide value (a reduction over the row, and what follows
+  it): a per-row value, computed by the ``stats`` graph over whole rows and read by the
+  ``block`` graph from its ``[T, ..]`` buffer;
+* anything else (inputs, values of per-row inputs alone): recomputed in the block.
+
+``stats(*args) -> (*grads of the wanted row inputs, *per-row values)`` runs on chunks of
+whole rows; ``block(*picked args, *per-row values) -> grad of x[:, v0:v1]`` on all rows
+of one block (``Split.inputs`` says which argument each block input is and whether its
+columns are sliced).  A body with a sort, a scan, a gather or a scatter on the way to
+the gradient (top-k / top-p masks, a cross-entropy's picked logit) does not split; its
+call keeps the logits whole (``row_local_head``), with the reason in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from . import graph_bodies
+
+__all__ = ["Split", "split_of", "split_of_spec", "vjp_function", "COLUMNS"]
+
+COLUMNS = -1  # (a block input that is the block's column indices, ``[1, v1 - v0]``)
+
+# Ops whose wide results are computed per block as they are (besides pointwise ops).
+_VIEWS = {torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default}
+# Views that keep the vocabulary last (a class weight ``[V]`` viewed as ``[1, V]``): the
+# block's sizes come from its own inputs (symbolic sizes), so they view the block.
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
+_MAKERS = {torch.ops.aten.full.default, torch.ops.aten.full_like.default, torch.ops.aten.zeros_like.default,
+           torch.ops.aten.ones_like.default, torch.ops.aten.scalar_tensor.default}
+# One value a row put at one column (the backward of a gather: a cross-entropy's or a
+# token log-prob's picked logit): in a block, a ``where`` on the block's column indices.
+_SCATTERS = {torch.ops.aten.scatter.value, torch.ops.aten.scatter.src, torch.ops.aten.scatter_add.default}
+_ROWS = 13  # rows of the traced example (a size no other dimension is likely to share)
+_WIDEST = 1024  # numbers a row a per-row value may hold (a top-k's values: k)
+
+
+def vjp_function(fn: Callable, n: int, wanted: tuple[int, ...],
+                 outputs: Optional[tuple[int, ...]]) -> Callable:
+    """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
+    product of ``fn`` (``n`` inputs) for the incoming gradients of its results
+    ``outputs`` (all when None)."""
+    def vjp(*args):
+        inputs, grads = args[:n], args[n:]
+
+        def partial(*diff):
+            full = list(inputs)
+            for i, d in zip(wanted, diff):
+                full[i] = d
+            out = tuple(fn(*full))
+            return out if outputs is None else tuple(out[i] for i in outputs)
+        _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
+        return pullback(tuple(grads))
+    return vjp
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    stats: GraphModule  # (*inputs, *grads) -> (*grads of wanted, *per-row values)
+    block: GraphModule  # (*inputs[i] for i, _ in inputs, *per-row values) -> grad of the logits block
+    inputs: tuple[tuple[int, bool], ...]  # (argument of stats or COLUMNS, its columns sliced) per block input
+    values: int  # per-row values the stats graph returns after the gradients
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+
+
+class _Sorter:
+    """Builds the block graph from the traced product (one per split)."""
+
+    def __init__(self, traced: GraphModule, x: Node):
+        self.v, self.r = x.meta["val"].shape[-1], x.meta["val"].shape[0]
+        self.graph, self.env = Graph(), {}
+        self.inputs: list[tuple[int, bool]] = []
+        self.values: list[Node] = []
+        self.places_made: list[Node] = []
+        self.columns: Optional[Node] = None
+        self.places = [n for n in traced.graph.nodes if n.op == "placeholder"]
+        if not (isinstance(self.v, torch.SymInt) and isinstance(self.r, torch.SymInt)):
+            # (a vocabulary the trace specialised would hide which values span it)
+            raise _NoSplit("the trace made the vocabulary or the rows a constant")
+        self.from_wide: dict[Node, bool] = {}
+        for n in traced.graph.nodes:
+            self.from_wide[n] = self.wide(n) or any(self.from_wide.get(a, False) for a in n.all_input_nodes)
+
+    def wide(self, n: Node) -> bool:
+        v = n.meta.get("val")
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and _same(v.shape[-1], self.v)
+
+    def rowed(self, n: Node) -> bool:
+        v = n.meta.get("val")
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and _same(v.shape[0], self.r)
+
+    def copy(self, n: Node) -> Node:
+        if n in self.env:
+            return self.env[n]
+        v = n.meta.get("val")
+        if n.op == "placeholder":
+            shape = v.shape if isinstance(v, torch.Tensor) else ()
+            if any(_same(s, self.v) for s in shape[:-1]):
+                raise _NoSplit(f"input {n.name} has the vocabulary in a dimension other than the last")
+            self.inputs.append((self.places.index(n), self.wide(n)))
+            out = self.graph.placeholder(n.name)
+            self.places_made.append(out)
+        elif isinstance(v, torch.Tensor) and self.from_wide[n] and not self.wide(n):
+            per_row = v.shape[1:]
+            if not self.rowed(n) or not all(isinstance(d, int) for d in per_row) or per_row.numel() > _WIDEST:
+                raise _NoSplit(f"{n.name} ({n.target}) is neither per row nor per column")
+            self.values.append(n)  # a per-row value: the stats graph computes it
+            out = self.graph.placeholder(f"row_{n.name}")
+        else:
+            if self.wide(n):
+                shape = v.shape
+                if not (shape[-1:] == (self.v,) and (v.dim() == 1 or (v.dim() == 2 and (
+                        _same(shape[0], self.r) or shape[0] == 1)))):
+                    raise _NoSplit(f"{n.name} ({n.target}) has shape {tuple(shape)}")
+                if n.target in _SCATTERS:
+                    out = self.env[n] = self.scatter(n)
+                    return out
+                tags = getattr(n.target, "tags", ())
+                reshaped = n.target in _RESHAPES and self.wide(n.args[0])
+                if torch.Tag.pointwise not in tags and n.target not in _VIEWS | _MAKERS and not reshaped:
+                    raise _NoSplit(f"{getattr(n.target, '__name__', n.target)} is not pointwise")
+            out = self.graph.node_copy(n, self.copy)
+        self.env[n] = out
+        return out
+
+
+    def scatter(self, n: Node) -> Node:
+        """``scatter(base, -1, index, src)`` with one index a row (``[R, 1]``), in a block:
+        ``where(columns == index, src, base)`` (``base + src`` for ``scatter_add``)."""
+        base, dim, index, src = n.args[:4]
+        v = n.meta["val"]
+        idx = index.meta.get("val") if isinstance(index, Node) else None
+        one_a_row = isinstance(idx, torch.Tensor) and idx.dim() == 2 and _same(idx.shape[0], self.r) \
+            and idx.shape[1] == 1
+        if dim not in (-1, v.dim() - 1) or not one_a_row or (isinstance(src, Node) and self.wide(src)):
+            raise _NoSplit(f"{n.target} of more than one column a row is not pointwise")
+        if self.columns is None:  # (the block's column indices, [1, columns], int64)
+            self.columns = self.graph.placeholder("columns")
+            self.places_made.append(self.columns)
+            self.inputs.append((COLUMNS, False))
+        b, i = self.copy(base), self.copy(index)
+        s = self.copy(src) if isinstance(src, Node) else src
+        hit = self.graph.call_function(torch.ops.aten.eq.Tensor, (self.columns, i))
+        if n.target is torch.ops.aten.scatter_add.default:
+            s = self.graph.call_function(torch.ops.aten.add.Tensor, (b, s))
+        return self.graph.call_function(torch.where, (hit, s, b))
+
+
+class _NoSplit(Exception):
+    pass
+
+
+def _examples(rows: list, whole: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeros of each ``(dtype, shape)``, the rows' first size ``_ROWS``."""
+    made = [torch.zeros((_ROWS, *shape[1:]), dtype=dtype) for dtype, shape in rows]
+    return made, [torch.zeros(shape, dtype=dtype) for dtype, shape in whole]
+
+
+@functools.lru_cache(None)
+def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int, ...]], index: int,
+                  rows: tuple,
+                  whole: tuple) -> Union[Split, str]:
+    """:func:`split_of` from the inputs' ``(dtype, shape)`` (a row input's first size
+    unused): what the rewrite knows.  ``outputs`` None: the floating-point results."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn = graph_bodies.function(key)
+    ex_rows, ex_whole = _examples(list(rows), list(whole))
+    if any(_ROWS in shape[1:] for _, shape in rows) or any(_ROWS in shape for _, shape in whole):
+        return f"an input has a dimension of {_ROWS}, the traced rows"
+    results = fn(*ex_rows, *ex_whole)
+    if outputs is None:
+        outputs = tuple(i for i, o in enumerate(results) if o.is_floating_point())
+    grads = [torch.zeros_like(results[i]) for i in outputs]
+    n = len(ex_rows) + len(ex_whole)
+    try:  # (outside the caller's compile: its fake mode and shape guards are not this trace's)
+        with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
+            traced = make_fx(vjp_function(fn, n, wanted, outputs), decomposition_table=select_decomp_table(),
+                             tracing_mode="symbolic")(*ex_rows, *ex_whole, *grads)
+        out = next(iter(traced.graph.find_nodes(op="output")))
+        places = [p for p in traced.graph.nodes if p.op == "placeholder"]
+        grad_x = out.args[0][wanted.index(index)]
+        sorter = _Sorter(traced, places[index])
+        sorter.graph.output(sorter.copy(grad_x))
+    except _NoSplit as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a body make_fx cannot trace keeps its logits whole
+        return f"its vector-Jacobian product cannot be traced ({type(e).__name__}: {e})"
+    values = sorter.values
+    # the block's inputs first, then its per-row values, in the stats graph's order
+    _put_first(sorter.graph, [*sorter.places_made, *(sorter.env[v] for v in values)])
+    stats_out = next(iter(traced.graph.find_nodes(op="output")))
+    stats_out.args = ((*stats_out.args[0], *values),)
+    stats = GraphModule(traced, traced.graph)
+    block = GraphModule(traced, sorter.graph)
+    for gm in (stats, block):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return Split(stats, block, tuple(sorter.inputs), len(values))
+
+
+def _put_first(graph: Graph, places: list[Node]) -> None:
+    """Move the placeholders ``places`` to the front of ``graph``, in that order."""
+    for p in reversed(places):
+        first = next(iter(graph.nodes))
+        if first is not p:
+            first.prepend(p)
+
+
+def _spec(ts: list[torch.Tensor], skip: int) -> tuple:
+    return tuple((t.dtype, (0,) * min(skip, t.dim()) + tuple(int(s) for s in t.shape[skip:])) for t in ts)
+
+
+def split_of(key: str, wanted: list[int], outputs: list[int], index: int, rows: list[torch.Tensor],
+             whole: list[torch.Tensor]) -> Union[Split, str]:
+    """The split of body ``key``'s vector-Jacobian product for the logits ``rows[index]``
+    (``wanted``: the row inputs that take a gradient, ``index`` among them; ``outputs``:
+    the results whose gradients come in), or why there is none.  Cached per body and
+    input dtypes and shapes (the rows' count does not matter)."""
+    return split_of_spec(key, tuple(wanted), tuple(outputs), index, _spec(rows, 1), _spec(whole, 0))

@@ -1,0 +1,299 @@
+"""A row-local region whose lm_head runs chunk by chunk inside its call (issue 21, WD's
+memory limit): the forward computes each row chunk's logits, the backward runs row chunks
+over the whole vocabulary (``grad_hidden``) and vocabulary blocks over all rows
+(``grad_weight``) on the body's gradient split into per-row values and a pointwise
+function (``fx_passes/kernels/row_split.py``, ``row_local_sweeps.py``).
+
+Each loss whose gradient splits is rewritten so (counter ``row_local_lm_head``) and is no
+further from FP64 than stock Inductor, static and dynamic, bf16 and fp16; neither the
+forward nor the backward allocates a ``[T, V]`` tensor of any float dtype; the split
+itself rebuilds the whole-row gradient block by block; a body that needs whole rows keeps
+its logits (``row_local_lm_head_in_call``) with the reason in the log; the GEMMs are the
+five the docs count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.fx import symbolic_trace
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fx_passes.kernels import graph_bodies, row_split
+from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
+from fx_passes.kernels.row_local_sweeps import _row_local_sweeps, _row_local_sweeps_backward
+from fx_passes.reporting.session import session
+from tests import row_local_cases as rl
+from tests.helpers import chunked_counters
+from tests.numerics import F32, TOLERANCES
+
+T, V, H = rl.T, rl.V, 32
+EAGER = lambda fn, options: fn  # noqa: E731  (bodies run eagerly, so a dispatch mode sees their ops)
+
+
+def _head(dtype=torch.bfloat16, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g).to(dtype), (torch.randn(V, H, generator=g) / 4).to(dtype)
+
+
+def forward_kl(hidden, weight, teacher, up=F32):
+    return rl.forward_kl(hidden @ weight.T, teacher, up)
+
+
+def reverse_kl(hidden, weight, teacher, up=F32):
+    return rl.reverse_kl(hidden @ weight.T, teacher, up)
+
+
+def jsd(hidden, weight, teacher, up=F32):
+    return rl.jsd_rowwise(hidden @ weight.T, teacher, up=up)
+
+
+def kl_div_probs(hidden, weight, teacher, up=F32):
+    return rl.kl_div_probs(hidden @ weight.T, teacher, up)
+
+
+def kl_div_linear(hidden, weight, bias, teacher, up=F32):
+    """``F.linear`` with a bias on ``[B, S, H]`` states, both logits flattened after the
+    upcast (Hugging Face style)."""
+    s = F.linear(hidden, weight, bias).to(up).view(-1, V).log_softmax(-1)
+    t = teacher.to(up).view(-1, V).log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+def per_token_kl(hidden, weight, teacher, tok_w, up=F32):
+    """Per-token KL weighted by a mask (gradients of both results' rows differ)."""
+    s = torch.log_softmax((hidden @ weight.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    return ((t.exp() * (t - s)).sum(-1) * tok_w.to(up)).sum() / tok_w.to(up).sum()
+
+
+def smoothed_ce(hidden, weight, labels, class_w, up=F32):
+    """Label smoothing, class weights and ignored rows: the picked logit's gradient is a
+    scatter of one value a row, a ``where`` on the block's columns."""
+    return F.cross_entropy((hidden @ weight.T).to(up), labels, weight=class_w.to(up), label_smoothing=0.1,
+                           ignore_index=-100)
+
+
+def z_loss_ce(hidden, weight, labels, class_w, up=F32):
+    return rl.ce_smoothing_z_loss(hidden @ weight.T, labels, up)
+
+
+def topk_policy(hidden, weight, tokens, adv, up=F32):
+    """A top-k mask (its threshold is one value a row) and a gathered token log-prob."""
+    return -(rl.topk_logprob(hidden @ weight.T, tokens, up) * adv).mean()
+
+
+def topp_policy(hidden, weight, tokens, adv, up=F32):
+    """A top-p mask (a sort, a scatter): its gradient needs whole rows."""
+    return -(rl.topk_topp_logprob(hidden @ weight.T, tokens, up) * adv).mean()
+
+
+SPLIT = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": jsd, "kl_div_probs": kl_div_probs,
+         "kl_div_linear": kl_div_linear, "per_token_kl": per_token_kl, "smoothed_ce": smoothed_ce,
+         "z_loss_ce": z_loss_ce, "topk_policy": topk_policy}
+
+
+def _case(name: str, dtype=torch.bfloat16):
+    hidden, weight = _head(dtype)
+    teacher = rl.distinct_logits(T, V, dtype, seed=2)
+    g = torch.Generator().manual_seed(5)
+    if name == "kl_div_linear":
+        bias = (torch.randn(V, generator=g) / 4).to(dtype)
+        return kl_div_linear, (hidden.view(4, T // 4, H), weight, bias, teacher.view(4, T // 4, V)), (0, 1, 2)
+    if name in ("smoothed_ce", "z_loss_ce"):
+        labels = rl.kept_tokens(hidden @ weight.T)
+        labels[::7] = -100
+        return SPLIT[name], (hidden, weight, labels, torch.rand(V, generator=g) + 0.5), (0, 1)
+    if name == "topk_policy":
+        tokens = rl.kept_tokens(hidden @ weight.T)
+        return topk_policy, (hidden, weight, tokens, torch.randn(T, generator=g)), (0, 1)
+    if name == "per_token_kl":
+        return per_token_kl, (hidden, weight, teacher, (torch.rand(T, generator=g) > 0.3).float()), (0, 1)
+    return SPLIT[name], (hidden, weight, teacher), (0, 1)
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_each_loss_runs_the_lm_head_in_chunks_as_accurate_as_stock(name):
+    fn, inputs, grad_pos = _case(name)
+    c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_lm_head") == 1 and not c.get("row_local_lm_head_in_call"), c
+
+
+def test_a_frozen_weight_takes_only_the_row_sweep():
+    fn, inputs, _ = _case("forward_kl")
+    c = rl.check(fn, inputs, (0,), torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_lm_head") == 1, c
+
+
+@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+# (losses without a float global: one Dynamo pass, one rewrite)
+@pytest.mark.parametrize("name", ["reverse_kl", "kl_div_linear", "smoothed_ce"])
+def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
+    fn, inputs, grad_pos = _case(name, dtype)
+    c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True)
+    assert c.get("row_local_lm_head") == 1, c
+
+
+def test_a_body_that_needs_whole_rows_keeps_its_logits_with_the_reason():
+    hidden, weight = _head()
+    tokens = rl.kept_tokens(hidden @ weight.T)
+    n_events = len(session.events)
+    c = rl.check(topp_policy, (hidden, weight, tokens, torch.randn(T)), (0, 1), torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_lm_head_in_call") == 1 and not c.get("row_local_lm_head"), c
+    said = [e.what for e in session.events[n_events:] if e.kind == "rewritten"]
+    assert any("logits kept whole: the body's gradient needs whole rows: aten.scatter.src of more than one "
+               "column a row is not pointwise" in s for s in said), said
+
+
+def test_the_option_off_keeps_the_logits():
+    fn, inputs, grad_pos = _case("forward_kl")
+    n_events = len(session.events)
+    c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8, row_local_sweeps=False)
+    assert c.get("row_local_lm_head_in_call") == 1 and not c.get("row_local_lm_head"), c
+    said = [e.what for e in session.events[n_events:] if e.kind == "rewritten"]
+    assert any("logits kept whole: row_local_sweeps=False" in s for s in said), said
+
+
+def _kl_rows(x, teacher):
+    s = torch.log_softmax(x.float(), -1)
+    t = torch.log_softmax(teacher.float(), -1)
+    return ((t.exp() * (t - s)).sum(-1),)
+
+
+def _topp_rows(x, tokens):
+    return (rl.topk_topp_logprob(x, tokens),)
+
+
+def test_the_split_rebuilds_the_whole_row_gradient_block_by_block():
+    """Eagerly: the block graph on each vocabulary block, from the stats graph's per-row
+    values, gives the stats graph's own gradient of those columns, and that is the body's
+    vector-Jacobian product, up to one bf16 rounding (ATen computes a slice's last
+    columns with a scalar ``exp``, the row's with a vectorised one, and the body's
+    ``log_softmax`` backward with its own kernel)."""
+    key = graph_bodies.register(symbolic_trace(_kl_rows))
+    x = rl.distinct_logits(T, V, torch.bfloat16, seed=1)
+    teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
+    split = row_split.split_of(key, [0], [0], 0, [x, teacher], [])
+    assert isinstance(split, row_split.Split) and split.values >= 2, split
+    g = torch.randn(T)
+    got = split.stats(x, teacher, g)
+    want = row_split.vjp_function(_kl_rows, 2, (0,), (0,))(x, teacher, g)[0]
+    torch.testing.assert_close(got[0], want, rtol=2**-7, atol=1e-7)  # (ATen's fused log_softmax backward)
+    args = [x, teacher, g]
+    for v0, v1 in [(0, 100), (100, 101), (101, V)]:
+        picked = [args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
+        torch.testing.assert_close(split.block(*picked, *got[1:]), want[:, v0:v1], rtol=2**-7, atol=1e-7)
+
+
+def test_a_sort_and_a_scatter_do_not_split_and_say_so():
+    key = graph_bodies.register(symbolic_trace(_topp_rows))
+    x = rl.distinct_logits(T, V, torch.bfloat16, seed=1)
+    why = row_split.split_of(key, [0], [0], 0, [x, rl.kept_tokens(x)], [])
+    assert isinstance(why, str) and "is not pointwise" in why, why
+
+
+class _Wide(TorchDispatchMode):
+    """Float tensors of at least ``T x V`` elements that ops allocate (no views), and the
+    input dtypes of each GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+        self.gemm_inputs: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.gemm_inputs |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.is_floating_point() and not func.is_view
+                    and t.device.type != "meta" and t.numel() >= T * V):
+                self.shapes.append((str(func), tuple(t.shape)))
+        return out
+
+
+def test_neither_the_logits_nor_their_gradient_exist_whole():
+    """Deterministic memory: the call's forward and backward (their ops run eagerly under
+    a dispatch mode) allocate no float tensor of ``T x V`` elements, where the call that
+    keeps the logits allocates them; every GEMM's inputs are bf16; the gradients agree
+    with that call's."""
+    hidden, weight = _head()
+    teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
+    key = graph_bodies.register(symbolic_trace(_kl_rows))
+    budget = 8 * V * 16  # 16 rows a chunk, 16 * V / T columns a block
+    grads = [torch.randn(T)]
+    with compiling_with(EAGER):
+        with _Wide() as chunked:
+            (kl,) = _row_local_sweeps._init_fn(key, [teacher], [], budget, 0, hidden, weight, None, "matmul")
+            gh, gw = _row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], grads, budget, 0,
+                                                         hidden,
+                                                         weight, None, "matmul", [True, True, False])
+        with _Wide() as whole:
+            kl_w, x, flag = _row_local_head._init_fn(key, [teacher], [], budget, 0, hidden, weight, None,
+                                                     "matmul", False)
+            gh_w, gw_w = _row_local_head_backward._init_fn(key, [], [0], [teacher], [], [], grads, budget, 0,
+                                                           hidden, weight, None, "matmul", False, x, flag,
+                                                           [True, True, False])
+    assert chunked.shapes == [] and whole.shapes, (chunked.shapes, whole.shapes)
+    assert chunked.gemm_inputs == {torch.bfloat16}, chunked.gemm_inputs
+    torch.testing.assert_close(kl, kl_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gh, gh_w, rtol=2**-7, atol=1e-5)
+    torch.testing.assert_close(gw, gw_w, rtol=2**-7, atol=1e-5)
+
+
+def test_a_body_that_does_not_split_at_run_time_recomputes_the_logits(caplog):
+    """The rewrite calls ``row_local_sweeps`` only for a body that splits; called for one
+    that does not, its backward computes the logits whole and takes the call's backward
+    that keeps them: the same gradients, said in the log."""
+    hidden, weight = _head()
+    tokens = rl.kept_tokens(hidden @ weight.T)
+    key = graph_bodies.register(symbolic_trace(_topp_rows))
+    budget = 8 * V * 16
+    grads = [torch.randn(T)]
+    got = _row_local_sweeps_backward._init_fn(key, [], [0], [tokens], [], grads, budget, 0, hidden, weight,
+                                              None, "matmul", [True, True, False])
+    _, x, flag = _row_local_head._init_fn(key, [tokens], [], budget, 0, hidden, weight, None, "matmul", False)
+    want = _row_local_head_backward._init_fn(key, [], [0], [tokens], [], [], grads, budget, 0, hidden, weight,
+                                             None, "matmul", False, x, flag, [True, True, False])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert "did not split at run time" in caplog.text
+
+
+def test_a_retained_graphs_second_backward_equals_the_first():
+    fn, inputs, _ = _case("forward_kl")
+    h, w, teacher = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_(), inputs[2]
+    torch._dynamo.reset()
+    loss = torch.compile(fn, backend="chunked_logits")(h, w, teacher)
+    assert chunked_counters().get("row_local_lm_head") == 1
+    loss.backward(retain_graph=True)
+    first = (h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    loss.backward()
+    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "kl_div_linear"])
+def test_five_gemms_with_model_precision_inputs(name):
+    """GEMM audit, recorded by the profiler: the forward's row chunks (one GEMM's worth),
+    the row sweep's recompute and ``g @ W``, the vocabulary sweep's recompute and
+    ``g.T @ h``: five ``[T, H] x [H, V]`` GEMMs (their input dtypes:
+    test_neither_the_logits_nor_their_gradient_exist_whole)."""
+    from torch.profiler import profile
+
+    from tests.numerics import run
+
+    fn, inputs, grad_pos = _case(name)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="chunked_logits")
+    run(compiled, inputs, grad_pos)
+    with profile(record_shapes=True) as prof:
+        run(compiled, inputs, grad_pos)
+    assert chunked_counters().get("row_local_lm_head") == 1
+    gemms = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+    shapes = [e.input_shapes[1:3] if e.name == "aten::addmm" else e.input_shapes[:2] for e in gemms]
+    flops = sum(2 * a[0] * a[1] * b[1] for a, b in shapes)
+    assert len(shapes) == 5 and flops == 5 * 2 * T * H * V, shapes
