@@ -297,3 +297,22 @@ def test_five_gemms_with_model_precision_inputs(name):
     shapes = [e.input_shapes[1:3] if e.name == "aten::addmm" else e.input_shapes[:2] for e in gemms]
     flops = sum(2 * a[0] * a[1] * b[1] for a, b in shapes)
     assert len(shapes) == 5 and flops == 5 * 2 * T * H * V, shapes
+
+
+def test_one_dynamic_graph_serves_every_row_count():
+    """The split does not depend on the rows' count (traced with symbolic sizes, cached
+    by the inputs' other sizes): a ``dynamic=True`` graph compiled at one T runs another
+    without recompiling, each as accurate as stock."""
+    from tests.numerics import assert_no_less_accurate, reference, run
+
+    fn, (hidden, weight, teacher), grad_pos = _case("reverse_kl")
+    cases = [(hidden[:rows], weight, teacher[:rows]) for rows in (T, T // 2 + 3)]
+    torch._dynamo.reset()
+    stock = [run(torch.compile(fn, backend="inductor", dynamic=True), c, grad_pos) for c in cases]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="chunked_logits", dynamic=True)
+    for inputs, theirs in zip(cases, stock):
+        ours = run(compiled, inputs, grad_pos)
+        assert_no_less_accurate(ours, theirs, reference(fn, inputs, grad_pos), torch.bfloat16, 2e-6, 2**-8)
+    assert chunked_counters().get("row_local_lm_head") == 1  # (one compile for both)
