@@ -55,6 +55,17 @@ def ops(gm: torch.fx.GraphModule) -> str:
     return " ".join(words)
 
 
+def assert_retained_backward_repeats(loss: torch.Tensor, *leaves: torch.Tensor) -> None:
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()``: the second gives
+    each leaf's first gradient, bit for bit."""
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    loss.backward()
+    assert all(torch.equal(t.grad, f) for t, f in zip(leaves, first))
+
+
 def chunked_counters() -> dict:
     return dict(counters["chunked_logits"])
 

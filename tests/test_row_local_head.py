@@ -29,7 +29,7 @@ from fx_passes.kernels.row_local import _row_local_backward
 from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
-from tests.helpers import chunked_counters
+from tests.helpers import assert_retained_backward_repeats, chunked_counters
 from tests.numerics import F32, TOLERANCES
 
 T, V, H = rl.T, rl.V, 32
@@ -202,11 +202,7 @@ def test_a_retained_graphs_second_backward_equals_the_first(donated):
     with functorch_config.patch(donated_buffer=donated):
         loss = torch.compile(smoothed_ce, backend="chunked_logits", options=WHOLE)(h, w, tokens)
         assert chunked_counters().get("row_local_lm_head_in_call") == 1
-        loss.backward(retain_graph=True)
-        first = (h.grad.clone(), w.grad.clone())
-        h.grad = w.grad = None
-        loss.backward()
-    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+        assert_retained_backward_repeats(loss, h, w)
 
 
 def test_the_call_runs_stocks_three_gemms():

@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 from .compiler import compile_body
 from .registry import GRAPH_BODIES
 
-__all__ = ["register", "function", "body", "backward_body"]
+__all__ = ["register", "function", "body", "backward_body", "vjp_function"]
 
 
 def register(gm: GraphModule) -> str:
@@ -44,6 +44,24 @@ def body(key: str, counter: str = "shard_body_eager"):
     return compile_body(("stage", key), reductions, f"body_{key}", counter)
 
 
+def vjp_function(fn, n: int, wanted: tuple[int, ...], outputs: tuple[int, ...] | None):
+    """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
+    product of ``fn`` (``n`` inputs) for the incoming gradients of its results
+    ``outputs`` (all when None)."""
+    def vjp(*args):
+        inputs, grads = args[:n], args[n:]
+
+        def partial(*diff):
+            full = list(inputs)
+            for i, d in zip(wanted, diff):
+                full[i] = d
+            out = tuple(fn(*full))
+            return out if outputs is None else tuple(out[i] for i in outputs)
+        _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
+        return pullback(tuple(grads))
+    return vjp
+
+
 def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | None = None,
                   counter: str = "shard_body_eager", into: tuple[int | None, ...] | None = None):
     """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
@@ -58,23 +76,13 @@ def backward_body(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...] | 
     n = sum(1 for node in fn.graph.nodes if node.op == "placeholder")
     extra = sum(1 for t in into or () if t is None)
 
+    vjp = vjp_function(fn, n, wanted, outputs)
+
     def vjp_into(*args):
         buffers = iter(args[len(args) - extra:])
         for t, g in zip(into, vjp(*args[:len(args) - extra])):
             (args[t] if t is not None else next(buffers)).copy_(g)
         return ()
-
-    def vjp(*args):
-        inputs, grads = args[:n], args[n:]
-
-        def partial(*diff):
-            full = list(inputs)
-            for i, d in zip(wanted, diff):
-                full[i] = d
-            out = tuple(fn(*full))
-            return out if outputs is None else tuple(out[i] for i in outputs)
-        _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
-        return pullback(tuple(grads))
     name = f"body_backward{'_into' if into is not None else ''}_{key}_{'_'.join(map(str, wanted))}"
     return compile_body(("vjp", key, wanted, outputs, into), vjp if into is None else vjp_into, name, counter,
                         grad_mode=torch.no_grad)

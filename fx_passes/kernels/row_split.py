@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from . import graph_bodies
 
-__all__ = ["Split", "split_of", "split_of_spec", "vjp_function", "COLUMNS"]
+__all__ = ["Split", "split_of", "split_of_spec", "COLUMNS"]
 
 COLUMNS = -1  # (a block input that is the block's column indices, ``[1, v1 - v0]``)
 
@@ -55,25 +55,6 @@ _MAKERS = {torch.ops.aten.full.default, torch.ops.aten.full_like.default, torch.
 _SCATTERS = {torch.ops.aten.scatter.value, torch.ops.aten.scatter.src, torch.ops.aten.scatter_add.default}
 _ROWS = 13  # rows of the traced example (a size no other dimension is likely to share)
 _WIDEST = 1024  # numbers a row a per-row value may hold (a top-k's values: k)
-
-
-def vjp_function(fn: Callable, n: int, wanted: tuple[int, ...],
-                 outputs: Optional[tuple[int, ...]]) -> Callable:
-    """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
-    product of ``fn`` (``n`` inputs) for the incoming gradients of its results
-    ``outputs`` (all when None)."""
-    def vjp(*args):
-        inputs, grads = args[:n], args[n:]
-
-        def partial(*diff):
-            full = list(inputs)
-            for i, d in zip(wanted, diff):
-                full[i] = d
-            out = tuple(fn(*full))
-            return out if outputs is None else tuple(out[i] for i in outputs)
-        _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
-        return pullback(tuple(grads))
-    return vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +183,8 @@ def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int
     n = len(ex_rows) + len(ex_whole)
     try:  # (outside the caller's compile: its fake mode and shape guards are not this trace's)
         with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
-            traced = make_fx(vjp_function(fn, n, wanted, outputs), decomposition_table=select_decomp_table(),
+            vjp = graph_bodies.vjp_function(fn, n, wanted, outputs)
+            traced = make_fx(vjp, decomposition_table=select_decomp_table(),
                              tracing_mode="symbolic")(*ex_rows, *ex_whole, *grads)
         out = next(iter(traced.graph.find_nodes(op="output")))
         places = [p for p in traced.graph.nodes if p.op == "placeholder"]
