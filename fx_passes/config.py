@@ -59,7 +59,8 @@ class Config:
             whole, for five ``[T, H] x [H, V]`` GEMMs a step against stock's three
             (``kernels/row_local_sweeps.py``).  False, or a body that does not split (a
             sort, a scan): the call runs the matmul whole and writes the logits'
-            gradient over them (stock's memory and GEMMs).
+            gradient over them (stock's memory and GEMMs).  A region that takes no
+            gradient runs its matmul chunk by chunk whatever its body (off: whole).
         save_masks: a row-local region's forward saves the boolean masks its sorts /
             top-k / scans make (packed: ``V / 8`` bytes a row each) and its backward
             reads them instead of sorting again (``rewrite/saved.py``); False

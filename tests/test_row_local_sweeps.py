@@ -312,3 +312,48 @@ def test_one_dynamic_graph_serves_every_row_count():
         ours = run(compiled, inputs, grad_pos)
         assert_no_less_accurate(ours, theirs, reference(fn, inputs, grad_pos), torch.bfloat16, 2e-6, 2**-8)
     assert chunked_counters().get("row_local_lm_head") == 1  # (one compile for both)
+
+
+def test_scoring_runs_the_lm_head_in_chunks_for_any_body():
+    """Without a gradient there is no backward to split: a top-p log-prob of
+    ``hidden @ weight.T`` (a sort) runs its matmul chunk by chunk too, and no buffer of
+    ``T x V`` elements is in the generated code (with ``row_local_sweeps=False`` the
+    matmul's bf16 logits are)."""
+    from tests.codegen import allocations, compiled_codes
+
+    hidden, weight = _head()
+    tokens = rl.kept_tokens(hidden @ weight.T)
+
+    def score(h, w, t, up=F32):
+        return rl.topk_topp_logprob(h @ w.T, t, up)
+    c = rl.check(score, (hidden, weight, tokens), (), torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_lm_head") == 1, c
+    wide = {}
+    for options in ({}, {"row_local_sweeps": False}):
+        torch._dynamo.reset()
+        _, codes = compiled_codes(torch.compile(score, backend="chunked_logits", options=options),
+                                  hidden, weight, tokens)
+        wide[bool(options)] = [a for code in codes for a in allocations(code)
+                               if all(d.isdigit() for d in a[0]) and torch.Size(map(int, a[0])).numel() >= T * V]
+    assert wide[False] == [] and wide[True], wide
+
+
+def test_scoring_under_no_grad_inside_a_training_step():
+    """Reference top-p log-probs under ``no_grad`` through the trained weight (which
+    requires grad) next to a distillation loss on it: the no-grad region runs its matmul
+    chunk by chunk without a gradient (its results detached, as eager's), the loss's
+    region takes its own chunked call, and both match stock."""
+    hidden, weight = _head()
+    tokens = rl.kept_tokens(hidden @ weight.T)
+    ref_hidden, _ = _head(seed=9)
+    teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
+
+    def step(h, w, rh, teacher, t, up=F32):
+        with torch.no_grad():
+            ref = rl.topk_topp_logprob(rh @ w.T, t, up)
+        return rl.reverse_kl(h @ w.T, teacher, up) + (ref * 0.1).mean(), ref
+    c = rl.check(step, (hidden, weight, ref_hidden, teacher, tokens), (0, 1), torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("row_local_lm_head") == 2, c
+    out = torch.compile(step, backend="chunked_logits")(hidden, weight.clone().requires_grad_(), ref_hidden,
+                                                        teacher, tokens)
+    assert out[0].requires_grad and not out[1].requires_grad

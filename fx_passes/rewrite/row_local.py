@@ -236,31 +236,45 @@ class _Head:
 def _plan_head(graph: Graph, region: RowRegion, anchor: Node, config: Config) -> tuple[_Head | None, str]:
     """The lm_head whose logits (a row input needing a gradient) nothing but the region
     reads, when the call may run it at ``anchor`` (the placement rule, from the matmul
-    on); or None and why not ("" when no such matmul makes a row input)."""
-    inside = set(region.nodes)
+    on); or None and why not ("" when no such matmul makes a row input).  A region
+    that takes no gradient (scoring) runs its lm_head chunk by chunk too when
+    ``row_local_sweeps`` is on, if the call may (else its matmul stays, unsaid, as it
+    was)."""
+    scoring = config.row_local_sweeps and not any(requires_grad(_node(r)) for r in region.rows)
     for i, r in enumerate(region.rows):
         x = _node(r)
-        head = producer(x) if isinstance(x, Node) and requires_grad(x) else None
+        if not isinstance(x, Node):
+            continue
+        wanted = requires_grad(x)
+        head = producer(x) if wanted or (scoring and len(_row_shape(r)) == 2) else None
         if head is None:
             continue
-        if not config.fuse_lm_head:
-            return None, FUSION_OFF
-        if any(u not in inside for u in x.users):
-            return None, READ_ELSEWHERE
-        if not model_precision_operands(head, x):
-            return None, NOT_MODEL_PRECISION
-        operands = [o for o in (head.hidden, head.weight, head.bias) if o is not None]
-        others = [_node(q) for j, q in enumerate(region.rows) if j != i]
-        whole = [w for w in region.whole if isinstance(w, Node)]
-        try:  # (region.nodes are in graph order: the last is its last node)
-            detach = check_placement(graph, [*region.nodes, x, *filter(None, [head.transpose])], anchor,
-                                     region.outputs, [*others, *operands, *whole], region.nodes[-1],
-                                     [o for o in [*operands, *others] if requires_grad(o)],
-                                     replays_grad_modes=True)
-        except Decline as d:
-            return None, f"{d.reason.name}: {d.detail}"
-        return _Head(i, head, detach), ""
+        planned, why = _place_head(graph, region, anchor, config, i, head)
+        return (planned, why) if wanted else (planned, "")
     return None, ""
+
+
+def _place_head(graph: Graph, region: RowRegion, anchor: Node, config: Config, i: int,
+                head: LMHead) -> tuple[_Head | None, str]:
+    """Row input ``i`` made by ``head``: the call may run the matmul, or why not."""
+    x = _node(region.rows[i])
+    if not config.fuse_lm_head:
+        return None, FUSION_OFF
+    if any(u not in set(region.nodes) for u in x.users):
+        return None, READ_ELSEWHERE
+    if not model_precision_operands(head, x):
+        return None, NOT_MODEL_PRECISION
+    operands = [o for o in (head.hidden, head.weight, head.bias) if o is not None]
+    others = [_node(q) for j, q in enumerate(region.rows) if j != i]
+    whole = [w for w in region.whole if isinstance(w, Node)]
+    try:  # (region.nodes are in graph order: the last is its last node)
+        detach = check_placement(graph, [*region.nodes, x, *filter(None, [head.transpose])], anchor,
+                                 region.outputs, [*others, *operands, *whole], region.nodes[-1],
+                                 [o for o in [*operands, *others] if requires_grad(o)],
+                                 replays_grad_modes=True)
+    except Decline as d:
+        return None, f"{d.reason.name}: {d.detail}"
+    return _Head(i, head, detach), ""
 
 
 def _hint(size: Any) -> int:
@@ -280,6 +294,8 @@ def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config) -> s
     logits stay whole."""
     if not config.row_local_sweeps:
         return "row_local_sweeps=False"
+    if not requires_grad(_node(region.rows[head.index])):
+        return ""  # (scoring: no backward to split; _plan_head took [N, V] rows only)
     if len(_row_shape(region.rows[head.index])) != 2:
         return "the body reads them as more than [N, V] rows"
     others = (i for i, r in enumerate(region.rows) if i != head.index and requires_grad(_node(r)))
