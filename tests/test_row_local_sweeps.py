@@ -163,6 +163,10 @@ def _kl_rows(x, teacher):
     return ((t.exp() * (t - s)).sum(-1),)
 
 
+def _topk_rows(x, tokens):
+    return (rl.topk_logprob(x, tokens),)
+
+
 def _topp_rows(x, tokens):
     return (rl.topk_topp_logprob(x, tokens),)
 
@@ -186,6 +190,20 @@ def test_the_split_rebuilds_the_whole_row_gradient_block_by_block():
     for v0, v1 in [(0, 100), (100, 101), (101, V)]:
         picked = [args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
         torch.testing.assert_close(split.block(*picked, *got[1:]), want[:, v0:v1], rtol=2**-7, atol=1e-7)
+
+
+def test_the_traced_graphs_make_their_tensors_on_the_inputs_device():
+    """The split is traced on the inputs' device (a GPU's at run time; meta here, the
+    one other device a CPU has): the zeros of a gather's backward and every constant
+    tensor of both graphs are made there, not on the host."""
+    key = graph_bodies.register(symbolic_trace(_topk_rows))
+    x = torch.empty(T, V, dtype=torch.bfloat16, device="meta")
+    tokens = torch.empty(T, dtype=torch.int64, device="meta")
+    split = row_split.split_of(key, [0], [0], 0, [x, tokens], [])
+    assert isinstance(split, row_split.Split), split
+    made = [n.kwargs["device"] for gm in (split.stats, split.block) for n in gm.graph.nodes
+            if n.op == "call_function" and "device" in n.kwargs]
+    assert made and all(str(d) == "meta" for d in made), made
 
 
 def test_a_sort_and_a_scatter_do_not_split_and_say_so():
@@ -333,8 +351,8 @@ def test_scoring_runs_the_lm_head_in_chunks_for_any_body():
         torch._dynamo.reset()
         _, codes = compiled_codes(torch.compile(score, backend="chunked_logits", options=options),
                                   hidden, weight, tokens)
-        wide[bool(options)] = [a for code in codes for a in allocations(code)
-                               if all(d.isdigit() for d in a[0]) and torch.Size(map(int, a[0])).numel() >= T * V]
+        sized = [a for code in codes for a in allocations(code) if all(d.isdigit() for d in a[0])]
+        wide[bool(options)] = [a for a in sized if torch.Size(map(int, a[0])).numel() >= T * V]
     assert wide[False] == [] and wide[True], wide
 
 

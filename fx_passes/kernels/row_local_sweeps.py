@@ -145,8 +145,8 @@ def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], 
     h = _flat(hidden)
     # the body's row inputs that take a gradient: the logits first
     body_wanted = [index, *(i if i < index else i + 1 for i in wanted)]
-    x_meta = torch.empty((h.shape[0], weight.shape[0]), dtype=h.dtype, device="meta")
-    split = split_of(key, body_wanted, outputs, index, _insert(rows, index, x_meta), whole)
+    x_like = h.new_empty((0, weight.shape[0]))  # (the logits' dtype, width and device: what the split reads)
+    split = split_of(key, body_wanted, outputs, index, _insert(rows, index, x_like), whole)
     out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
     if isinstance(split, str):  # (not expected: the rewrite split the same body)
         _say_whole(key, split)

@@ -157,24 +157,25 @@ class _NoSplit(Exception):
 
 
 def _examples(rows: list, whole: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Zeros of each ``(dtype, shape)``, the rows' first size ``_ROWS``."""
-    made = [torch.zeros((_ROWS, *shape[1:]), dtype=dtype) for dtype, shape in rows]
-    return made, [torch.zeros(shape, dtype=dtype) for dtype, shape in whole]
+    """Zeros of each ``(dtype, shape, device)``, the rows' first size ``_ROWS``, on the
+    inputs' devices (the traced graphs' constants, a scatter's zeros, are made there)."""
+    made = [torch.zeros((_ROWS, *shape[1:]), dtype=dtype, device=device) for dtype, shape, device in rows]
+    return made, [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape, device in whole]
 
 
 @functools.lru_cache(None)
 def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int, ...]], index: int,
                   rows: tuple,
                   whole: tuple) -> Union[Split, str]:
-    """:func:`split_of` from the inputs' ``(dtype, shape)`` (a row input's first size
-    unused): what the rewrite knows.  ``outputs`` None: the floating-point results."""
+    """:func:`split_of` from the inputs' ``(dtype, shape, device)`` (a row input's first
+    size unused): what the rewrite knows.  ``outputs`` None: the floating-point results."""
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fn = graph_bodies.function(key)
     ex_rows, ex_whole = _examples(list(rows), list(whole))
-    if any(_ROWS in shape[1:] for _, shape in rows) or any(_ROWS in shape for _, shape in whole):
+    if any(_ROWS in shape[1:] for _, shape, _ in rows) or any(_ROWS in shape for _, shape, _ in whole):
         return f"an input has a dimension of {_ROWS}, the traced rows"
     results = fn(*ex_rows, *ex_whole)
     if outputs is None:
@@ -217,7 +218,8 @@ def _put_first(graph: Graph, places: list[Node]) -> None:
 
 
 def _spec(ts: list[torch.Tensor], skip: int) -> tuple:
-    return tuple((t.dtype, (0,) * min(skip, t.dim()) + tuple(int(s) for s in t.shape[skip:])) for t in ts)
+    return tuple((t.dtype, (0,) * min(skip, t.dim()) + tuple(int(s) for s in t.shape[skip:]), str(t.device))
+                 for t in ts)
 
 
 def split_of(key: str, wanted: list[int], outputs: list[int], index: int, rows: list[torch.Tensor],

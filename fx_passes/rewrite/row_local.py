@@ -281,11 +281,12 @@ def _hint(size: Any) -> int:
     return int(size) if not isinstance(size, torch.SymInt) else (size.node.hint or 2)
 
 
-def _spec(value: Any, shape: tuple[Any, ...] | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+def _spec(value: Any, shape: tuple[Any, ...] | None = None) -> tuple[torch.dtype, tuple[int, ...], str]:
+    """``(dtype, shape, device)`` of an input of the call, as ``row_split`` reads it."""
     v = meta(_node(value)) if isinstance(_node(value), Node) else value
-    if not isinstance(v, torch.Tensor):  # (a number: the call passes it as a 0-d tensor)
-        return (torch.float32 if isinstance(v, (float, torch.SymFloat)) else torch.int64), ()
-    return v.dtype, tuple(_hint(d) for d in (shape if shape is not None else v.shape))
+    if not isinstance(v, torch.Tensor):  # (a number: the call passes it as a 0-d host tensor)
+        return (torch.float32 if isinstance(v, (float, torch.SymFloat)) else torch.int64), (), "cpu"
+    return v.dtype, tuple(_hint(d) for d in (shape if shape is not None else v.shape)), str(v.device)
 
 
 def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config) -> str:
