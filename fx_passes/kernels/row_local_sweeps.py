@@ -29,12 +29,13 @@ import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..reporting.report import log
 from . import graph_bodies
 from .compiler import compile_body
 from .row_local import COUNTER, _fill, backward_chunks, fake_results, grads_of_outputs, setup_outputs
+from .row_local_head import _full as _insert
+from .row_local_head import _logits
 from .row_split import COLUMNS, Split, split_of
 from .tiling import even_splits, resolve_budget
 
@@ -47,17 +48,8 @@ __all__ = ["row_local_sweeps", "SWEEP_BYTES_PER_ELEMENT"]
 SWEEP_BYTES_PER_ELEMENT = 8
 
 
-def _matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            how: str) -> torch.Tensor:
-    return F.linear(hidden, weight, bias) if how == "linear" else torch.matmul(hidden, weight.t())
-
-
 def _flat(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1])
-
-
-def _insert(rows: list[torch.Tensor], index: int, x: torch.Tensor) -> list[torch.Tensor]:
-    return [*rows[:index], x, *rows[index:]]
 
 
 def _step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
@@ -73,7 +65,7 @@ def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tens
     n = h.shape[0]
     out: list[Optional[torch.Tensor]] = []
     for a, b in even_splits(n, _step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]:
-        x = _matmul(h[a:b], weight, bias, how)
+        x = _logits(h[a:b], weight, bias, how, False)
         got = list(body(*_insert([r[a:b] for r in rows], index, x), *whole))
         out = out or [None] * len(got)
         _fill(out, got, a, b, n)
@@ -82,7 +74,7 @@ def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tens
 
 @_row_local_sweeps.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how):
-    x = _matmul(_flat(hidden), weight, bias, how)
+    x = _logits(_flat(hidden), weight, bias, how, False)
     return fake_results(key, _insert(rows, index, x), whole)
 
 
@@ -109,7 +101,7 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
     grad_h = torch.empty_like(h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
     for a, b in even_splits(n, _step(n, vocab, budget_bytes, h.device)):
-        x = _matmul(h[a:b], weight, bias, how)
+        x = _logits(h[a:b], weight, bias, how, False)
         got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *(g[a:b] for g in grads))
         del x
         g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
@@ -125,7 +117,7 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
             return torch.arange(v0, v1, device=h.device)[None]
         args = [*_insert(rows, index, h), *whole, *grads]  # (the logits' place: filled per block)
         for v0, v1 in even_splits(vocab, _step(vocab, n, budget_bytes, h.device)):
-            x = _matmul(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how)
+            x = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
             picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
                       args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
             g = block(*picked, *values)
@@ -150,7 +142,7 @@ def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], 
     out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
     if isinstance(split, str):  # (not expected: the rewrite split the same body)
         _say_whole(key, split)
-        g = _matmul(h, weight, bias, how)  # (the logits, then their gradient over them)
+        g = _logits(h, weight, bias, how, False)  # (the logits, then their gradient over them)
         backward_chunks(key, body_wanted, outputs, _insert(rows, index, g), whole, [], grads, budget_bytes,
                         [g, *out])
         heads = [g @ weight if needs[0] else None, g.t() @ h if needs[1] else None,
