@@ -91,6 +91,9 @@ def _counted(outcome: Outcome, what: str, fused: str) -> str:
         what += ", its stages in one pass over the rows"
     elif outcome.one_pass is False:
         what += f", one lm_head pass per stage: {outcome.one_pass_why}"
+    if outcome.gradients_in_forward:
+        counters[COUNTER]["gradients_in_forward"] += 1
+        what += outcome.gradients_in_forward
     if outcome.saved_masks:
         counters[COUNTER]["row_local_saved_masks"] += 1
         what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"

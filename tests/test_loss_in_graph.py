@@ -154,6 +154,19 @@ def test_a_frozen_lm_head_weight_gets_no_gradient(plan, scale):
     _check(ppo_clip, *BF16, plan, scale, grad=(0,))
 
 
+def pg_infinite_term(hidden, weight, tok, adv, old, mask, up=F32):
+    """A constant term that is infinite (a logged log-prob of a token a filter removed):
+    the loss is -inf, the gradients are finite, as autograd has them."""
+    return -(_lp(hidden, weight, tok, up) * adv.to(up)).mean() + torch.log(mask.to(up).min() * 0)
+
+
+@pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
+def test_an_infinite_constant_term_leaves_the_gradients_finite(plan):
+    """The factors ``d loss / d sum`` come from the scalar part's own ops on the values it
+    reads whole, not from differences of the loss (``inf - inf`` was NaN)."""
+    _check(pg_infinite_term, *BF16, plan)
+
+
 def test_a_tail_with_another_user_keeps_the_recompute_path():
     _check(logprobs_returned, *BF16, taken=False)
 

@@ -115,10 +115,15 @@ def _case(name: str, dtype=torch.bfloat16):
     return SPLIT[name], (hidden, weight, teacher), (0, 1)
 
 
+# (with the loss in the graph each takes its gradients in the forward, tests/test_row_local_loss.py;
+# here both sweeps run in the backward, as for per-row results that leave the graph)
+BACKWARD_SWEEPS = {"gradients_in_forward": False}
+
+
 @pytest.mark.parametrize("name", list(SPLIT))
 def test_each_loss_runs_the_lm_head_in_chunks_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _case(name)
-    c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
+    c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8, **BACKWARD_SWEEPS)
     assert c.get("row_local_lm_head") == 1 and not c.get("row_local_lm_head_in_call"), c
 
 
@@ -133,7 +138,7 @@ def test_a_frozen_weight_takes_only_the_row_sweep():
 @pytest.mark.parametrize("name", ["reverse_kl", "kl_div_linear", "smoothed_ce"])
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _case(name, dtype)
-    c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True)
+    c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True, **BACKWARD_SWEEPS)
     assert c.get("row_local_lm_head") == 1, c
 
 
@@ -303,7 +308,7 @@ def test_five_gemms_with_model_precision_inputs(name):
     fn, inputs, grad_pos = _case(name)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits")
+    compiled = torch.compile(fn, backend="chunked_logits", options=BACKWARD_SWEEPS)
     run(compiled, inputs, grad_pos)
     with profile(record_shapes=True) as prof:
         run(compiled, inputs, grad_pos)

@@ -44,10 +44,11 @@ def body(key: str, counter: str = "shard_body_eager"):
     return compile_body(("stage", key), reductions, f"body_{key}", counter)
 
 
-def vjp_function(fn, n: int, wanted: tuple[int, ...], outputs: tuple[int, ...] | None):
+def vjp_function(fn, n: int, wanted: tuple[int, ...], outputs: tuple[int, ...] | None,
+                 with_outputs: bool = False):
     """``(*inputs, *grads) -> grads of inputs[i] for i in wanted``: the vector-Jacobian
     product of ``fn`` (``n`` inputs) for the incoming gradients of its results
-    ``outputs`` (all when None)."""
+    ``outputs`` (all when None); ``with_outputs``: those results follow the gradients."""
     def vjp(*args):
         inputs, grads = args[:n], args[n:]
 
@@ -57,8 +58,9 @@ def vjp_function(fn, n: int, wanted: tuple[int, ...], outputs: tuple[int, ...] |
                 full[i] = d
             out = tuple(fn(*full))
             return out if outputs is None else tuple(out[i] for i in outputs)
-        _, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
-        return pullback(tuple(grads))
+        out, pullback = torch.func.vjp(partial, *(inputs[i] for i in wanted))
+        got = pullback(tuple(grads))
+        return (*got, *out) if with_outputs else got
     return vjp
 
 

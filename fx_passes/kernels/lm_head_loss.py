@@ -49,7 +49,9 @@ from .lm_head import lm_head_grads
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, resolve_budget
 
-__all__ = ["lm_head_loss", "trace_tail", "PLANS", "COUNTER"]
+__all__ = ["lm_head_loss", "trace_tail", "reductions_of", "unit_weights", "scaled_exactly",
+           "final_loss", "PLANS",
+           "COUNTER"]
 
 # The plans that compute gradients in the forward (the others keep the recompute path).
 PLANS = ("gpu", "two_sweeps")
@@ -92,21 +94,33 @@ def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:
     return graph_bodies.register(make_fx(tail, tracing_mode="symbolic")(*examples))
 
 
-def _reductions(kinds: str) -> list[tuple[str, torch.dtype]]:
+def reductions_of(kinds: str) -> list[tuple[str, torch.dtype]]:
     """``"sum:float32,mean:float32"`` as (kind, dtype) per reduction."""
     return [(k, getattr(torch, d)) for k, d in (item.split(":") for item in kinds.split(","))]
 
 
-def _unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor]:
-    """d loss / d reduction_k.  The scalar part is affine in the reductions (the matcher's
-    rule), so this is ``final(e_k) - final(0)``, evaluated in FP64 (exact but for the
-    rounding of a constant term; eager functorch does not run inside a custom op)."""
-    final = graph_bodies.function(final_key)
-    k = len(_reductions(kinds))
-    at = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(k)]
-    base = final(*at, *whole).double()
-    return [(final(*at[:i], torch.ones_like(at[i]), *at[i + 1:], *whole).double() - base).to(F32)
-            for i in range(k)]
+def final_loss(final_key: str, values, whole) -> torch.Tensor:
+    """The loss from the reductions' ``values`` (the scalar part's first result)."""
+    return graph_bodies.function(final_key)(*values, *whole)[0]
+
+
+def unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor]:
+    """d loss / d reduction_k, in FP32.  The scalar part is affine in the reductions (the
+    matcher's rule); its graph returns these factors after the loss, computed in FP64
+    from the values it reads whole (``rewrite/loss_tail.py``: a constant term, even an
+    infinite one, plays no part)."""
+    at = [torch.zeros((), dtype=dt, device=device) for _, dt in reductions_of(kinds)]
+    return [w.to(device=device, dtype=F32) for w in graph_bodies.function(final_key)(*at, *whole)[1:]]
+
+
+def scaled_exactly(grad: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
+    """``grad * scale`` when the product rounds no element (``scale`` a power of two, 1
+    and -1 included, and nothing under- or overflows), else None: a gradient computed in
+    the forward for a unit loss and rounded there may be used only so."""
+    if not (math.isfinite(scale) and abs(math.frexp(scale)[0]) == 0.5):
+        return None
+    out = grad * scale
+    return out if scale == 1.0 or torch.equal(out / scale, grad) else None
 
 
 def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:
@@ -118,9 +132,9 @@ def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, bu
     n, width = hidden.shape
     vocab, dev = weight.shape[0], hidden.device
     budget_bytes = resolve_budget(budget_bytes, dev)
-    reductions = _reductions(kinds)
+    reductions = reductions_of(kinds)
     weights = [w / n if kind == "mean" else w
-               for w, (kind, _) in zip(_unit_weights(final_key, kinds, whole, dev), reductions)]
+               for w, (kind, _) in zip(unit_weights(final_key, kinds, whole, dev), reductions)]
     sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions]
     gpu = plan == "gpu"
     gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden))
@@ -161,8 +175,7 @@ def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, bu
                     buf[r0:r1] = value
         del g
     values = [(s / n if kind == "mean" else s).to(dt) for s, (kind, dt) in zip(sums, reductions)]
-    loss = graph_bodies.function(final_key)(*values, *whole)
-    return (loss, gh, gw, gb, *keep)
+    return (final_loss(final_key, values, whole), gh, gw, gb, *keep)
 
 
 @torch.library.custom_op("chunked_logits::lm_head_loss", mutates_args=())
@@ -185,8 +198,8 @@ def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_by
       tail_key, final_key, kinds, need_hidden, need_weight, rows, whole):
     n, width = hidden.shape
     vocab, gpu = weight.shape[0], plan == "gpu"
-    at = [torch.zeros((), dtype=dt, device=hidden.device) for _, dt in _reductions(kinds)]
-    loss = graph_bodies.function(final_key)(*at, *whole)
+    at = [torch.zeros((), dtype=dt, device=hidden.device) for _, dt in reductions_of(kinds)]
+    loss = final_loss(final_key, at, whole)
     gh = hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden)
     gw = hidden.new_empty(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
     gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
@@ -210,14 +223,12 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
     tokens = tokens if tokens is not None else torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
     scale_g = g.item()
     c_lse, c_lp, c_ent = (c * scale_g for c in (c_lse, c_lp, c_ent))
-    if math.isfinite(scale_g) and abs(math.frexp(scale_g)[0]) == 0.5:
-        gh = grad_hidden * scale_g if need_hidden else _empty(hidden, hidden.dtype)
-        if scale_g == 1.0 or not need_hidden or torch.equal(gh / scale_g, grad_hidden):
-            _, gw, gb = lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
-                                      scale_is_div, budget_bytes, transforms, None, need_hidden=False,
-                                      need_weight=need_weight, plan="two_sweeps")
-            return gh, gw, gb
-        del gh
+    gh = scaled_exactly(grad_hidden, scale_g) if need_hidden else _empty(hidden, hidden.dtype)
+    if gh is not None:
+        _, gw, gb = lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
+                                  scale_is_div, budget_bytes, transforms, None, need_hidden=False,
+                                  need_weight=need_weight, plan="two_sweeps")
+        return gh, gw, gb
     return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
                          scale_is_div, budget_bytes, transforms, None, need_hidden=need_hidden,
                          need_weight=need_weight, plan="two_sweeps")

@@ -39,7 +39,8 @@ from .row_local_head import _logits
 from .row_split import COLUMNS, Split, split_of
 from .tiling import even_splits, resolve_budget
 
-__all__ = ["row_local_sweeps", "SWEEP_BYTES_PER_ELEMENT"]
+__all__ = ["row_local_sweeps", "SWEEP_BYTES_PER_ELEMENT", "block_sweep", "compiled", "forward", "step",
+           "flat"]
 
 # Working set of a row chunk or a vocabulary block per logit: the logits and their
 # gradient in model precision and one FP32 temporary (a top-k's input), so that a chunk
@@ -48,11 +49,11 @@ __all__ = ["row_local_sweeps", "SWEEP_BYTES_PER_ELEMENT"]
 SWEEP_BYTES_PER_ELEMENT = 8
 
 
-def _flat(hidden: torch.Tensor) -> torch.Tensor:
+def flat(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-def _step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
+def step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
     return max(1, min(n, resolve_budget(budget_bytes, device) // (SWEEP_BYTES_PER_ELEMENT * max(1, width))))
 
 
@@ -60,11 +61,17 @@ def _step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
 def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                       index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       how: str) -> list[torch.Tensor]:
-    h = _flat(hidden)
+    return forward(key, rows, whole, budget_bytes, index, flat(hidden), weight, bias, how)
+
+
+def forward(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int, index: int,
+            h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            how: str) -> list[torch.Tensor]:
+    """The body's results over row chunks of the logits of ``h`` (``[N, H]``)."""
     body = graph_bodies.body(key, COUNTER)
     n = h.shape[0]
     out: list[Optional[torch.Tensor]] = []
-    for a, b in even_splits(n, _step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]:
+    for a, b in even_splits(n, step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]:
         x = _logits(h[a:b], weight, bias, how, False)
         got = list(body(*_insert([r[a:b] for r in rows], index, x), *whole))
         out = out or [None] * len(got)
@@ -74,11 +81,12 @@ def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tens
 
 @_row_local_sweeps.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how):
-    x = _logits(_flat(hidden), weight, bias, how, False)
+    x = _logits(flat(hidden), weight, bias, how, False)
     return fake_results(key, _insert(rows, index, x), whole)
 
 
-def _compiled(gm, key: tuple):
+def compiled(gm, key: tuple):
+    """The traced graph ``gm`` (a split's), compiled by Inductor once per ``key``."""
     def graph(*args):
         return gm(*args)
     return compile_body(key, graph, f"{key[0]}_{key[1]}", COUNTER)
@@ -96,11 +104,10 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
             ) -> tuple[Optional[torch.Tensor], ...]:
     """Both sweeps; ``out``: the other wanted row inputs' gradients, written in sweep 1."""
     n, vocab = h.shape[0], weight.shape[0]
-    stats = _compiled(split.stats, ("sweep_stats", key, id(split)))  # (a split per body, dtypes, wanted)
-    block = _compiled(split.block, ("sweep_block", key, id(split)))
+    stats = compiled(split.stats, ("sweep_stats", key, id(split)))  # (a split per body, dtypes, wanted)
     grad_h = torch.empty_like(h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
-    for a, b in even_splits(n, _step(n, vocab, budget_bytes, h.device)):
+    for a, b in even_splits(n, step(n, vocab, budget_bytes, h.device)):
         x = _logits(h[a:b], weight, bias, how, False)
         got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *(g[a:b] for g in grads))
         del x
@@ -110,22 +117,36 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
         for o, got_o in zip(out, others):
             o[a:b] = got_o
         _fill(values, per_row, a, b, n)
+    return (grad_h, *block_sweep(split, key, rows, whole, grads, values, budget_bytes, index, h, weight, bias,
+                                 how, needs))
+
+
+def block_sweep(split: Split, key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
+                grads: list[torch.Tensor], values: list, budget_bytes: int, index: int, h: torch.Tensor,
+                weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, needs: list[bool]
+                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Sweep 2: ``(grad_weight, grad_bias)`` (None where ``needs`` says so) by vocabulary
+    blocks over all rows, from the row sweep's per-row ``values``."""
+    n, vocab = h.shape[0], weight.shape[0]
     grad_w = torch.empty_like(weight) if needs[1] else None
     grad_b = torch.empty_like(bias) if bias is not None and needs[2] else None
-    if grad_w is not None or grad_b is not None:
-        def columns(v0: int, v1: int) -> torch.Tensor:
-            return torch.arange(v0, v1, device=h.device)[None]
-        args = [*_insert(rows, index, h), *whole, *grads]  # (the logits' place: filled per block)
-        for v0, v1 in even_splits(vocab, _step(vocab, n, budget_bytes, h.device)):
-            x = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
-            picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
-                      args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
-            g = block(*picked, *values)
-            if grad_w is not None:
-                torch.mm(g.t(), h, out=grad_w[v0:v1])
-            if grad_b is not None:
-                grad_b[v0:v1] = g.sum(0, dtype=torch.float32)
-    return grad_h, grad_w, grad_b
+    if grad_w is None and grad_b is None:
+        return grad_w, grad_b
+    block = compiled(split.block, ("sweep_block", key, id(split)))
+
+    def columns(v0: int, v1: int) -> torch.Tensor:
+        return torch.arange(v0, v1, device=h.device)[None]
+    args = [*_insert(rows, index, h), *whole, *grads]  # (the logits' place: filled per block)
+    for v0, v1 in even_splits(vocab, step(vocab, n, budget_bytes, h.device)):
+        x = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
+        picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
+                  args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
+        g = block(*picked, *values)
+        if grad_w is not None:
+            torch.mm(g.t(), h, out=grad_w[v0:v1])
+        if grad_b is not None:
+            grad_b[v0:v1] = g.sum(0, dtype=torch.float32)
+    return grad_w, grad_b
 
 
 @torch.library.custom_op("chunked_logits::row_local_sweeps_backward", mutates_args=())
@@ -134,7 +155,7 @@ def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], 
                                index: int, hidden: torch.Tensor, weight: torch.Tensor,
                                bias: Optional[torch.Tensor], how: str,
                                needs: list[bool]) -> list[torch.Tensor]:
-    h = _flat(hidden)
+    h = flat(hidden)
     # the body's row inputs that take a gradient: the logits first
     body_wanted = [index, *(i if i < index else i + 1 for i in wanted)]
     x_like = h.new_empty((0, weight.shape[0]))  # (the logits' dtype, width and device: what the split reads)

@@ -38,7 +38,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import graph_bodies
 
-__all__ = ["Split", "split_of", "split_of_spec", "COLUMNS"]
+__all__ = ["Split", "split_of", "split_of_spec", "spec_of", "COLUMNS"]
 
 COLUMNS = -1  # (a block input that is the block's column indices, ``[1, v1 - v0]``)
 
@@ -62,7 +62,9 @@ class Split:
     stats: GraphModule  # (*inputs, *grads) -> (*grads of wanted, *per-row values)
     block: GraphModule  # (*inputs[i] for i, _ in inputs, *per-row values) -> grad of the logits block
     inputs: tuple[tuple[int, bool], ...]  # (argument of stats or COLUMNS, its columns sliced) per block input
-    values: int  # per-row values the stats graph returns after the gradients
+    values: int  # per-row values the stats graph returns after the gradients (and the results)
+    value_specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...] = ()  # each one's dtype and size a row
+    outputs: int = 0  # the body's results the stats graph returns after the gradients (with_outputs)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -165,13 +167,15 @@ def _examples(rows: list, whole: list) -> tuple[list[torch.Tensor], list[torch.T
 
 @functools.lru_cache(None)
 def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int, ...]], index: int,
-                  rows: tuple,
-                  whole: tuple) -> Union[Split, str]:
+                  rows: tuple, whole: tuple, with_outputs: bool = False) -> Union[Split, str]:
     """:func:`split_of` from the inputs' ``(dtype, shape, device)`` (a row input's first
-    size unused): what the rewrite knows.  ``outputs`` None: the floating-point results."""
+    size unused): what the rewrite knows.  ``outputs`` None: the floating-point results;
+    ``with_outputs``: the stats graph returns them too, after the gradients (a loss's
+    forward, :mod:`fx_passes.kernels.row_local_loss`)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import _disable_current_modes
 
     fn = graph_bodies.function(key)
     ex_rows, ex_whole = _examples(list(rows), list(whole))
@@ -182,9 +186,11 @@ def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int
         outputs = tuple(i for i, o in enumerate(results) if o.is_floating_point())
     grads = [torch.zeros_like(results[i]) for i in outputs]
     n = len(ex_rows) + len(ex_whole)
-    try:  # (outside the caller's compile: its fake mode and shape guards are not this trace's)
-        with unset_fake_temporarily(), torch._guards.tracing(None), torch.enable_grad():
-            vjp = graph_bodies.vjp_function(fn, n, wanted, outputs)
+    try:  # (outside the caller's compile: its fake mode and shape guards are not this trace's, nor
+        # the dispatch mode AOTAutograd's compiled forward runs under)
+        with _disable_current_modes(), unset_fake_temporarily(), torch._guards.tracing(None), \
+                torch.enable_grad():
+            vjp = graph_bodies.vjp_function(fn, n, wanted, outputs, with_outputs)
             traced = make_fx(vjp, decomposition_table=select_decomp_table(),
                              tracing_mode="symbolic")(*ex_rows, *ex_whole, *grads)
         out = next(iter(traced.graph.find_nodes(op="output")))
@@ -206,7 +212,8 @@ def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int
     for gm in (stats, block):
         gm.graph.eliminate_dead_code()
         gm.recompile()
-    return Split(stats, block, tuple(sorter.inputs), len(values))
+    specs = tuple((v.meta["val"].dtype, tuple(v.meta["val"].shape[1:])) for v in values)
+    return Split(stats, block, tuple(sorter.inputs), len(values), specs, len(outputs) if with_outputs else 0)
 
 
 def _put_first(graph: Graph, places: list[Node]) -> None:
@@ -217,15 +224,27 @@ def _put_first(graph: Graph, places: list[Node]) -> None:
             first.prepend(p)
 
 
+def spec_of(v: Any, shape: Optional[tuple[Any, ...]] = None) -> tuple[torch.dtype, tuple[int, ...], str]:
+    """``(dtype, shape, device)`` of an example value ``v`` (a fake tensor or a number)
+    as :func:`split_of_spec` takes it, ``shape`` in place of its own; a number is passed
+    to the call as a 0-d host tensor.  Symbolic sizes count as their hints."""
+    if not isinstance(v, torch.Tensor):
+        return (torch.float32 if isinstance(v, (float, torch.SymFloat)) else torch.int64), (), "cpu"
+    sizes = shape if shape is not None else v.shape
+    return v.dtype, tuple(int(d) if not isinstance(d, torch.SymInt) else (d.node.hint or 2) for d in sizes), \
+        str(v.device)
+
+
 def _spec(ts: list[torch.Tensor], skip: int) -> tuple:
     return tuple((t.dtype, (0,) * min(skip, t.dim()) + tuple(int(s) for s in t.shape[skip:]), str(t.device))
                  for t in ts)
 
 
 def split_of(key: str, wanted: list[int], outputs: list[int], index: int, rows: list[torch.Tensor],
-             whole: list[torch.Tensor]) -> Union[Split, str]:
+             whole: list[torch.Tensor], with_outputs: bool = False) -> Union[Split, str]:
     """The split of body ``key``'s vector-Jacobian product for the logits ``rows[index]``
     (``wanted``: the row inputs that take a gradient, ``index`` among them; ``outputs``:
     the results whose gradients come in), or why there is none.  Cached per body and
     input dtypes and shapes (the rows' count does not matter)."""
-    return split_of_spec(key, tuple(wanted), tuple(outputs), index, _spec(rows, 1), _spec(whole, 0))
+    return split_of_spec(key, tuple(wanted), tuple(outputs), index, _spec(rows, 1), _spec(whole, 0),
+                         with_outputs)

@@ -35,7 +35,7 @@ from ..fx.graph_ops import canon, is_pure, is_scalar, meta, requires_grad
 from ..kernels.lm_head import lm_head_row_stats
 from .row_local import op_name, pointwise_op, same, same_shape
 
-__all__ = ["LossTail", "NoTail", "match_loss_tail", "VIEWS"]
+__all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "VIEWS"]
 
 # Views that keep the row-major order of the values (one per row): identities on the flat rows.
 VIEWS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "contiguous"}
@@ -52,14 +52,15 @@ class NoTail(Exception):
 class LossTail:
     """A matched tail (graph order throughout)."""
 
-    stats: Node  # the lm_head_row_stats call
-    items: dict[Node, int]  # stats[i] nodes -> i (0 lse, 1 logprob, 2 entropy)
+    stats: Node  # the fused call (lm_head_row_stats, or a row-local region's row_local_sweeps)
+    items: dict[Node, int]  # stats[i] nodes -> i (lm_head_row_stats: 0 lse, 1 logprob, 2 entropy)
     rows: list[Node]  # row nodes (not the items)
     reductions: list[Node]
     scalars: list[Node]  # scalar nodes, the loss last (empty when the loss is a reduction)
     loss: Node
     row_operands: list[Node]  # per-row tensors that do not depend on the region
     whole: list[Node]  # 0-d tensors and numbers the graph computes, read by the tail
+    sizes: list[Node] = dataclasses.field(default_factory=list)  # of whole: an item's size(0) / numel()
 
     @property
     def nodes(self) -> list[Node]:
@@ -168,21 +169,31 @@ def match_loss_tail(graph: Graph, stats: Node) -> LossTail:
         raise NoTail(f"{stats.name} is not a fused lm_head call")
     if len(stats.args) != 10:
         raise NoTail("the graph returns the logits too")
+    return match_tail(graph, stats, range(3))
+
+
+def match_tail(graph: Graph, stats: Node, results: range) -> LossTail:
+    """The loss tail of the fused call ``stats``, whose items ``results`` are one value
+    per row each, or :class:`NoTail`."""
     items: dict[Node, int] = {}
     for u in stats.users:
         i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
-        if i not in (0, 1, 2):
+        if i not in results:
             raise NoTail(f"{u.name} reads the fused call's results")
         items[u] = i
     if not items:
         raise NoTail("nothing reads the region's results")
-    m = _Matcher(stats, _tensor(next(iter(items))).numel())
+    read = [_tensor(u) for u in items]
+    if any(t is None for t in read) or not all(same(t.numel(), read[0].numel()) for t in read):
+        raise NoTail("the results the graph reads are not one value per row each")
+    m = _Matcher(stats, read[0].numel())
     m.kind.update(dict.fromkeys(items, ROW))
     order = {n: i for i, n in enumerate(graph.nodes)}
     found, stack = set(items), list(items)
+    sizes = [u for item in items for u in item.users if _row_count(u, item)]
     while stack:
         for u in stack.pop().users:
-            if u.op != "output" and u not in found:
+            if u.op != "output" and u not in found and u not in sizes:
                 found.add(u)
                 stack.append(u)
     for node in sorted(found - set(items), key=order.__getitem__):
@@ -196,4 +207,15 @@ def match_loss_tail(graph: Graph, stats: Node) -> LossTail:
         raise NoTail(f"the loss {loss.name} needs no gradient")
     nodes = sorted(found - set(items), key=order.__getitem__)
     of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
-    return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], loss, list(m.row_operands), list(m.whole))
+    return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], loss, list(m.row_operands), list(m.whole),
+                    [s for s in sizes if s in m.whole])
+
+
+def _row_count(node: Node, item: Node) -> bool:
+    """``item.size(0)`` or ``item.numel()`` of a one-dimensional item (a mean's count of
+    rows): a number the rewrite computes from the hidden states instead."""
+    t = _tensor(item)
+    if t is None or t.dim() != 1 or node.all_input_nodes != [item] or node.kwargs:
+        return False
+    name = op_name(node)
+    return (name == "numel" and len(node.args) == 1) or (name == "size" and node.args[1:] in ((0,), (-1,)))

@@ -29,6 +29,7 @@ class Outcome:
     one_pass_why: str = ""  # why not (one_pass False)
     saved_masks: int = 0  # row-local: boolean masks its forward saves (packed) for its backward
     saved_normalizers: int = 0  # row-local: softmax normalisers its forward saves for its backward
+    gradients_in_forward: str = ""  # row-local, lm_head chunked: its loss tail, computed by its call
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":

@@ -67,6 +67,21 @@ class Emitter:
         with modes.pop():
             return fn(*args, **kwargs)
 
+    def fill(self, nodes: list[Node]) -> None:
+        """Give each of ``nodes`` (added without one, in graph order) its example value
+        where it can be computed (what a later match reads), best effort."""
+        for n in nodes:
+            if n.op not in ("call_function", "call_method") or meta(n) is not None:
+                continue
+            try:
+                if n.op == "call_function":
+                    n.meta["example_value"] = self._example(n.target, n.args, n.kwargs)
+                else:
+                    n.meta["example_value"] = self._example(
+                        lambda self_, *a, **k: getattr(self_, n.target)(*a, **k), n.args, n.kwargs)
+            except Exception:  # noqa: BLE001 - a node without one is one a match declines
+                return
+
     def function(self, fn: Callable, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(fn, args, kwargs)

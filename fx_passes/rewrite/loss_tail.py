@@ -23,6 +23,8 @@ region's call and the loss, the same autocast blocks, one grad mode).
 
 from __future__ import annotations
 
+import math
+import operator
 from typing import Optional
 
 import torch
@@ -30,19 +32,22 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
-from ..fx.graph_ops import meta, requires_grad
+from ..fx.graph_ops import is_scalar, meta, requires_grad, scalar_tensor
 from ..fx.placement import check_placement
 from ..kernels import graph_bodies
 from ..kernels.lm_head import lm_head_row_stats
 from ..kernels.lm_head_loss import PLANS, lm_head_loss, trace_tail
+from ..kernels.row_local_loss import row_bytes, row_local_loss
+from ..kernels.row_split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
-from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail
-from ..match.row_local import op_name
+from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_tail
+from ..match.row_local import op_name, same
 from ..reporting.report import COUNTER, Decline, log
 from .logits import Emitter
 
-__all__ = ["rewrite_loss_tail", "fused_calls", "GEMMS"]
+__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS"]
 
+_KEPT_META = ("example_value", "val", "stack_trace")
 # model-precision-input GEMMs of one step, in units of [T, H] x [H, V], per plan (unit incoming gradient)
 GEMMS = {"gpu": 3, "two_sweeps": 4}
 
@@ -78,17 +83,7 @@ def _bodies(tail: LossTail) -> tuple[str, str]:
         env[node] = items[i]
     for o in [*tail.row_operands, *tail.whole]:
         env[o] = rows.placeholder(o.name)
-    for n in tail.rows:
-        env[n] = env[n.args[0]] if op_name(n) in VIEWS else rows.node_copy(n, env.__getitem__)
-    rows.output(tuple(env[r.all_input_nodes[0]] for r in tail.reductions))
-    final, env2 = Graph(), {}
-    for r in tail.reductions:
-        env2[r] = final.placeholder(r.name)
-    for o in tail.whole:
-        env2[o] = final.placeholder(o.name)
-    for n in tail.scalars:
-        env2[n] = final.node_copy(n, env2.__getitem__)
-    final.output(env2[tail.loss])
+    _copy_rows(rows, tail, env)
     rows_key = graph_bodies.register(GraphModule(torch.nn.Module(), rows))
     device = meta(tail.stats.args[0]).device
     examples = [torch.zeros(3, device=device) for _ in range(3)]
@@ -96,7 +91,93 @@ def _bodies(tail: LossTail) -> tuple[str, str]:
     examples += [_whole_example(o, device) for o in tail.whole]
     examples += [torch.zeros((), device=device) for _ in tail.reductions]
     tail_key = trace_tail(rows_key, len(tail.row_operands) + len(tail.whole), examples)
-    return tail_key, graph_bodies.register(GraphModule(torch.nn.Module(), final))
+    return tail_key, _final(tail)
+
+
+def _recount(graph: Graph, tail: LossTail, hidden: Node) -> None:
+    """Each ``item.size(0)`` / ``item.numel()`` the tail reads (a mean's count of rows)
+    becomes the hidden states' count of rows, so that it outlives the items."""
+    for i, s in enumerate(tail.whole):
+        if s in tail.sizes:
+            with graph.inserting_before(s):
+                rows = graph.call_method("size", (graph.call_method("flatten", (hidden, 0, -2)), 0))
+            rows.meta.update(s.meta)
+            s.replace_all_uses_with(rows)
+            graph.erase_node(s)
+            tail.whole[i] = rows
+
+
+def _copy_rows(g: Graph, tail: LossTail, env: dict) -> None:
+    """The tail's row part into ``g`` (``env``: its inputs), returning what the loss
+    sums: every tensor is a chunk's flat rows, so the views are identities."""
+    for n in tail.rows:
+        env[n] = env[n.args[0]] if op_name(n) in VIEWS else g.node_copy(n, env.__getitem__)
+    g.output(tuple(env[r.all_input_nodes[0]] for r in tail.reductions))
+
+
+def _final(tail: LossTail) -> str:
+    """The key of the scalar part ``final(*reductions, *whole) -> (loss, *weights)``,
+    ``weights[k] = d loss / d reductions[k]`` (:func:`_factors`)."""
+    final, env = Graph(), {}
+    for r in tail.reductions:
+        env[r] = final.placeholder(r.name)
+    for o in tail.whole:
+        env[o] = final.placeholder(o.name)
+    for n in tail.scalars:
+        env[n] = final.node_copy(n, env.__getitem__)
+    final.output((env[tail.loss], *_factors(final, tail, env)))
+    return graph_bodies.register(GraphModule(torch.nn.Module(), final))
+
+
+def _factors(g: Graph, tail: LossTail, env: dict) -> list[Node]:
+    """Nodes of ``g`` computing, in FP64, ``d loss / d reductions[k]`` from the values the
+    scalar part reads whole (``env``: their placeholders).  The part is affine in the
+    reductions (``match/loss_tail.py``), so each factor is the product of the factors met
+    on the way to the loss: a constant term (``+ ref.mean()``, infinite or not) plays no
+    part, as in autograd."""
+    k = len(tail.reductions)
+    whole = {o: g.call_method("double", (g.call_function(torch.as_tensor, (env[o],)),)) for o in tail.whole}
+
+    def value(a):
+        return whole[a] if isinstance(a, Node) else a
+
+    def times(c, f, op=operator.mul):
+        if c is None:
+            return None
+        return g.call_function(op, (c, f)) if isinstance(c, Node) or isinstance(f, Node) else op(c, f)
+
+    def plus(c, d):
+        return c if d is None else d if c is None else times(c, d, operator.add)
+    coef: dict[Node, list] = {r: [1.0 if j == i else None for j in range(k)]
+                              for i, r in enumerate(tail.reductions)}
+    for n in tail.scalars:
+        name, args = op_name(n), list(n.args)
+        if str(n.target).startswith("__r"):  # (a reflected method: ``x.__rsub__(c)`` is ``c - x``)
+            args.reverse()
+            name = {"sub": "rsub"}.get(name, name)
+        of = [coef.get(a, [None] * k) if isinstance(a, Node) else [None] * k for a in args[:2]]
+        if name in ("add", "sub", "rsub"):
+            alpha = value(n.kwargs.get("alpha", 1))
+            a, b = (of[1], of[0]) if name == "rsub" else (of[0], of[1])
+            sign = -1.0 if name != "add" else 1.0
+            coef[n] = [plus(x, times(times(y, alpha), sign)) for x, y in zip(a, b)]
+        elif name == "neg":
+            coef[n] = [times(x, -1.0) for x in of[0]]
+        elif name in ("mul", "div"):
+            mine = 0 if args[0] in coef else 1
+            if name == "div" and mine == 1:
+                raise NoTail(f"{n.name} divides by a sum over the rows")
+            op = operator.mul if name == "mul" else operator.truediv
+            coef[n] = [times(x, value(args[1 - mine]), op) for x in of[mine]]
+        else:  # pos, a conversion: the factor of its input
+            coef[n] = of[0]
+    f64 = {"dtype": torch.float64}
+    return [c if isinstance(c, Node) else g.call_function(torch.scalar_tensor, (c or 0.0,), f64)
+            for c in coef[tail.loss]]
+
+
+def _kinds(tail: LossTail) -> str:
+    return ",".join(f"{op_name(r)}:{str(meta(r).dtype).removeprefix('torch.')}" for r in tail.reductions)
 
 
 def _whole_example(node: Node, device: torch.device) -> torch.Tensor:
@@ -121,8 +202,9 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
         return None
+    _recount(graph, tail, stats.args[0])
     tail_key, final_key = _bodies(tail)
-    kinds = ",".join(f"{op_name(r)}:{str(meta(r).dtype).removeprefix('torch.')}" for r in tail.reductions)
+    kinds = _kinds(tail)
     hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget, transforms = stats.args[:9]
     e = Emitter(graph, tail.loss)
     call = e.function(lm_head_loss, hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget,
@@ -136,3 +218,70 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
     counters[COUNTER]["gradients_in_forward"] += 1
     return (f", gradients in the forward through its {tail.describe()} ({plan}: "
             f"{GEMMS[plan]} GEMMs a step with a unit incoming gradient)")
+
+
+def _joined(body: GraphModule, n_rows: int, tail: LossTail) -> GraphModule:
+    """``(*rows, *tail rows, *whole, *tail whole) -> (what the loss sums)``: a row-local
+    region's body, then its loss tail's row part on its results (each flattened)."""
+    g, env = Graph(), {}
+    places = [p for p in body.graph.nodes if p.op == "placeholder"]
+    rows = [g.placeholder(f"row{i}") for i in range(n_rows)]
+    env.update(zip(tail.row_operands, (g.placeholder(f"tail_row{i}") for i in range(len(tail.row_operands)))))
+    whole = [g.placeholder(f"whole{i}") for i in range(len(places) - n_rows)]
+    env.update(zip(tail.whole, (g.placeholder(f"tail_whole{i}") for i in range(len(tail.whole)))))
+    inner = dict(zip(places, [*rows, *whole]))
+    for n in body.graph.nodes:
+        if n.op == "output":
+            results = [inner[r] for r in n.args[0]]
+        elif n.op != "placeholder":
+            inner[n] = g.node_copy(n, inner.__getitem__)
+    for item, i in tail.items.items():
+        env[item] = g.call_method("reshape", (results[i], -1))
+    _copy_rows(g, tail, env)
+    return GraphModule(torch.nn.Module(), g)
+
+
+def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config) -> str:
+    """Replace the ``row_local_sweeps`` call ``call`` and its loss tail by one
+    :func:`row_local_loss` call (``rows``, ``whole``: the ``(dtype, shape, device)`` of
+    the region's inputs, the logits' among the rows, their rows' count 0: the split is
+    traced here, and the call finds it by the same spec at run time, where a trace
+    cannot run inside AOTAutograd's forward); what to add to the rewrite's log line, or
+    "" where the region keeps its call (the reason logged at debug level)."""
+    if not config.gradients_in_forward:
+        return ""
+    key, budget, n, index, how, hidden, weight, bias, *inputs = call.args
+    body = graph_bodies.function(key)
+    n_out = len(next(iter(body.graph.find_nodes(op="output"))).args[0])
+    try:
+        tail = match_tail(graph, call, range(n_out))
+        if not same(meta(next(iter(tail.items))).numel(), math.prod(meta(hidden).shape[:-1])):
+            raise NoTail("its results are not one value per row of the logits")
+        operands = [o for o in (hidden, weight, bias) if isinstance(o, Node)]
+        if check_placement(graph, tail.nodes, tail.loss, [tail.loss],
+                           [*operands, *tail.row_operands, *tail.whole], tail.loss, operands):
+            raise NoTail("its nodes run under different grad modes")
+        joined = graph_bodies.register(_joined(body, n, tail))
+        split = split_of_spec(joined, (index,), tuple(range(len(tail.reductions))), index,
+                              rows + tuple(spec_of(meta(o), (0,)) for o in tail.row_operands),
+                              whole + tuple(spec_of(meta(o)) for o in tail.whole), True)
+        if not isinstance(split, Split):
+            raise NoTail(f"the loss's gradient needs whole rows: {split}")
+    except (NoTail, Decline) as why:
+        log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
+        return ""
+    _recount(graph, tail, hidden)
+    with graph.inserting_before(tail.loss):
+        flat = [graph.call_method("reshape", (o, -1)) for o in tail.row_operands]
+        scalars = [scalar_tensor(graph, o) if is_scalar(o) else o for o in tail.whole]
+        loss = graph.call_function(row_local_loss, (joined, budget, n + len(flat), index, how, hidden, weight,
+                                                    bias, _final(tail), _kinds(tail), len(scalars),
+                                                    row_bytes(split), *inputs[:n - 1], *flat,
+                                                    *inputs[n - 1:], *scalars))
+    loss.meta.update({k: v for k, v in tail.loss.meta.items() if k in _KEPT_META})
+    tail.loss.replace_all_uses_with(loss)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in sorted(tail.nodes, key=order.__getitem__, reverse=True):
+        graph.erase_node(node)
+    return (f", gradients in the forward through its {tail.describe()} (4 GEMMs a step with a unit incoming "
+            "gradient)")

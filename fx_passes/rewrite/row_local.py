@@ -41,7 +41,7 @@ from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
 from ..kernels.row_local_head import row_local_head
 from ..kernels.row_local_sweeps import row_local_sweeps
-from ..kernels.row_split import Split, split_of_spec
+from ..kernels.row_split import Split, spec_of, split_of_spec
 from ..match.lm_head import (
     FUSION_OFF,
     NOT_MODEL_PRECISION,
@@ -54,6 +54,8 @@ from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, los
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
+from .logits import Emitter
+from .loss_tail import rewrite_row_loss_tail
 from .saved import saved_for_backward
 
 __all__ = ["rewrite_row_region", "build_body", "plan_row_region"]
@@ -277,16 +279,9 @@ def _place_head(graph: Graph, region: RowRegion, anchor: Node, config: Config, i
     return _Head(i, head, detach), ""
 
 
-def _hint(size: Any) -> int:
-    return int(size) if not isinstance(size, torch.SymInt) else (size.node.hint or 2)
-
-
 def _spec(value: Any, shape: tuple[Any, ...] | None = None) -> tuple[torch.dtype, tuple[int, ...], str]:
     """``(dtype, shape, device)`` of an input of the call, as ``row_split`` reads it."""
-    v = meta(_node(value)) if isinstance(_node(value), Node) else value
-    if not isinstance(v, torch.Tensor):  # (a number: the call passes it as a 0-d host tensor)
-        return (torch.float32 if isinstance(v, (float, torch.SymFloat)) else torch.int64), (), "cpu"
-    return v.dtype, tuple(_hint(d) for d in (shape if shape is not None else v.shape)), str(v.device)
+    return spec_of(meta(_node(value)) if isinstance(_node(value), Node) else value, shape)
 
 
 def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config) -> str:
@@ -340,6 +335,11 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     inside = set(region.nodes)
     if head is not None:
         detach = head.detach
+    specs = (tuple(_spec(r, (0, *_row_shape(r)[1:])) for r in region.rows),  # (as the call sees them)
+             tuple(_spec(w) for w in region.whole))
+    alone = head is not None and not any(requires_grad(_node(r)) for i, r in enumerate(region.rows)
+                                         if i != head.index)
+    before = set(graph.nodes)
     with graph.inserting_before(anchor):
         call = _call(graph, region, head, key, saving, config, sweeps)
         for i, o in enumerate(region.outputs):
@@ -357,6 +357,9 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     for n in filter(None, [head.head.logits, head.head.transpose]):  # (a W.T read elsewhere stays)
         if not n.users:
             graph.erase_node(n)
-    if sweeps:
-        return Outcome(Fused.FUSED)
+    if sweeps:  # (with the loss in the graph: its gradients in the forward, when only the lm_head's)
+        if alone and config.gradients_in_forward:  # (the loss tail's match reads the new nodes' values)
+            Emitter(graph, anchor).fill([n for n in graph.nodes if n not in before])
+        tail = rewrite_row_loss_tail(graph, call, *specs, config) if alone else ""
+        return Outcome(Fused.FUSED, gradients_in_forward=tail)
     return Outcome(Fused.IN_CALL, whole_why, saved_masks=masks, saved_normalizers=normalizers)
