@@ -49,7 +49,8 @@ from .lm_head import lm_head_grads
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, resolve_budget
 
-__all__ = ["lm_head_loss", "trace_tail", "reductions_of", "unit_weights", "scaled_exactly",
+__all__ = ["lm_head_loss", "trace_tail", "reductions_of", "unit_weights", "scaled_exactly", "scale_exactly_",
+           "power_of_two",
            "final_loss", "PLANS",
            "COUNTER"]
 
@@ -113,14 +114,37 @@ def unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor
     return [w.to(device=device, dtype=F32) for w in graph_bodies.function(final_key)(*at, *whole)[1:]]
 
 
+def power_of_two(scale: float) -> bool:
+    """Is ``scale`` +-2**k (1 and -1 included), a factor that rounds no normal number?"""
+    return math.isfinite(scale) and abs(math.frexp(scale)[0]) == 0.5
+
+
 def scaled_exactly(grad: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
     """``grad * scale`` when the product rounds no element (``scale`` a power of two, 1
     and -1 included, and nothing under- or overflows), else None: a gradient computed in
     the forward for a unit loss and rounded there may be used only so."""
-    if not (math.isfinite(scale) and abs(math.frexp(scale)[0]) == 0.5):
+    if not power_of_two(scale):
         return None
     out = grad * scale
-    return out if scale == 1.0 or torch.equal(out / scale, grad) else None
+    return out if abs(scale) == 1.0 or _unrounded(out, grad, scale) else None
+
+
+def scale_exactly_(grad: torch.Tensor, scale: float) -> bool:
+    """``grad *= scale`` in place when the product rounds no element (no copy of the
+    whole tensor: a ``[V, H]`` gradient is large); False, ``grad`` unchanged, otherwise."""
+    if not power_of_two(scale):
+        return False
+    if abs(scale) != 1.0 and not _unrounded(grad * scale, grad, scale):
+        return False
+    if scale != 1.0:
+        grad.mul_(scale)
+    return True
+
+
+def _unrounded(out: torch.Tensor, grad: torch.Tensor, scale: float, block: int = 1 << 20) -> bool:
+    """``out == grad * scale`` undone exactly by ``/ scale``, checked a block at a time."""
+    return all(torch.equal(o / scale, g) for o, g in zip(out.reshape(-1).split(block),
+                                                           grad.reshape(-1).split(block)))
 
 
 def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:

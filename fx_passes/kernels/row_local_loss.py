@@ -33,7 +33,14 @@ from typing import Optional
 import torch
 
 from ..reporting.report import log
-from .lm_head_loss import final_loss, reductions_of, scaled_exactly, unit_weights
+from .lm_head_loss import (
+    final_loss,
+    power_of_two,
+    reductions_of,
+    scale_exactly_,
+    scaled_exactly,
+    unit_weights,
+)
 from .row_local_head import _full as _insert
 from .row_local_head import _logits
 from .row_local_sweeps import _row_local_sweeps_backward, block_sweep, compiled, flat, forward, step
@@ -169,18 +176,18 @@ def _from_the_forward(split: Split, key, rows, whole, weights, reductions, grad_
     The per-row values were computed for a unit loss (sums of the cotangents' products
     among them), so the vocabulary sweep runs on the unit cotangents too and its
     gradients are scaled after it: exact for 1, -1, a power of two."""
-    gh = scaled_exactly(grad_hidden, scale) if needs[0] else None
-    if needs[0] and gh is None:
+    if not power_of_two(scale):
         return None
     n = h.shape[0]
     unit = [w.to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
-    heads = [gh, *block_sweep(split, key, rows, whole, unit, _unpack(packed, split), budget_bytes, index, h,
-                              weight, bias, how, needs)]
-    for i in (1, 2):
-        if heads[i] is not None:
-            heads[i] = scaled_exactly(heads[i], scale)
-            if heads[i] is None:
-                return None
+    heads = [None, *block_sweep(split, key, rows, whole, unit, _unpack(packed, split), budget_bytes, index, h,
+                                weight, bias, how, needs)]
+    if not all(scale_exactly_(t, scale) for t in heads[1:] if t is not None):
+        return None  # (an element under- or overflowed: not expected)
+    if needs[0]:  # (after the sweep: its working set and the scaled copy are not held together)
+        heads[0] = scaled_exactly(grad_hidden, scale)
+        if heads[0] is None:
+            return None
     return [t for t in heads if t is not None]
 
 
