@@ -85,7 +85,9 @@ class Config:
             once); "two_sweeps" ``grad_hidden``, with ``grad_weight`` from one
             vocabulary sweep in the backward (4 GEMMs; an incoming gradient that is not
             a power of two recomputes both).  Other plans, and False, recompute in the
-            backward (docs/how-it-works.md section 5b).
+            backward (docs/how-it-works.md section 5b).  The same for a row-local region
+            whose lm_head runs chunk by chunk (``kernels/row_local_loss.py``): 4 GEMMs,
+            3 on plan "gpu", instead of 5.
     """
 
     rewrite: bool = True

@@ -8,7 +8,9 @@ four ``[T, H] x [H, V]`` GEMMs a step instead of five (``kernels/row_local_loss.
 Each loss is rewritten so (counter ``gradients_in_forward``) and is no further from FP64
 than stock Inductor, static and dynamic, bf16 and fp16, for an incoming gradient of one,
 a power of two or neither; neither direction allocates a ``[T, V]`` tensor; a loss the
-tail rule does not take keeps the five-GEMM call, and so does the option off.
+tail rule does not take keeps the five-GEMM call, and so does the option off.  The GPU
+plan (``grad_weight`` summed over the row chunks by FP32-output GEMMs: three GEMMs) runs
+here on the test-only CPU kernels of ``mm(..., out_dtype=)``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from fx_passes.kernels.compiler import compiling_with
 from fx_passes.kernels.row_local_loss import _row_local_loss, _row_local_loss_backward, row_bytes
 from fx_passes.kernels.row_local_sweeps import _row_local_sweeps_backward
 from fx_passes.reporting.session import session
+from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests import row_local_cases as rl
 from tests import test_row_local_sweeps as sweeps
 from tests.helpers import assert_retained_backward_repeats, chunked_counters
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate
+from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, run
 
 T, V, H = sweeps.T, sweeps.V, sweeps.H
 EAGER = sweeps.EAGER
@@ -56,6 +59,10 @@ def test_an_incoming_gradient_other_than_one(name, scale):
     """A power of two scales the forward's ``grad_hidden`` exactly; anything else (a
     gradient-accumulation ``loss * 0.3``) recomputes both gradients from the scaled
     cotangents: either way as accurate as stock."""
+    _compare(name, scale)
+
+
+def _compare(name, scale, **options):
     fn, inputs, grad_pos = sweeps._case(name)
     f64 = [t.double() if t.is_floating_point() else t for t in inputs]
     ref = _run(fn, f64, grad_pos, scale, up=torch.float64)
@@ -63,9 +70,33 @@ def test_an_incoming_gradient_other_than_one(name, scale):
     stock = _run(torch.compile(fn, backend="inductor"), inputs, grad_pos, scale)
     torch._dynamo.reset()
     counters.clear()
-    ours = _run(torch.compile(fn, backend="chunked_logits"), inputs, grad_pos, scale)
+    ours = _run(torch.compile(fn, backend="chunked_logits", options=options), inputs, grad_pos, scale)
     assert chunked_counters().get("gradients_in_forward") == 1, chunked_counters()
     assert_no_less_accurate(ours, stock, ref, torch.bfloat16, 2e-6, 2**-8)
+
+
+@pytest.mark.parametrize("scale", [-1.0, 0.3])
+@pytest.mark.parametrize("name", ["forward_kl", "kl_div_linear", "smoothed_ce"])
+def test_the_gpu_plan_on_this_cpu(name, scale):
+    """``lm_head_plan="gpu"`` (CUDA / XPU; here with the test-only CPU kernels of
+    ``mm(..., out_dtype=)``): ``grad_weight`` and the bias's gradient summed over the row
+    chunks in FP32 in the forward, every gradient scaled and rounded once in the
+    backward (-1); any other incoming gradient than a power of two runs both sweeps
+    (0.3)."""
+    with cpu_out_dtype_kernels():
+        _compare(name, scale, lm_head_plan="gpu")
+
+
+def test_the_gpu_plan_runs_three_gemms_with_model_precision_inputs():
+    """The profiler's GEMMs (the test kernels' own FP32 matmuls inside them left out):
+    three; the recorded ``out_dtype`` GEMMs (``g @ W`` and ``grad_weight``'s sums) have
+    bf16 inputs, none FP32."""
+    assert _gemms("kl_div_linear", lm_head_plan="gpu") == pytest.approx(3)
+    fn, inputs, grad_pos = sweeps._case("kl_div_linear")
+    with cpu_out_dtype_kernels(), recording() as gemms:
+        run(torch.compile(fn, backend="chunked_logits", options={"lm_head_plan": "gpu"}), inputs, grad_pos)
+    assert full_gemms(gemms, T, H, V, in_dtype=torch.bfloat16) >= 2
+    assert full_gemms(gemms, T, H, V, in_dtype=torch.float32) == 0
 
 
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
@@ -149,17 +180,19 @@ def test_four_gemms_with_model_precision_inputs(name):
 def _gemms(name, **options) -> float:
     from torch.profiler import profile
 
-    from tests.numerics import run
-
     fn, inputs, grad_pos = sweeps._case(name)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(fn, backend="chunked_logits", options=options)
-    run(compiled, inputs, grad_pos)
-    with profile(record_shapes=True) as prof:
+    with cpu_out_dtype_kernels():
         run(compiled, inputs, grad_pos)
-    assert chunked_counters().get("gradients_in_forward", 0) == (0 if options else 1), chunked_counters()
-    gemms = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+        with profile(record_shapes=True) as prof:
+            run(compiled, inputs, grad_pos)
+    taken = options.get("gradients_in_forward", True)
+    assert chunked_counters().get("gradients_in_forward", 0) == int(taken), chunked_counters()
+    names = ("aten::mm", "aten::addmm")
+    gemms = [e for e in prof.events()
+             if e.name in names and not (e.cpu_parent and e.cpu_parent.name in names)]  # (test kernels' own)
     shapes = [e.input_shapes[1:3] if e.name == "aten::addmm" else e.input_shapes[:2] for e in gemms]
     return sum(2 * a[0] * a[1] * b[1] for a, b in shapes) / (2 * T * H * V)
 
@@ -182,12 +215,14 @@ def _ops(inputs, budget, g, done=True):
     final = graph_bodies.register(symbolic_trace(_final_mean))
     split = row_split.split_of(key, [0], [0], 0, [hidden.new_empty(0, V), teacher], [], with_outputs=True)
     width = row_bytes(split)
-    loss, gh, packed, ok = _row_local_loss._init_fn(key, [teacher], [], budget, 0, hidden, weight, None,
-                                                    "matmul", final, "mean:float32", 0, width, True)
+    loss, gh, packed, ok, gw, gb = _row_local_loss._init_fn(key, [teacher], [], budget, 0, hidden, weight,
+                                                            None, "matmul", final, "mean:float32", 0, width,
+                                                            "two_sweeps", NEEDS)
     assert int(ok) == 1
     ok = ok if done else torch.zeros_like(ok)
     grads = _row_local_loss_backward._init_fn(torch.tensor(g), key, [teacher], [], budget, 0, hidden, weight,
-                                              None, "matmul", final, "mean:float32", 0, gh, packed, ok, NEEDS)
+                                              None, "matmul", final, "mean:float32", 0, gh, packed, ok, gw,
+                                              gb, "two_sweeps", NEEDS)
     return loss, grads
 
 

@@ -23,6 +23,14 @@ nothing (:func:`fx_passes.kernels.lm_head_loss.scaled_exactly`: 1, a power of tw
 otherwise, and if the body does not split at run time after all, it runs both sweeps
 with the scaled cotangents (``row_local_sweeps``' backward: each gradient still one FP32
 sum rounded once).
+
+On GPUs (plan ``"gpu"``: ``torch.mm/addmm(..., out_dtype=torch.float32)``) the forward
+also sums ``grad_weight`` and the bias's gradient over the row chunks, in FP32 buffers
+(``4 V H`` bytes) filled by GEMMs with model-precision inputs, and keeps ``grad_hidden``
+in FP32; the backward scales each and rounds it once: three GEMMs a step, stock's count,
+no vocabulary sweep.  An incoming gradient that is not a power of two runs both sweeps
+here too (rounding the logits' gradient for a unit loss and scaling the sum after would
+round differently from stock, not worse on average, but not the same maths).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from .. import compat
 from ..reporting.report import log
 from .lm_head_loss import (
     final_loss,
@@ -45,11 +54,11 @@ from .row_local_head import _full as _insert
 from .row_local_head import _logits
 from .row_local_sweeps import _row_local_sweeps_backward, block_sweep, compiled, flat, forward, step
 from .row_split import Split, split_of
-from .tiling import even_splits
+from .tiling import even_splits, resolve_budget
 
 __all__ = ["row_local_loss", "row_bytes"]
 
-F64 = torch.float64
+F32, F64 = torch.float32, torch.float64
 
 
 def row_bytes(split: Split) -> int:
@@ -95,19 +104,19 @@ def _weights(final_key: str, kinds: str, final_whole, n: int, device) -> list[to
 @torch.library.custom_op("chunked_logits::row_local_loss", mutates_args=())
 def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                     index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    how: str, final_key: str, kinds: str, n_final: int, width: int,
-                    need_hidden: bool) -> list[torch.Tensor]:
-    # -> [loss, grad_hidden (unit loss; empty if not needed), the per-row values packed
-    #     (``[N, width]`` uint8), 1 if they were computed (the body split) else 0]
+                    how: str, final_key: str, kinds: str, n_final: int, width: int, plan: str,
+                    needs: list[bool]) -> list[torch.Tensor]:
+    # -> [loss, grad_hidden, the per-row values packed (``[N, width]`` uint8), 1 if the
+    #     gradients were computed (the body split) else 0, grad_weight, grad_bias]: for a
+    #     unit loss; "two_sweeps": grad_hidden in model precision; "gpu": all three in FP32
     h = flat(hidden)
     n, dev = h.shape[0], h.device
     reductions = reductions_of(kinds)
     final_whole = whole[len(whole) - n_final:]
     sums = [torch.zeros((), dtype=F64, device=dev) for _ in reductions]
-    grad_h = torch.empty_like(h) if need_hidden else h.new_empty(0)
-    packed = torch.zeros((n, width), dtype=torch.uint8, device=dev)
+    grad_h, packed, grad_w, grad_b = _gradients(h, weight, bias, width, plan, needs, torch.zeros)
     split = _split(key, rows, whole, index, h, weight, len(reductions))
-    done = isinstance(split, Split) and row_bytes(split) == width
+    done = isinstance(split, Split) and (plan == "gpu" or row_bytes(split) == width)
     if not done:
         _say_unsplit(key, split if isinstance(split, str) else "another layout of its per-row values")
     if not done:  # (not expected: the rewrite split the same body) the results only
@@ -125,22 +134,54 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
             g, outs, per_row = got[0], got[1:1 + k], got[1 + k:]
             for s, o in zip(sums, outs):
                 s += o.sum(dtype=F64)
-            if need_hidden:
+            if plan == "gpu":
+                _accumulate(g, h[a:b], weight, grad_h[a:b] if needs[0] else None, grad_w, grad_b,
+                            budget_bytes)
+                continue
+            if needs[0]:
                 torch.mm(g, weight, out=grad_h[a:b])
             _pack(packed[a:b], per_row)
     values = [(s / n if kind == "mean" else s).to(dt) for s, (kind, dt) in zip(sums, reductions)]
     loss = final_loss(final_key, values, final_whole)
-    return [loss, grad_h, packed, torch.tensor(int(done), dtype=torch.int8)]
+    return [loss, grad_h, packed, torch.tensor(int(done), dtype=torch.int8), grad_w, grad_b]
+
+
+def _gradients(h, weight, bias, width: int, plan: str, needs: list[bool], make) -> list[torch.Tensor]:
+    """The forward's buffers: grad_hidden, packed values, grad_weight, grad_bias (empty
+    where not needed); ``make``: ``torch.zeros`` or ``torch.empty``."""
+    gpu, n = plan == "gpu", h.shape[0]
+
+    def made(need: bool, shape, dtype) -> torch.Tensor:
+        return make(shape if need else (0,), dtype=dtype, device=h.device)
+    return [made(needs[0], h.shape, F32 if gpu else h.dtype),
+            made(True, (n, 0 if gpu else width), torch.uint8),
+            made(gpu and needs[1], weight.shape, F32),
+            made(gpu and bias is not None and needs[2], (weight.shape[0],), F32)]
+
+
+def _accumulate(g, h, weight, grad_h, grad_w, grad_b, budget_bytes: int) -> None:
+    """The ``"gpu"`` plan's row chunk: ``grad_hidden`` rows and the FP32 sums over rows
+    of ``grad_weight`` and the bias's gradient, each GEMM with model-precision inputs
+    and an FP32 output (``out_dtype``)."""
+    if grad_h is not None:
+        grad_h.copy_(torch.mm(g, weight, out_dtype=F32))
+    if grad_w.numel():
+        vocab, width = weight.shape
+        cols = max(1, min(vocab, resolve_budget(budget_bytes, h.device) // (4 * width)))
+        for v0, v1 in even_splits(vocab, cols):  # (an FP32 [cols, H] product at most)
+            compat.addmm_fp32_(grad_w[v0:v1], g[:, v0:v1].t(), h)
+    if grad_b.numel():
+        grad_b += g.sum(0, dtype=F32)
 
 
 @_row_local_loss.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final, width,
-      need_hidden):
+      plan, needs):
     h = flat(hidden)
     at = [torch.zeros((), dtype=dt, device=h.device) for _, dt in reductions_of(kinds)]
     loss = final_loss(final_key, at, whole[len(whole) - n_final:])
-    return [torch.empty_like(loss), torch.empty_like(h) if need_hidden else h.new_empty(0),
-            h.new_empty((h.shape[0], width), dtype=torch.uint8), torch.empty((), dtype=torch.int8)]
+    grad_h, packed, grad_w, grad_b = _gradients(h, weight, bias, width, plan, needs, torch.empty)
+    return [torch.empty_like(loss), grad_h, packed, torch.empty((), dtype=torch.int8), grad_w, grad_b]
 
 
 @torch.library.custom_op("chunked_logits::row_local_loss_backward", mutates_args=())
@@ -148,11 +189,18 @@ def _row_local_loss_backward(g: torch.Tensor, key: str, rows: list[torch.Tensor]
                              budget_bytes: int, index: int, hidden: torch.Tensor, weight: torch.Tensor,
                              bias: Optional[torch.Tensor], how: str, final_key: str, kinds: str, n_final: int,
                              grad_hidden: torch.Tensor, packed: torch.Tensor, done: torch.Tensor,
+                             grad_weight: torch.Tensor, grad_bias: torch.Tensor, plan: str,
                              needs: list[bool]) -> list[torch.Tensor]:
     """The gradients ``needs`` asks for (of hidden, weight, bias), for the incoming ``g``."""
     h = flat(hidden)
     n, dev = h.shape[0], h.device
     scale = g.item()
+    if plan == "gpu" and int(done) and power_of_two(scale):  # (each FP32 sum scaled exactly, rounded once)
+        pairs = zip(needs, (grad_hidden, grad_weight, grad_bias), (hidden, weight, bias))
+        heads = [_rounded(t, g, like) for need, t, like in pairs if need and like is not None]
+        if needs[0]:
+            heads[0] = heads[0].view(hidden.shape)
+        return heads
     reductions = reductions_of(kinds)
     weights = _weights(final_key, kinds, whole[len(whole) - n_final:], n, dev)
     split = _split(key, rows, whole, index, h, weight, len(reductions)) if int(done) else None
@@ -167,6 +215,15 @@ def _row_local_loss_backward(g: torch.Tensor, key: str, rows: list[torch.Tensor]
     # both sweeps, from the scaled cotangents (each gradient still one FP32 sum rounded once)
     return _row_local_sweeps_backward(key, [], list(range(len(reductions))), rows, whole, grads, budget_bytes,
                                       index, hidden, weight, bias, how, needs)
+
+
+def _rounded(t: torch.Tensor, g: torch.Tensor, like: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """``(t * g).to(like.dtype)``, a block of rows at a time (no FP32 copy of ``t``)."""
+    out = torch.empty(t.shape, dtype=like.dtype, device=t.device)
+    rows = max(1, block // max(1, t[0].numel())) if t.dim() > 1 else block
+    for a, b in even_splits(t.shape[0], rows):
+        out[a:b] = t[a:b] * g
+    return out
 
 
 def _from_the_forward(split: Split, key, rows, whole, weights, reductions, grad_hidden, packed, scale: float,
@@ -193,15 +250,16 @@ def _from_the_forward(split: Split, key, rows, whole, weights, reductions, grad_
 
 @_row_local_loss_backward.register_fake
 def _(g, key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final,
-      grad_hidden, packed, done, needs):
+      grad_hidden, packed, done, grad_weight, grad_bias, plan, needs):
     return [torch.empty_like(t) for need, t in zip(needs, (hidden, weight, bias)) if need and t is not None]
 
 
 def _setup(ctx, inputs, output):
-    key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final, _, _ = inputs
-    ctx.args = (key, budget_bytes, index, how, final_key, kinds, n_final)
+    key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final, _, plan, \
+        needs = inputs
+    ctx.args = (key, budget_bytes, index, how, final_key, kinds, n_final, plan)
     ctx.n_rows, ctx.n_whole = len(rows), len(whole)
-    ctx.needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    ctx.needs = list(needs)
     ctx.save_for_backward(*rows, *whole, hidden, weight, bias, *output[1:])
 
 
@@ -210,16 +268,16 @@ def _backward(ctx, grads):
     saved = list(ctx.saved_tensors)
     n, m = ctx.n_rows, ctx.n_whole
     rows, whole = saved[:n], saved[n:n + m]
-    hidden, weight, bias, grad_hidden, packed, done = saved[n + m:]
-    key, budget_bytes, index, how, final_key, kinds, n_final = ctx.args
+    hidden, weight, bias, grad_hidden, packed, done, grad_weight, grad_bias = saved[n + m:]
+    key, budget_bytes, index, how, final_key, kinds, n_final, plan = ctx.args
     head: list[Optional[torch.Tensor]] = [None] * 3
     if g is not None and any(ctx.needs):
         got = iter(_row_local_loss_backward(g, key, rows, whole, budget_bytes, index, hidden, weight, bias,
                                             how, final_key, kinds, n_final, grad_hidden, packed, done,
-                                            ctx.needs))
+                                            grad_weight, grad_bias, plan, ctx.needs))
         head = [next(got) if need and t is not None else None
                 for need, t in zip(ctx.needs, (hidden, weight, bias))]
-    return None, [None] * n, [None] * m, None, None, *head, *([None] * 6)
+    return None, [None] * n, [None] * m, None, None, *head, *([None] * 7)
 
 
 _row_local_loss.register_autograd(_backward, setup_context=_setup)
@@ -227,12 +285,15 @@ _row_local_loss.register_autograd(_backward, setup_context=_setup)
 
 def row_local_loss(key: str, budget_bytes: int, n_rows: int, index: int, how: str, hidden: torch.Tensor,
                    weight: torch.Tensor, bias: Optional[torch.Tensor], final_key: str, kinds: str,
-                   n_final: int, width: int, *inputs: torch.Tensor) -> torch.Tensor:
+                   n_final: int, width: int, plan: str, *inputs: torch.Tensor) -> torch.Tensor:
     """Called from rewritten graphs: the scalar loss of a row-local region (row input
     ``index``: the logits ``hidden @ weight.T``, ``how``: ``"linear"`` or ``"matmul"``)
     and its loss tail, joined in body ``key``.  ``inputs``: the ``n_rows - 1`` other row
     inputs (the tail's per-row tensors flat), then the tensors read whole, the loss's
-    scalar part's ``n_final`` last; ``width``: bytes a row of the split's per-row values."""
+    scalar part's ``n_final`` last; ``width``: bytes a row of the split's per-row values;
+    ``plan``: ``"gpu"`` (``grad_weight`` summed over the row chunks by FP32-output GEMMs)
+    or ``"two_sweeps"`` (by the backward's vocabulary sweep)."""
     rows, whole = list(inputs[:n_rows - 1]), list(inputs[n_rows - 1:])
+    needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     return _row_local_loss(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds,
-                           n_final, width, bool(hidden.requires_grad))[0]
+                           n_final, width, plan, needs)[0]

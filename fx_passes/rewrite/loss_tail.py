@@ -267,6 +267,8 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
                               whole + tuple(spec_of(meta(o)) for o in tail.whole), True)
         if not isinstance(split, Split):
             raise NoTail(f"the loss's gradient needs whole rows: {split}")
+        plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
+            else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
         return ""
@@ -276,12 +278,12 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
         scalars = [scalar_tensor(graph, o) if is_scalar(o) else o for o in tail.whole]
         loss = graph.call_function(row_local_loss, (joined, budget, n + len(flat), index, how, hidden, weight,
                                                     bias, _final(tail), _kinds(tail), len(scalars),
-                                                    row_bytes(split), *inputs[:n - 1], *flat,
+                                                    row_bytes(split), plan, *inputs[:n - 1], *flat,
                                                     *inputs[n - 1:], *scalars))
     loss.meta.update({k: v for k, v in tail.loss.meta.items() if k in _KEPT_META})
     tail.loss.replace_all_uses_with(loss)
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(node)
-    return (f", gradients in the forward through its {tail.describe()} (4 GEMMs a step with a unit incoming "
-            "gradient)")
+    return (f", gradients in the forward through its {tail.describe()} ({plan}: {GEMMS[plan]} GEMMs a step "
+            "with a unit incoming gradient)")
