@@ -258,8 +258,9 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
         if not same(meta(next(iter(tail.items))).numel(), math.prod(meta(hidden).shape[:-1])):
             raise NoTail("its results are not one value per row of the logits")
         operands = [o for o in (hidden, weight, bias) if isinstance(o, Node)]
+        saved = [*operands, *(o for o in inputs if isinstance(o, Node))]  # (the call saves its inputs)
         if check_placement(graph, tail.nodes, tail.loss, [tail.loss],
-                           [*operands, *tail.row_operands, *tail.whole], tail.loss, operands):
+                           [*operands, *tail.row_operands, *tail.whole], tail.loss, saved):
             raise NoTail("its nodes run under different grad modes")
         joined = graph_bodies.register(_joined(body, n, tail))
         split = split_of_spec(joined, (index,), tuple(range(len(tail.reductions))), index,
