@@ -27,7 +27,7 @@ from fx_passes.kernels.row_local_sweeps import _row_local_sweeps_backward
 from fx_passes.reporting.session import session
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests import row_local_cases as rl
-from tests import test_row_local_sweeps as sweeps
+from tests import sweep_cases as sweeps
 from tests.helpers import assert_retained_backward_repeats, chunked_counters
 from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, run
 
@@ -41,7 +41,7 @@ def test_each_loss_computes_its_gradients_in_the_forward(name):
     """Every loss of the chunked call's suite ends in a mean, a masked mean, a
     ``batchmean`` (its row count read from the hidden states) or a cross-entropy's mean
     over kept labels: each takes the gradients in the forward."""
-    fn, inputs, grad_pos = sweeps._case(name)
+    fn, inputs, grad_pos = sweeps.case(name)
     c = rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
     assert c.get("row_local_lm_head") == 1 and c.get("gradients_in_forward") == 1, c
 
@@ -63,7 +63,7 @@ def test_an_incoming_gradient_other_than_one(name, scale):
 
 
 def _compare(name, scale, **options):
-    fn, inputs, grad_pos = sweeps._case(name)
+    fn, inputs, grad_pos = sweeps.case(name)
     f64 = [t.double() if t.is_floating_point() else t for t in inputs]
     ref = _run(fn, f64, grad_pos, scale, up=torch.float64)
     torch._dynamo.reset()
@@ -92,7 +92,7 @@ def test_the_gpu_plan_runs_three_gemms_with_model_precision_inputs():
     three; the recorded ``out_dtype`` GEMMs (``g @ W`` and ``grad_weight``'s sums) have
     bf16 inputs, none FP32."""
     assert _gemms("kl_div_linear", lm_head_plan="gpu") == pytest.approx(3)
-    fn, inputs, grad_pos = sweeps._case("kl_div_linear")
+    fn, inputs, grad_pos = sweeps.case("kl_div_linear")
     with cpu_out_dtype_kernels(), recording() as gemms:
         run(torch.compile(fn, backend="chunked_logits", options={"lm_head_plan": "gpu"}), inputs, grad_pos)
     assert full_gemms(gemms, T, H, V, in_dtype=torch.bfloat16) >= 2
@@ -102,13 +102,13 @@ def test_the_gpu_plan_runs_three_gemms_with_model_precision_inputs():
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 @pytest.mark.parametrize("name", ["reverse_kl", "kl_div_linear", "per_token_kl"])
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
-    fn, inputs, grad_pos = sweeps._case(name, dtype)
+    fn, inputs, grad_pos = sweeps.case(name, dtype)
     c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True)
     assert c.get("gradients_in_forward") == 1, c
 
 
 def test_a_frozen_weight():
-    fn, inputs, _ = sweeps._case("forward_kl")
+    fn, inputs, _ = sweeps.case("forward_kl")
     c = rl.check(fn, inputs, (0,), torch.bfloat16, 2e-6, 2**-8)
     assert c.get("gradients_in_forward") == 1, c
 
@@ -116,13 +116,13 @@ def test_a_frozen_weight():
 def test_a_teacher_that_needs_a_gradient_keeps_the_backward_sweeps():
     """Only the lm_head's gradients are computed in the forward: logits given that need
     a gradient too (a teacher trained jointly) keep the five-GEMM call."""
-    fn, inputs, _ = sweeps._case("reverse_kl")
+    fn, inputs, _ = sweeps.case("reverse_kl")
     c = rl.check(fn, inputs, (0, 1, 2), torch.bfloat16, 2e-6, 2**-8)
     assert c.get("row_local_lm_head") == 1 and not c.get("gradients_in_forward"), c
 
 
 def test_results_the_graph_returns_keep_the_backward_sweeps():
-    hidden, weight = sweeps._head()
+    hidden, weight = sweeps.head()
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
 
     def kl_and_rows(h, w, teacher, up=F32):
@@ -138,7 +138,7 @@ def test_an_infinite_constant_term():
     """A logged term that is -inf (a reference log-prob of a filtered token) added to the
     loss: the loss is -inf and the gradients are the distillation's, as autograd has them
     (the factor of each sum is not a difference of losses)."""
-    hidden, weight = sweeps._head()
+    hidden, weight = sweeps.head()
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
     floor = torch.tensor(float("-inf"))
 
@@ -149,7 +149,7 @@ def test_an_infinite_constant_term():
 
 
 def test_the_log_says_so_and_the_option_turns_it_off():
-    fn, inputs, grad_pos = sweeps._case("forward_kl")
+    fn, inputs, grad_pos = sweeps.case("forward_kl")
     n_events = len(session.events)
     rl.check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
     said = [e.what for e in session.events[n_events:] if e.kind == "rewritten"]
@@ -159,7 +159,7 @@ def test_the_log_says_so_and_the_option_turns_it_off():
 
 
 def test_a_retained_graphs_second_backward_equals_the_first():
-    fn, inputs, _ = sweeps._case("smoothed_ce")
+    fn, inputs, _ = sweeps.case("smoothed_ce")
     h, w = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
     torch._dynamo.reset()
     counters.clear()
@@ -180,7 +180,7 @@ def test_four_gemms_with_model_precision_inputs(name):
 def _gemms(name, **options) -> float:
     from torch.profiler import profile
 
-    fn, inputs, grad_pos = sweeps._case(name)
+    fn, inputs, grad_pos = sweeps.case(name)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(fn, backend="chunked_logits", options=options)
@@ -202,9 +202,9 @@ def _final_mean(m):
 
 
 def _inputs():
-    hidden, weight = sweeps._head()
+    hidden, weight = sweeps.head()
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
-    key = graph_bodies.register(symbolic_trace(sweeps._kl_rows))
+    key = graph_bodies.register(symbolic_trace(sweeps.kl_rows))
     return hidden, weight, teacher, key
 
 
@@ -233,12 +233,12 @@ def test_neither_the_logits_nor_their_gradient_exist_whole():
     budget = 8 * V * 16
     hidden, weight, teacher, key = inputs = _inputs()
     with compiling_with(EAGER):
-        with sweeps._Wide() as seen:
+        with sweeps.Wide() as seen:
             loss, (gh, gw) = _ops(inputs, budget, 1.0)
         want = _row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], [torch.full((T,), 1.0 / T)],
                                                    budget, 0, hidden, weight, None, "matmul", NEEDS)
     assert seen.shapes == [] and seen.gemm_inputs == {torch.bfloat16}, (seen.shapes, seen.gemm_inputs)
-    rows = sweeps._kl_rows(hidden @ weight.T, teacher)[0]
+    rows = sweeps.kl_rows(hidden @ weight.T, teacher)[0]
     torch.testing.assert_close(loss, rows.mean(), rtol=1e-5, atol=1e-6)
     for got, w in zip((gh, gw), want):  # (a few bf16 units of the largest: roundings of g may differ)
         assert (got.float() - w.float()).abs().max() <= 2**-6 * w.float().abs().max()
