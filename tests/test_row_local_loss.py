@@ -148,6 +148,24 @@ def test_an_infinite_constant_term():
     assert c.get("gradients_in_forward") == 1, c
 
 
+def test_an_affine_mix_of_two_sums():
+    """Two reductions of the per-row KL combined by ``rsub``, ``*``, ``-`` and a division
+    by a value read whole: each sum's factor (-3 and ``-1 / w.sum()``) is derived from
+    these ops at rewrite time."""
+    hidden, weight = sweeps.head()
+    teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
+    w = torch.rand(T, generator=torch.Generator().manual_seed(3))
+
+    def mix(h, wt, teacher, w, up=F32):
+        w = w.to(up)
+        s = torch.log_softmax((h @ wt.T).to(up), -1)
+        t = torch.log_softmax(teacher.to(up), -1)
+        rows = (t.exp() * (t - s)).sum(-1)
+        return torch.rsub(rows.mean(), 1.0) * 3.0 - (rows * w).sum() / w.sum()
+    c = rl.check(mix, (hidden, weight, teacher, w), (0, 1), torch.bfloat16, 2e-6, 2**-8)
+    assert c.get("gradients_in_forward") == 1, c
+
+
 def test_the_log_says_so_and_the_option_turns_it_off():
     fn, inputs, grad_pos = sweeps.case("forward_kl")
     n_events = len(session.events)

@@ -152,9 +152,8 @@ def _factors(g: Graph, tail: LossTail, env: dict) -> list[Node]:
                               for i, r in enumerate(tail.reductions)}
     for n in tail.scalars:
         name, args = op_name(n), list(n.args)
-        if str(n.target).startswith("__r"):  # (a reflected method: ``x.__rsub__(c)`` is ``c - x``)
-            args.reverse()
-            name = {"sub": "rsub"}.get(name, name)
+        if str(n.target).startswith("__r") and name != "rsub":  # (``x.__rtruediv__(c)`` is ``c / x``;
+            args.reverse()  # ``rsub(x, c)`` is ``c - x`` already, as ATen's ``rsub``)
         of = [coef.get(a, [None] * k) if isinstance(a, Node) else [None] * k for a in args[:2]]
         if name in ("add", "sub", "rsub"):
             alpha = value(n.kwargs.get("alpha", 1))
@@ -199,11 +198,11 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
         tail = match_loss_tail(graph, stats)
         plan = _plan(tail)
         _check(graph, tail)
+        tail_key, final_key = _bodies(tail)  # (before the graph changes: it may still say no)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
         return None
     _recount(graph, tail, stats.args[0])
-    tail_key, final_key = _bodies(tail)
     kinds = _kinds(tail)
     hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget, transforms = stats.args[:9]
     e = Emitter(graph, tail.loss)
@@ -268,6 +267,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
                               whole + tuple(spec_of(meta(o)) for o in tail.whole), True)
         if not isinstance(split, Split):
             raise NoTail(f"the loss's gradient needs whole rows: {split}")
+        final = _final(tail)  # (before the graph changes: it may still say no)
         plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
     except (NoTail, Decline) as why:
@@ -278,7 +278,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
         flat = [graph.call_method("reshape", (o, -1)) for o in tail.row_operands]
         scalars = [scalar_tensor(graph, o) if is_scalar(o) else o for o in tail.whole]
         loss = graph.call_function(row_local_loss, (joined, budget, n + len(flat), index, how, hidden, weight,
-                                                    bias, _final(tail), _kinds(tail), len(scalars),
+                                                    bias, final, _kinds(tail), len(scalars),
                                                     row_bytes(split), plan, *inputs[:n - 1], *flat,
                                                     *inputs[n - 1:], *scalars))
     loss.meta.update({k: v for k, v in tail.loss.meta.items() if k in _KEPT_META})
