@@ -26,7 +26,8 @@ AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=haswell \
 # The tests whose numbers depend on the CPU's kernels: numerics, generated code, examples.
 ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_upgrade.py \
 	tests/test_declines.py tests/test_codegen.py tests/test_batch_invariance.py tests/test_examples.py \
-	tests/test_loss_in_graph.py tests/test_saved_for_backward.py tests/test_row_local_sweeps.py
+	tests/test_loss_in_graph.py tests/test_saved_for_backward.py tests/test_row_local_sweeps.py \
+	tests/test_row_local_loss.py
 
 # Two pytest workers (pytest-xdist): most of a test's time is Dynamo and Inductor
 # compiling, on one core, so two workers share two cores well.  Each keeps torch's
