@@ -21,7 +21,7 @@ from .. import compat
 __all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective",
            "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS",
            "is_elementwise", "requires_grad", "is_number", "is_scalar", "scaled_by_number",
-           "scalar_tensor"]
+           "scalar_tensor", "keep_meta"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -282,3 +282,8 @@ def is_elementwise(node: Node) -> bool:
         except TypeError:
             return False
     return False
+
+
+def keep_meta(new: Node, old: Node) -> None:
+    """Give ``new``, which replaces ``old``, its example value and source location."""
+    new.meta.update({k: v for k, v in old.meta.items() if k in ("example_value", "val", "stack_trace")})

@@ -49,10 +49,8 @@ from .lm_head import lm_head_grads
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, resolve_budget
 
-__all__ = ["lm_head_loss", "trace_tail", "reductions_of", "unit_weights", "scaled_exactly", "scale_exactly_",
-           "power_of_two",
-           "final_loss", "PLANS",
-           "COUNTER"]
+__all__ = ["lm_head_loss", "trace_tail", "reductions_of", "row_weights", "loss_of_sums", "add_fp32_grads",
+           "scaled_exactly", "scale_exactly_", "power_of_two", "final_loss", "PLANS", "COUNTER"]
 
 # The plans that compute gradients in the forward (the others keep the recompute path).
 PLANS = ("gpu", "two_sweeps")
@@ -114,6 +112,33 @@ def unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor
     return [w.to(device=device, dtype=F32) for w in graph_bodies.function(final_key)(*at, *whole)[1:]]
 
 
+def row_weights(final_key: str, kinds: str, whole, n: int, device) -> list[torch.Tensor]:
+    """d loss / d result_k[row] for a unit loss: a sum's factor, a mean's over the ``n`` rows."""
+    units = unit_weights(final_key, kinds, whole, device)
+    return [w / n if kind == "mean" else w for w, (kind, _) in zip(units, reductions_of(kinds))]
+
+
+def loss_of_sums(final_key: str, kinds: str, sums, n: int, whole) -> torch.Tensor:
+    """The loss from each reduction's FP64 sum over all rows (a mean's over ``n``)."""
+    values = [(s / n if kind == "mean" else s).to(dt) for s, (kind, dt) in zip(sums, reductions_of(kinds))]
+    return final_loss(final_key, values, whole)
+
+
+def add_fp32_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, grad_h: Optional[torch.Tensor],
+                   grad_w: Optional[torch.Tensor], grad_b: Optional[torch.Tensor], cols: int) -> None:
+    """The ``"gpu"`` plan's row chunk (logits gradient ``g`` of the rows ``h``):
+    ``grad_h = g @ weight`` and the FP32 sums over rows ``grad_w += g.T @ h`` (``cols``
+    columns a GEMM: an FP32 ``[cols, H]`` product at most), ``grad_b += g.sum(0)``, each
+    GEMM with model-precision inputs and an FP32 output (``out_dtype``); None: not wanted."""
+    if grad_h is not None:
+        grad_h.copy_(torch.mm(g, weight, out_dtype=F32))
+    if grad_w is not None:
+        for v0, v1 in even_splits(weight.shape[0], cols):
+            compat.addmm_fp32_(grad_w[v0:v1], g[:, v0:v1].t(), h)
+    if grad_b is not None:
+        grad_b += g.sum(0, dtype=F32)
+
+
 def power_of_two(scale: float) -> bool:
     """Is ``scale`` +-2**k (1 and -1 included), a factor that rounds no normal number?"""
     return math.isfinite(scale) and abs(math.frexp(scale)[0]) == 0.5
@@ -157,8 +182,7 @@ def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, bu
     vocab, dev = weight.shape[0], hidden.device
     budget_bytes = resolve_budget(budget_bytes, dev)
     reductions = reductions_of(kinds)
-    weights = [w / n if kind == "mean" else w
-               for w, (kind, _) in zip(unit_weights(final_key, kinds, whole, dev), reductions)]
+    weights = row_weights(final_key, kinds, whole, n, dev)
     sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions]
     gpu = plan == "gpu"
     gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden))
@@ -184,13 +208,8 @@ def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, bu
         g = grad_body(x, tok, lse, ent, c_lse, c_lp, c_ent, scale, scale_is_div, transforms)
         del x
         if gpu:
-            if need_hidden:
-                gh[r0:r1] = torch.mm(g, weight, out_dtype=F32)
-            if need_weight:
-                for v0, v1 in even_splits(vocab, cols):  # (an FP32 [cols, H] product at most)
-                    compat.addmm_fp32_(gw[v0:v1], g[:, v0:v1].t(), h)
-                if bias is not None:
-                    gb += g.sum(0, dtype=F32)
+            add_fp32_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
+                           gb if need_weight and bias is not None else None, cols)
         else:
             if need_hidden:
                 torch.mm(g, weight, out=gh[r0:r1])
@@ -198,8 +217,7 @@ def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, bu
                 if value is not None:
                     buf[r0:r1] = value
         del g
-    values = [(s / n if kind == "mean" else s).to(dt) for s, (kind, dt) in zip(sums, reductions)]
-    return (final_loss(final_key, values, whole), gh, gw, gb, *keep)
+    return (loss_of_sums(final_key, kinds, sums, n, whole), gh, gw, gb, *keep)
 
 
 @torch.library.custom_op("chunked_logits::lm_head_loss", mutates_args=())

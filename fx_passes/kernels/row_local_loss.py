@@ -40,15 +40,16 @@ from typing import Optional
 
 import torch
 
-from .. import compat
 from ..reporting.report import log
 from .lm_head_loss import (
+    add_fp32_grads,
     final_loss,
+    loss_of_sums,
     power_of_two,
     reductions_of,
+    row_weights,
     scale_exactly_,
     scaled_exactly,
-    unit_weights,
 )
 from .row_local_head import _full as _insert
 from .row_local_head import _logits
@@ -95,12 +96,6 @@ def _say_unsplit(key: str, why: str) -> None:
                 "computed in the backward, by both sweeps (same results, one GEMM more)", key, why)
 
 
-def _weights(final_key: str, kinds: str, final_whole, n: int, device) -> list[torch.Tensor]:
-    """d loss / d result_k[row] for a unit loss: a sum's weight, a mean's over ``n``."""
-    units = unit_weights(final_key, kinds, final_whole, device)
-    return [w / n if kind == "mean" else w for w, (kind, _) in zip(units, reductions_of(kinds))]
-
-
 @torch.library.custom_op("chunked_logits::row_local_loss", mutates_args=())
 def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                     index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -117,15 +112,15 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
     grad_h, packed, grad_w, grad_b = _gradients(h, weight, bias, width, plan, needs, torch.zeros)
     split = _split(key, rows, whole, index, h, weight, len(reductions))
     done = isinstance(split, Split) and (plan == "gpu" or row_bytes(split) == width)
-    if not done:
-        _say_unsplit(key, split if isinstance(split, str) else "another layout of its per-row values")
     if not done:  # (not expected: the rewrite split the same body) the results only
+        _say_unsplit(key, split if isinstance(split, str) else "another layout of its per-row values")
         for s, o in zip(sums, forward(key, rows, whole, budget_bytes, index, h, weight, bias, how)):
             s += o.sum(dtype=F64)
     else:
-        weights = _weights(final_key, kinds, final_whole, n, dev)
+        weights = row_weights(final_key, kinds, final_whole, n, dev)
         stats = compiled(split.stats, ("loss_stats", key, id(split)))
-        k = len(reductions)
+        k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
+        cols = max(1, min(weight.shape[0], resolve_budget(budget_bytes, dev) // (4 * weight.shape[1])))
         for a, b in even_splits(n, step(n, weight.shape[0], budget_bytes, dev)):
             x = _logits(h[a:b], weight, bias, how, False)
             cotangents = [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
@@ -135,14 +130,13 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
             for s, o in zip(sums, outs):
                 s += o.sum(dtype=F64)
             if plan == "gpu":
-                _accumulate(g, h[a:b], weight, grad_h[a:b] if needs[0] else None, grad_w, grad_b,
-                            budget_bytes)
+                add_fp32_grads(g, h[a:b], weight, grad_h[a:b] if needs[0] else None,
+                               grad_w if grad_w.numel() else None, grad_b if grad_b.numel() else None, cols)
                 continue
             if needs[0]:
                 torch.mm(g, weight, out=grad_h[a:b])
             _pack(packed[a:b], per_row)
-    values = [(s / n if kind == "mean" else s).to(dt) for s, (kind, dt) in zip(sums, reductions)]
-    loss = final_loss(final_key, values, final_whole)
+    loss = loss_of_sums(final_key, kinds, sums, n, final_whole)
     return [loss, grad_h, packed, torch.tensor(int(done), dtype=torch.int8), grad_w, grad_b]
 
 
@@ -157,21 +151,6 @@ def _gradients(h, weight, bias, width: int, plan: str, needs: list[bool], make) 
             made(True, (n, 0 if gpu else width), torch.uint8),
             made(gpu and needs[1], weight.shape, F32),
             made(gpu and bias is not None and needs[2], (weight.shape[0],), F32)]
-
-
-def _accumulate(g, h, weight, grad_h, grad_w, grad_b, budget_bytes: int) -> None:
-    """The ``"gpu"`` plan's row chunk: ``grad_hidden`` rows and the FP32 sums over rows
-    of ``grad_weight`` and the bias's gradient, each GEMM with model-precision inputs
-    and an FP32 output (``out_dtype``)."""
-    if grad_h is not None:
-        grad_h.copy_(torch.mm(g, weight, out_dtype=F32))
-    if grad_w.numel():
-        vocab, width = weight.shape
-        cols = max(1, min(vocab, resolve_budget(budget_bytes, h.device) // (4 * width)))
-        for v0, v1 in even_splits(vocab, cols):  # (an FP32 [cols, H] product at most)
-            compat.addmm_fp32_(grad_w[v0:v1], g[:, v0:v1].t(), h)
-    if grad_b.numel():
-        grad_b += g.sum(0, dtype=F32)
 
 
 @_row_local_loss.register_fake
@@ -202,7 +181,7 @@ def _row_local_loss_backward(g: torch.Tensor, key: str, rows: list[torch.Tensor]
             heads[0] = heads[0].view(hidden.shape)
         return heads
     reductions = reductions_of(kinds)
-    weights = _weights(final_key, kinds, whole[len(whole) - n_final:], n, dev)
+    weights = row_weights(final_key, kinds, whole[len(whole) - n_final:], n, dev)
     split = _split(key, rows, whole, index, h, weight, len(reductions)) if int(done) else None
     if isinstance(split, Split):
         heads = _from_the_forward(split, key, rows, whole, weights, reductions, grad_hidden, packed, scale,

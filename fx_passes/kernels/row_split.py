@@ -236,8 +236,7 @@ def spec_of(v: Any, shape: Optional[tuple[Any, ...]] = None) -> tuple[torch.dtyp
 
 
 def _spec(ts: list[torch.Tensor], skip: int) -> tuple:
-    return tuple((t.dtype, (0,) * min(skip, t.dim()) + tuple(int(s) for s in t.shape[skip:]), str(t.device))
-                 for t in ts)
+    return tuple(spec_of(t, (0,) * min(skip, t.dim()) + tuple(t.shape[skip:])) for t in ts)
 
 
 def split_of(key: str, wanted: list[int], outputs: list[int], index: int, rows: list[torch.Tensor],

@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
-from ..fx.graph_ops import is_scalar, meta, requires_grad, scalar_tensor
+from ..fx.graph_ops import is_scalar, keep_meta, meta, requires_grad, scalar_tensor
 from ..fx.placement import check_placement
 from ..kernels import graph_bodies
 from ..kernels.lm_head import lm_head_row_stats
@@ -47,7 +47,6 @@ from .logits import Emitter
 
 __all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS"]
 
-_KEPT_META = ("example_value", "val", "stack_trace")
 # model-precision-input GEMMs of one step, in units of [T, H] x [H, V], per plan (unit incoming gradient)
 GEMMS = {"gpu": 3, "two_sweeps": 4}
 
@@ -66,11 +65,14 @@ def _plan(tail: LossTail) -> str:
     return plan
 
 
-def _check(graph: Graph, tail: LossTail) -> None:
-    hidden, weight, bias = tail.stats.args[:3]
-    operands = [o for o in (hidden, weight, bias) if isinstance(o, Node)]
+def _check(graph: Graph, tail: LossTail, head: list, saved: list) -> None:
+    """The call may run at the loss: the lm_head's operands ``head`` (hidden, weight,
+    bias) and ``saved``, the other tensors it saves for its backward, unchanged in place
+    until then, one grad mode."""
+    operands = [o for o in head if isinstance(o, Node)]
     detach = check_placement(graph, tail.nodes, tail.loss, [tail.loss],
-                             [*operands, *tail.row_operands, *tail.whole], tail.loss, operands)
+                             [*operands, *tail.row_operands, *tail.whole], tail.loss,
+                             [*operands, *(o for o in saved if isinstance(o, Node))])
     if detach:
         raise NoTail("its nodes run under different grad modes")
 
@@ -197,7 +199,7 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
     try:
         tail = match_loss_tail(graph, stats)
         plan = _plan(tail)
-        _check(graph, tail)
+        _check(graph, tail, list(stats.args[:3]), [])
         tail_key, final_key = _bodies(tail)  # (before the graph changes: it may still say no)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
@@ -256,11 +258,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
         tail = match_tail(graph, call, range(n_out))
         if not same(meta(next(iter(tail.items))).numel(), math.prod(meta(hidden).shape[:-1])):
             raise NoTail("its results are not one value per row of the logits")
-        operands = [o for o in (hidden, weight, bias) if isinstance(o, Node)]
-        saved = [*operands, *(o for o in inputs if isinstance(o, Node))]  # (the call saves its inputs)
-        if check_placement(graph, tail.nodes, tail.loss, [tail.loss],
-                           [*operands, *tail.row_operands, *tail.whole], tail.loss, saved):
-            raise NoTail("its nodes run under different grad modes")
+        _check(graph, tail, [hidden, weight, bias], inputs)  # (the call saves its inputs too)
         joined = graph_bodies.register(_joined(body, n, tail))
         split = split_of_spec(joined, (index,), tuple(range(len(tail.reductions))), index,
                               rows + tuple(spec_of(meta(o), (0,)) for o in tail.row_operands),
@@ -281,7 +279,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
                                                     bias, final, _kinds(tail), len(scalars),
                                                     row_bytes(split), plan, *inputs[:n - 1], *flat,
                                                     *inputs[n - 1:], *scalars))
-    loss.meta.update({k: v for k, v in tail.loss.meta.items() if k in _KEPT_META})
+    keep_meta(loss, tail.loss)
     tail.loss.replace_all_uses_with(loss)
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(tail.nodes, key=order.__getitem__, reverse=True):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
-from ..fx.graph_ops import is_scalar, meta, requires_grad, scalar_tensor, tensor_input
+from ..fx.graph_ops import is_scalar, keep_meta, meta, requires_grad, scalar_tensor, tensor_input
 from ..fx.placement import check_placement, states
 from ..kernels import graph_bodies
 from ..kernels.registry import REPLAYING_BODIES
@@ -60,7 +60,6 @@ from .saved import saved_for_backward
 
 __all__ = ["rewrite_row_region", "build_body", "plan_row_region"]
 
-_KEPT_META = ("example_value", "val", "stack_trace")
 
 
 def _per_row_loss(g: Graph, n: Node, env: dict) -> Node:
@@ -284,7 +283,19 @@ def _spec(value: Any, shape: tuple[Any, ...] | None = None) -> tuple[torch.dtype
     return spec_of(meta(_node(value)) if isinstance(_node(value), Node) else value, shape)
 
 
-def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config) -> str:
+def _call_specs(region: RowRegion) -> tuple[tuple, tuple]:
+    """The ``(dtype, shape, device)`` of the region's row inputs and inputs read whole as
+    ``row_split`` reads them when the call runs (a row input's count of rows 0)."""
+    return (tuple(_spec(r, (0, *_row_shape(r)[1:])) for r in region.rows),
+            tuple(_spec(w) for w in region.whole))
+
+
+def _others(region: RowRegion, head: _Head) -> tuple[int, ...]:
+    """The row inputs besides the lm_head's logits that need a gradient."""
+    return tuple(i for i, r in enumerate(region.rows) if i != head.index and requires_grad(_node(r)))
+
+
+def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config, specs: tuple) -> str:
     """"" when the call may run the lm_head chunk by chunk (``row_local_sweeps``: the
     body's gradient splits into per-row values and a pointwise function), else why the
     logits stay whole."""
@@ -294,10 +305,7 @@ def _whole_logits(region: RowRegion, head: _Head, key: str, config: Config) -> s
         return ""  # (scoring: no backward to split; _plan_head took [N, V] rows only)
     if len(_row_shape(region.rows[head.index])) != 2:
         return "the body reads them as more than [N, V] rows"
-    others = (i for i, r in enumerate(region.rows) if i != head.index and requires_grad(_node(r)))
-    wanted = (head.index, *others)
-    split = split_of_spec(key, wanted, None, head.index, tuple(_spec(r, _row_shape(r)) for r in region.rows),
-                          tuple(_spec(w) for w in region.whole))
+    split = split_of_spec(key, (head.index, *_others(region, head)), None, head.index, *specs)
     return "" if isinstance(split, Split) else f"the body's gradient needs whole rows: {split}"
 
 
@@ -329,16 +337,14 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     head, why = _plan_head(graph, region, anchor, config)
     body = build_body(region)
     key = graph_bodies.register(body)
-    whole_why = _whole_logits(region, head, key, config) if head is not None else ""
+    specs = _call_specs(region) if head is not None else ((), ())
+    whole_why = _whole_logits(region, head, key, config, specs) if head is not None else ""
     sweeps = head is not None and not whole_why
     saving, masks, normalizers = _saving_key(body, region, config) if not sweeps else (None, 0, 0)
     inside = set(region.nodes)
     if head is not None:
         detach = head.detach
-    specs = (tuple(_spec(r, (0, *_row_shape(r)[1:])) for r in region.rows),  # (as the call sees them)
-             tuple(_spec(w) for w in region.whole))
-    alone = head is not None and not any(requires_grad(_node(r)) for i, r in enumerate(region.rows)
-                                         if i != head.index)
+    alone = head is not None and not _others(region, head)
     before = set(graph.nodes)
     with graph.inserting_before(anchor):
         call = _call(graph, region, head, key, saving, config, sweeps)
@@ -348,7 +354,7 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
                 value = _reduce_outside(graph, o, value, region)
             if o in detach:  # (a terminal loss too: computed without grad, it needs none)
                 value = graph.call_method("detach", (value,))
-            value.meta.update({k: v for k, v in o.meta.items() if k in _KEPT_META})
+            keep_meta(value, o)
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
     for n in reversed(region.nodes):
         graph.erase_node(n)
