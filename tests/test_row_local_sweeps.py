@@ -181,6 +181,21 @@ def test_a_retained_graphs_second_backward_equals_the_first():
     assert_retained_backward_repeats(loss, h, w)
 
 
+def test_the_backward_finds_the_split_the_rewrite_traced():
+    """The rewrite traces the split for the floating-point results, the backward looks it
+    up with their indices: the same split, traced once (no trace during the backward)."""
+    fn, inputs, grad_pos = _case("forward_kl")
+    torch._dynamo.reset()
+    row_split._traced_split.cache_clear()
+    h, w, teacher = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_(), inputs[2]
+    loss = torch.compile(fn, backend="chunked_logits", options=BACKWARD_SWEEPS)(h, w, teacher)
+    assert chunked_counters().get("row_local_lm_head") == 1
+    traced = row_split._traced_split.cache_info()
+    loss.backward()
+    after = row_split._traced_split.cache_info()
+    assert traced.misses >= 1 and after.misses == traced.misses and after.hits > traced.hits, (traced, after)
+
+
 @pytest.mark.parametrize("name", ["forward_kl", "kl_div_linear"])
 def test_five_gemms_with_model_precision_inputs(name):
     """GEMM audit, recorded by the profiler: the forward's row chunks (one GEMM's worth),

@@ -26,8 +26,8 @@ from . import graph_bodies
 from .registry import REPLAYING_BODIES
 from .tiling import resolve_budget
 
-__all__ = ["row_local", "run_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows", "setup_outputs",
-           "grads_of_outputs", "fake_results"]
+__all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows",
+           "setup_outputs", "grads_of_outputs", "fake_results"]
 
 # Working set of a chunk per element of its widest row input: what a top-p region's
 # compiled body keeps at once (a sort's FP32 values and int64 indices, the cumsum, the
@@ -67,11 +67,17 @@ def run_chunks(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
     list of parts to concatenate).  (``key`` may name a saving body: what it saves for the
     backward (packed masks, normalisers: ``rewrite/saved.py``) are results past the
     region's own.)"""
-    body = graph_bodies.body(key, COUNTER)
-    step, n = chunk_rows(rows, budget_bytes), rows[0].shape[0]
+    n = rows[0].shape[0]
+    return fill_chunks(graph_bodies.body(key, COUNTER), _spans(n, chunk_rows(rows, budget_bytes)), n,
+                       lambda a, b: (*(r[a:b] for r in rows), *whole))
+
+
+def fill_chunks(body, spans, n: int, inputs) -> list[torch.Tensor]:
+    """``body(*inputs(a, b))`` for each span ``(a, b)`` of ``n`` rows, its results written
+    into rows ``a:b`` of tensors made at the first span."""
     out: list[Optional[torch.Tensor]] = []
-    for a, b in _spans(n, step):
-        got = list(body(*(r[a:b] for r in rows), *whole))
+    for a, b in spans:
+        got = list(body(*inputs(a, b)))
         out = out or [None] * len(got)
         _fill(out, got, a, b, n)
     return [o for o in out if o is not None]

@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from .chunk_gemm import logits
 from .registry import REPLAYING_BODIES
 from .row_local import backward_chunks, fake_results, grads_of_outputs, row_local, run_chunks, setup_outputs
 
@@ -35,7 +35,7 @@ __all__ = ["row_local_head"]
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], how: str,
             flatten: bool) -> torch.Tensor:
-    x = F.linear(hidden, weight, bias) if how == "linear" else torch.matmul(hidden, weight.t())
+    x = logits(hidden, weight, bias, how)
     return x.flatten(0, -2) if flatten else x
 
 

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from ..reporting.report import log
+from .chunk_gemm import row_chunk_logits
 from .lm_head_loss import (
     add_fp32_grads,
     final_loss,
@@ -52,7 +53,6 @@ from .lm_head_loss import (
     scaled_exactly,
 )
 from .row_local_head import _full as _insert
-from .row_local_head import _logits
 from .row_local_sweeps import _row_local_sweeps_backward, block_sweep, compiled, flat, forward, step
 from .row_split import Split, split_of
 from .tiling import even_splits, resolve_budget
@@ -121,8 +121,12 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
         stats = compiled(split.stats, ("loss_stats", key, id(split)))
         k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
         cols = max(1, min(weight.shape[0], resolve_budget(budget_bytes, dev) // (4 * weight.shape[1])))
-        for a, b in even_splits(n, step(n, weight.shape[0], budget_bytes, dev)):
-            x = _logits(h[a:b], weight, bias, how, False)
+        spans = even_splits(n, step(n, weight.shape[0], budget_bytes, dev))
+        # (reordered once for the loop where grad_weight, made after it, takes as much)
+        chunk_logits = row_chunk_logits(weight, bias, how, spans[0][1] if spans else 1, len(spans),
+                                        plan != "gpu" and needs[1])
+        for a, b in spans:
+            x = chunk_logits(h[a:b])
             cotangents = [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
             got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *cotangents)
             del x

@@ -32,8 +32,17 @@ import torch
 
 from ..reporting.report import log
 from . import graph_bodies
+from .chunk_gemm import row_chunk_logits
 from .compiler import compile_body
-from .row_local import COUNTER, _fill, backward_chunks, fake_results, grads_of_outputs, setup_outputs
+from .row_local import (
+    COUNTER,
+    _fill,
+    backward_chunks,
+    fake_results,
+    fill_chunks,
+    grads_of_outputs,
+    setup_outputs,
+)
 from .row_local_head import _full as _insert
 from .row_local_head import _logits
 from .row_split import COLUMNS, Split, split_of
@@ -68,15 +77,10 @@ def forward(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budge
             h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             how: str) -> list[torch.Tensor]:
     """The body's results over row chunks of the logits of ``h`` (``[N, H]``)."""
-    body = graph_bodies.body(key, COUNTER)
     n = h.shape[0]
-    out: list[Optional[torch.Tensor]] = []
-    for a, b in even_splits(n, step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]:
-        x = _logits(h[a:b], weight, bias, how, False)
-        got = list(body(*_insert([r[a:b] for r in rows], index, x), *whole))
-        out = out or [None] * len(got)
-        _fill(out, got, a, b, n)
-    return [o for o in out if o is not None]
+    spans = even_splits(n, step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]
+    return fill_chunks(graph_bodies.body(key, COUNTER), spans, n, lambda a, b: (
+        *_insert([r[a:b] for r in rows], index, _logits(h[a:b], weight, bias, how, False)), *whole))
 
 
 @_row_local_sweeps.register_fake
@@ -107,8 +111,11 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
     stats = compiled(split.stats, ("sweep_stats", key, id(split)))  # (a split per body, dtypes, wanted)
     grad_h = torch.empty_like(h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
-    for a, b in even_splits(n, step(n, vocab, budget_bytes, h.device)):
-        x = _logits(h[a:b], weight, bias, how, False)
+    spans = even_splits(n, step(n, vocab, budget_bytes, h.device))
+    # (reordered once for the sweep where grad_weight, made after it, takes as much)
+    chunk_logits = row_chunk_logits(weight, bias, how, spans[0][1] if spans else 1, len(spans), needs[1])
+    for a, b in spans:
+        x = chunk_logits(h[a:b])
         got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *(g[a:b] for g in grads))
         del x
         g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
@@ -117,6 +124,7 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
         for o, got_o in zip(out, others):
             o[a:b] = got_o
         _fill(values, per_row, a, b, n)
+    del chunk_logits  # (the reordered weight, before grad_weight is made)
     return (grad_h, *block_sweep(split, key, rows, whole, grads, values, budget_bytes, index, h, weight, bias,
                                  how, needs))
 

@@ -165,13 +165,25 @@ def _examples(rows: list, whole: list) -> tuple[list[torch.Tensor], list[torch.T
     return made, [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape, device in whole]
 
 
-@functools.lru_cache(None)
 def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int, ...]], index: int,
                   rows: tuple, whole: tuple, with_outputs: bool = False) -> Union[Split, str]:
     """:func:`split_of` from the inputs' ``(dtype, shape, device)`` (a row input's first
-    size unused): what the rewrite knows.  ``outputs`` None: the floating-point results;
+    size unused): what the rewrite knows.  ``outputs`` None: the floating-point results
+    (the ones the call's backward receives, so that it finds this split cached);
     ``with_outputs``: the stats graph returns them too, after the gradients (a loss's
     forward, :mod:`fx_passes.kernels.row_local_loss`)."""
+    if any(_ROWS in shape[1:] for _, shape, _ in rows) or any(_ROWS in shape for _, shape, _ in whole):
+        return f"an input has a dimension of {_ROWS}, the traced rows"
+    if outputs is None:
+        ex_rows, ex_whole = _examples(list(rows), list(whole))
+        results = graph_bodies.function(key)(*ex_rows, *ex_whole)
+        outputs = tuple(i for i, o in enumerate(results) if o.is_floating_point())
+    return _traced_split(key, wanted, outputs, index, rows, whole, with_outputs)
+
+
+@functools.lru_cache(None)
+def _traced_split(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...], index: int, rows: tuple,
+                  whole: tuple, with_outputs: bool) -> Union[Split, str]:
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -179,11 +191,7 @@ def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int
 
     fn = graph_bodies.function(key)
     ex_rows, ex_whole = _examples(list(rows), list(whole))
-    if any(_ROWS in shape[1:] for _, shape, _ in rows) or any(_ROWS in shape for _, shape, _ in whole):
-        return f"an input has a dimension of {_ROWS}, the traced rows"
     results = fn(*ex_rows, *ex_whole)
-    if outputs is None:
-        outputs = tuple(i for i, o in enumerate(results) if o.is_floating_point())
     grads = [torch.zeros_like(results[i]) for i in outputs]
     n = len(ex_rows) + len(ex_whole)
     try:  # (outside the caller's compile: its fake mode and shape guards are not this trace's, nor

@@ -1,0 +1,54 @@
+"""The logits of row chunks against one weight: ``hidden[a:b] @ weight.T (+ bias)``,
+chunk after chunk.
+
+On a CPU, oneDNN reorders a GEMM's weight into its blocked layout on every call, so a
+loop of row chunks of a ``[V, H]`` lm_head weight reorders the whole weight once a
+chunk: WD's forward (32 chunks of 128 rows) took about 1.4x the time of its logits as one
+GEMM (``benchmarks/gemm_floor.py``).  :func:`row_chunk_logits` reorders it once a loop
+(``torch.ops.mkldnn._reorder_linear_weight``, the layout Inductor's freezing gives a
+linear's weight, for the loop's chunk rows) and runs each chunk as
+``mkldnn._linear_pointwise``: the same GEMM with the same FP32 sums, its results equal to
+``F.linear``'s at the rows it was reordered for (tests/test_chunk_gemm.py).  The reordered
+copy (``2 V H`` bytes in bf16) lives for the loop only; callers take it where the step
+holds a ``[V, H]`` tensor later anyway (the weight's gradient, made after the loop), so
+the step's peak does not grow.
+
+Elsewhere (a GPU, another dtype, a CPU without oneDNN's bf16 kernels, fewer than
+``MIN_CHUNKS`` chunks) each chunk is the graph's own op (``F.linear`` or
+``hidden @ weight.T``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["row_chunk_logits", "logits", "MIN_CHUNKS", "reorders"]
+
+MIN_CHUNKS = 4  # (the reorder costs about one chunk's GEMM: WD 0.04 s against 0.03 s a chunk)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           how: str) -> torch.Tensor:
+    """The lm_head's op as the graph had it: ``F.linear`` or ``hidden @ weight.T``."""
+    return F.linear(hidden, weight, bias) if how == "linear" else torch.matmul(hidden, weight.t())
+
+
+def reorders(weight: torch.Tensor, bias: Optional[torch.Tensor], chunks: int) -> bool:
+    """Whether a loop of ``chunks`` row chunks against ``weight`` reorders it once."""
+    return (chunks >= MIN_CHUNKS and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1))
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def row_chunk_logits(weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, rows: int, chunks: int,
+                     allowed: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f(hidden[a:b])`` -> that chunk's logits, for a loop of ``chunks`` chunks of about
+    ``rows`` rows; ``allowed`` False (the step holds no ``[V, H]`` tensor later): the op."""
+    if not (allowed and reorders(weight, bias, chunks)):
+        return lambda h: logits(h, weight, bias, how)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return lambda h: torch.ops.mkldnn._linear_pointwise(h, packed, bias, "none", [], "")
