@@ -89,3 +89,17 @@ def test_a_frozen_weight_is_not_reordered():
     fn, inputs, _ = sweeps.case("forward_kl")
     count, _ = _events(fn, inputs, (0,), **SMALL)
     assert count == {REORDER: 0, CHUNK_GEMM: 0}, count
+
+
+def test_a_reorder_that_raises_runs_the_op_and_says_so(monkeypatch, caplog):
+    from fx_passes.kernels import chunk_gemm
+
+    def refuse(*args):
+        raise RuntimeError("no reorder here")
+
+    monkeypatch.setattr(chunk_gemm, "reorders", lambda *args: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    h, w = torch.randn(8, 16).to(BF16), torch.randn(32, 16).to(BF16)
+    got = chunk_gemm.row_chunk_logits(w, None, "matmul", 2, 4)(h)
+    assert torch.equal(got, h @ w.t())
+    assert "could not be reordered" in caplog.text and "no reorder here" in caplog.text

@@ -15,17 +15,22 @@ stands beside the loop's working set where the gradient later stands beside the
 backward's: WD's peak went from 95 to 112 MiB (its limit 136), its forward's logits from
 about 1.0 s to 0.7 s here.
 
-Elsewhere (a GPU, another dtype, a CPU without oneDNN's bf16 kernels, fewer than
-``MIN_CHUNKS`` chunks) each chunk is the graph's own op (``F.linear`` or
-``hidden @ weight.T``).
+Elsewhere (a GPU, another dtype, a CPU other than x86-64 or without oneDNN's bf16
+kernels, fewer than ``MIN_CHUNKS`` chunks) each chunk is the graph's own op
+(``F.linear`` or ``hidden @ weight.T``), and so where the reorder raises (said once in
+the log).
 """
 
 from __future__ import annotations
 
+import functools
+import platform
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from ..reporting.report import log
 
 __all__ = ["row_chunk_logits", "logits", "MIN_CHUNKS", "reorders"]
 
@@ -42,8 +47,20 @@ def reorders(weight: torch.Tensor, bias: Optional[torch.Tensor], chunks: int) ->
     """Whether a loop of ``chunks`` row chunks against ``weight`` reorders it once."""
     return (chunks >= MIN_CHUNKS and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and weight.dim() == 2 and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1))
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1)) and _onednn_bf16())
+
+
+@functools.lru_cache(None)
+def _onednn_bf16() -> bool:
+    """oneDNN with bf16 kernels on an x86-64 CPU (where the reorder is tested)."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.lru_cache(None)
+def _say_not_reordered(why: str) -> None:
+    log.warning("chunked_logits: the lm_head weight could not be reordered for its chunk loop (%s): each "
+                "chunk runs the graph's op (same results)", why)
 
 
 def row_chunk_logits(weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, rows: int, chunks: int,
@@ -52,5 +69,9 @@ def row_chunk_logits(weight: torch.Tensor, bias: Optional[torch.Tensor], how: st
     ``rows`` rows; ``allowed`` False (the step holds no ``[V, H]`` tensor later): the op."""
     if not (allowed and reorders(weight, bias, chunks)):
         return lambda h: logits(h, weight, bias, how)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    except Exception as e:  # noqa: BLE001 - a oneDNN that cannot: the op, as without it
+        _say_not_reordered(f"{type(e).__name__}: {e}")
+        return lambda h: logits(h, weight, bias, how)
     return lambda h: torch.ops.mkldnn._linear_pointwise(h, packed, bias, "none", [], "")
