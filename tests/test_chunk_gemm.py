@@ -18,7 +18,7 @@ from tests import sweep_cases as sweeps
 from tests.numerics import run
 
 BF16 = torch.bfloat16
-SMALL = {"chunk_budget_mib": 0.0625}  # (8-row chunks of the suite's V 1024: T 64 in 8 chunks)
+SMALL = {"chunk_budget_mib": 0.03125}  # (4-row chunks of the suite's V 1024: T 64 in 16 chunks)
 REORDER, CHUNK_GEMM = "mkldnn::_reorder_linear_weight", "mkldnn::_linear_pointwise"
 
 
@@ -31,10 +31,10 @@ needs_onednn = pytest.mark.skipif(not _onednn_bf16(), reason="no oneDNN bf16 ker
 
 @needs_onednn
 @pytest.mark.parametrize("how,with_bias", [("linear", False), ("linear", True), ("matmul", False)])
-@pytest.mark.parametrize("n,hidden,vocab,rows", [(512, 64, 1000, 128), (300, 1024, 4096, 75),
-                                                 (1024, 96, 999, 64), (501, 64, 1000, 128)])
+@pytest.mark.parametrize("n,hidden,vocab,rows", [(512, 64, 1000, 32), (2048, 1024, 4096, 128),
+                                                 (1024, 96, 999, 64), (2017, 64, 1000, 126)])
 def test_each_chunk_equals_the_op(how, with_bias, n, hidden, vocab, rows):
-    """(Chunks of one size, and of two: 126 and 125 rows.)"""
+    """(Chunks of one size, and of two: 2017 rows in 17 chunks of 118 and 119.)"""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, hidden, generator=g).to(BF16)
     w = (torch.randn(vocab, hidden, generator=g) / hidden ** 0.5).to(BF16)
@@ -48,12 +48,12 @@ def test_each_chunk_equals_the_op(how, with_bias, n, hidden, vocab, rows):
 
 def test_where_it_does_not_reorder():
     w = torch.empty(16, 8, dtype=BF16)
-    assert not reorders(w.float(), None, 8) and not reorders(w.half(), None, 8)
+    assert not reorders(w.float(), None, MIN_CHUNKS) and not reorders(w.half(), None, MIN_CHUNKS)
     assert not reorders(w, None, MIN_CHUNKS - 1)
-    assert not reorders(w.t(), None, 8)  # (a transposed weight: not the layout it reorders)
+    assert not reorders(w.t(), None, MIN_CHUNKS)  # (a transposed weight: not the layout it reorders)
     h = torch.randn(4, 8).to(BF16)
     w = torch.randn(16, 8).to(BF16)
-    for allowed, chunks in ((False, 8), (True, 1)):
+    for allowed, chunks in ((False, MIN_CHUNKS), (True, 1)):
         got = row_chunk_logits(w, None, "matmul", 4, chunks, allowed)(h)
         assert torch.equal(got, h @ w.t())
 
@@ -72,8 +72,8 @@ def _events(fn, inputs, grad_pos, **options) -> tuple[dict, list]:
 
 @needs_onednn
 @pytest.mark.parametrize("name,options,calls", [
-    ("forward_kl", {}, 8),  # the loss's forward: 8 chunks
-    ("forward_kl", {"gradients_in_forward": False}, 8),  # the five-GEMM call's row sweep
+    ("forward_kl", {}, 16),  # the loss's forward: 16 chunks
+    ("forward_kl", {"gradients_in_forward": False}, 16),  # the five-GEMM call's row sweep
 ])
 def test_a_loop_reorders_the_weight_once_and_stays_accurate(name, options, calls):
     fn, inputs, grad_pos = sweeps.case(name)
@@ -100,6 +100,6 @@ def test_a_reorder_that_raises_runs_the_op_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(chunk_gemm, "reorders", lambda *args: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     h, w = torch.randn(8, 16).to(BF16), torch.randn(32, 16).to(BF16)
-    got = chunk_gemm.row_chunk_logits(w, None, "matmul", 2, 4)(h)
+    got = chunk_gemm.row_chunk_logits(w, None, "matmul", 2, MIN_CHUNKS)(h)
     assert torch.equal(got, h @ w.t())
     assert "could not be reordered" in caplog.text and "no reorder here" in caplog.text

@@ -1,19 +1,20 @@
 """The logits of row chunks against one weight: ``hidden[a:b] @ weight.T (+ bias)``,
 chunk after chunk.
 
-On a CPU, oneDNN reorders a GEMM's weight into its blocked layout on every call, so a
-loop of row chunks of a ``[V, H]`` lm_head weight reorders the whole weight once a
-chunk: WD's forward (32 chunks of 128 rows) took about 1.4x the time of its logits as one
-GEMM (``benchmarks/gemm_floor.py``).  :func:`row_chunk_logits` reorders it once a loop
-(``torch.ops.mkldnn._reorder_linear_weight``, the layout Inductor's freezing gives a
-linear's weight, for the loop's chunk rows) and runs each chunk as
+On a CPU, oneDNN packs a GEMM's weight into its blocked layout inside every call, so a
+loop of row chunks against a ``[V, H]`` lm_head weight packs the whole weight again for
+each chunk: WD's forward logits (32 chunks of 128 rows) took 0.54 s against 0.44 s for
+one whole GEMM in a run of ``benchmarks/gemm_floor.py``.  :func:`row_chunk_logits`
+reorders it once a loop (``torch.ops.mkldnn._reorder_linear_weight``, the layout
+Inductor's freezing gives a linear's weight, for the loop's chunk rows) and runs each
+chunk as
 ``mkldnn._linear_pointwise``: the same GEMM with the same FP32 sums, its results equal to
 ``F.linear``'s at the rows it was reordered for (tests/test_chunk_gemm.py).  The reordered
 copy (``2 V H`` bytes in bf16) lives for the loop only; callers take it where the step
 makes a ``[V, H]`` tensor after the loop anyway (the weight's gradient), so the copy
 stands beside the loop's working set where the gradient later stands beside the
 backward's: WD's peak went from 95 to 112 MiB (its limit 136), its forward's logits from
-about 1.0 s to 0.7 s here.
+0.54 s to 0.40 s in one run of ``benchmarks/gemm_floor.py``.
 
 Elsewhere (a GPU, another dtype, a CPU other than x86-64 or without oneDNN's bf16
 kernels, fewer than ``MIN_CHUNKS`` chunks) each chunk is the graph's own op
@@ -34,7 +35,9 @@ from ..reporting.report import log
 
 __all__ = ["row_chunk_logits", "logits", "MIN_CHUNKS", "reorders"]
 
-MIN_CHUNKS = 4  # (the reorder costs about one chunk's GEMM: WD 0.04 s against 0.03 s a chunk)
+# (the reorder: 60 ms at WD's size in profile_step.py; the packing inside every call it
+# saves: 0.14 s over 32 chunks in gemm_floor.py, 4 ms a chunk: even at about 14 chunks)
+MIN_CHUNKS = 16
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
