@@ -65,7 +65,7 @@ def families(T: int, H: int, V: int, budget: int, rows: int = 0, cols: int = 0) 
         finally:
             torch.backends.mkldnn.matmul.fp32_precision = old
 
-    reordered = row_chunk_logits(w, None, "matmul", rows, len(row_chunks))  # (as the kernel: once a loop)
+    reordered = row_chunk_logits(w, None, "matmul", row_chunks)  # (as the kernel: once a loop)
     chunk_logits = lambda: [reordered(h[a:b]) for a, b in row_chunks]  # noqa: E731
     chunk_grad_h = lambda: [torch.mm(g[a:b], w, out=grad_h[a:b]) for a, b in row_chunks]  # noqa: E731
     out = {

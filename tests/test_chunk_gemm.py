@@ -41,7 +41,7 @@ def test_each_chunk_equals_the_op(how, with_bias, n, hidden, vocab, rows):
     b = (torch.randn(vocab, generator=g) / 4).to(BF16) if with_bias else None
     spans = even_splits(n, rows)
     assert len(spans) >= MIN_CHUNKS
-    chunk = row_chunk_logits(w, b, how, spans[0][1], len(spans))
+    chunk = row_chunk_logits(w, b, how, spans)
     for a, c in spans:
         assert torch.equal(chunk(h[a:c]), logits(h[a:c], w, b, how)), (a, c)
 
@@ -54,7 +54,7 @@ def test_where_it_does_not_reorder():
     h = torch.randn(4, 8).to(BF16)
     w = torch.randn(16, 8).to(BF16)
     for allowed, chunks in ((False, MIN_CHUNKS), (True, 1)):
-        got = row_chunk_logits(w, None, "matmul", 4, chunks, allowed)(h)
+        got = row_chunk_logits(w, None, "matmul", [(0, 4)] * chunks, allowed)(h)
         assert torch.equal(got, h @ w.t())
 
 
@@ -100,6 +100,6 @@ def test_a_reorder_that_raises_runs_the_op_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(chunk_gemm, "reorders", lambda *args: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     h, w = torch.randn(8, 16).to(BF16), torch.randn(32, 16).to(BF16)
-    got = chunk_gemm.row_chunk_logits(w, None, "matmul", 2, MIN_CHUNKS)(h)
+    got = chunk_gemm.row_chunk_logits(w, None, "matmul", [(0, 2)] * MIN_CHUNKS)(h)
     assert torch.equal(got, h @ w.t())
     assert "could not be reordered" in caplog.text and "no reorder here" in caplog.text

@@ -7,9 +7,8 @@ each chunk: WD's forward logits (32 chunks of 128 rows) took 0.54 s against 0.44
 one whole GEMM in a run of ``benchmarks/gemm_floor.py``.  :func:`row_chunk_logits`
 reorders it once a loop (``torch.ops.mkldnn._reorder_linear_weight``, the layout
 Inductor's freezing gives a linear's weight, for the loop's chunk rows) and runs each
-chunk as
-``mkldnn._linear_pointwise``: the same GEMM with the same FP32 sums, its results equal to
-``F.linear``'s at the rows it was reordered for (tests/test_chunk_gemm.py).  The reordered
+chunk as ``mkldnn._linear_pointwise``: the same GEMM with the same FP32 sums, its results
+equal to ``F.linear``'s at the rows it was reordered for (tests/test_chunk_gemm.py).  The reordered
 copy (``2 V H`` bytes in bf16) lives for the loop only; callers take it where the step
 makes a ``[V, H]`` tensor after the loop anyway (the weight's gradient), so the copy
 stands beside the loop's working set where the gradient later stands beside the
@@ -66,14 +65,15 @@ def _say_not_reordered(why: str) -> None:
                 "chunk runs the graph's op (same results)", why)
 
 
-def row_chunk_logits(weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, rows: int, chunks: int,
+def row_chunk_logits(weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, spans: list,
                      allowed: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``f(hidden[a:b])`` -> that chunk's logits, for a loop of ``chunks`` chunks of about
-    ``rows`` rows; ``allowed`` False (the step holds no ``[V, H]`` tensor later): the op."""
-    if not (allowed and reorders(weight, bias, chunks)):
+    """``f(hidden[a:b])`` -> that chunk's logits, for a loop over the row ``spans``
+    (reordered for the first one's rows); ``allowed`` False (the step holds no ``[V, H]``
+    tensor later): the op."""
+    if not (allowed and reorders(weight, bias, len(spans))):
         return lambda h: logits(h, weight, bias, how)
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, spans[0][1] - spans[0][0])
     except Exception as e:  # noqa: BLE001 - a oneDNN that cannot: the op, as without it
         _say_not_reordered(f"{type(e).__name__}: {e}")
         return lambda h: logits(h, weight, bias, how)

@@ -123,8 +123,7 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
         cols = max(1, min(weight.shape[0], resolve_budget(budget_bytes, dev) // (4 * weight.shape[1])))
         spans = even_splits(n, step(n, weight.shape[0], budget_bytes, dev))
         # (reordered once for the loop where grad_weight, made after it, takes as much)
-        chunk_logits = row_chunk_logits(weight, bias, how, spans[0][1] if spans else 1, len(spans),
-                                        plan != "gpu" and needs[1])
+        chunk_logits = row_chunk_logits(weight, bias, how, spans, plan != "gpu" and needs[1])
         for a, b in spans:
             x = chunk_logits(h[a:b])
             cotangents = [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]

@@ -113,7 +113,7 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
     values: list[Optional[torch.Tensor]] = [None] * split.values
     spans = even_splits(n, step(n, vocab, budget_bytes, h.device))
     # (reordered once for the sweep where grad_weight, made after it, takes as much)
-    chunk_logits = row_chunk_logits(weight, bias, how, spans[0][1] if spans else 1, len(spans), needs[1])
+    chunk_logits = row_chunk_logits(weight, bias, how, spans, needs[1])
     for a, b in spans:
         x = chunk_logits(h[a:b])
         got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *(g[a:b] for g in grads))
