@@ -22,7 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.cases import MODES, make_case, make_inputs, sizes  # noqa: E402
 from fx_passes.testing.workloads import ALL_WORKLOADS  # noqa: E402
 
-GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+         "mkldnn::_linear_pointwise")  # (the last: a chunk GEMM on a reordered weight, kernels/chunk_gemm.py)
 
 
 def profile_mode(case, warmup: int, rows: int) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from fx_passes.kernels.chunk_gemm import MIN_CHUNKS, logits, reorders, row_chunk_logits
 from fx_passes.kernels.tiling import even_splits
+from fx_passes.testing.gemms import full_gemms, recording
 from tests import row_local_cases as rl
 from tests import sweep_cases as sweeps
 from tests.numerics import run
@@ -79,6 +80,10 @@ def test_a_loop_reorders_the_weight_once_and_stays_accurate(name, options, calls
     fn, inputs, grad_pos = sweeps.case(name)
     count, ours = _events(fn, inputs, grad_pos, **SMALL, **options)
     assert count == {REORDER: 1, CHUNK_GEMM: calls}, count
+    with recording() as gemms:  # (the GEMM recorder counts the reordered chunks: the forward's logits)
+        run(torch.compile(fn, backend="chunked_logits", options={**SMALL, **options}), inputs, grad_pos)
+    chunks = [g for g in gemms if g.op.startswith("mkldnn._linear_pointwise")]
+    assert len(chunks) == calls and full_gemms(chunks, sweeps.T, sweeps.H, sweeps.V, in_dtype=BF16) == 1
     rl.check(fn, inputs, grad_pos, BF16, 2e-6, 2**-8, **SMALL, **options)
 
 

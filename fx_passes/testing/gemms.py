@@ -51,6 +51,9 @@ _FACTORS = {
 
 def _record(func, args, kwargs) -> Optional[Gemm]:
     name = func.overloadpacket.__name__
+    if name == "_linear_pointwise" and func.namespace == "mkldnn":  # (X [M, K], a reordered weight [N, K]:
+        x, w = args[0], args[1]                                      # kernels/chunk_gemm.py's chunk GEMM)
+        return Gemm(str(func), int(x.shape[-2]), int(x.shape[-1]), int(w.shape[0]), 1, x.dtype, x.dtype)
     if name not in _FACTORS:
         return None
     i, j = _FACTORS[name]
