@@ -115,7 +115,7 @@ def test_ref_scoring_under_the_environment_switch(tmp_path):
 def test_demo_small(tmp_path):
     """The README's demo at a smaller size: less memory, the same error, a report."""
     proc = run([sys.executable, str(EXAMPLES / "demo.py"), "--tokens", "2048", "--vocab", "16384",
-                "--repeat", "1", "--json"], tmp_path)
+                "--steps", "1", "--json"], tmp_path)
     results = last_json(proc.stdout)
     stock, ours = results["inductor"], results["chunked_logits"]
     assert ours["counters"]["rewritten"] == 1
