@@ -236,9 +236,19 @@ def test_environment_variables_in_docs_exist():
             assert name in known, f"{page.name} names {name}, which fx_passes/env.py does not read"
 
 
-def test_readme_has_no_internal_issue_numbers():
+def test_docs_have_no_internal_issue_numbers():
     """Users read these pages: no internal issue numbers."""
     for page in DOCS:
         hits = [f"{page.name}:{n}: {line.strip()}" for n, line in enumerate(page.read_text().splitlines(), 1)
                 if re.search(r"\bissues? \d+", line, re.IGNORECASE)]
         assert hits == []
+
+
+def test_readme_gives_the_two_make_commands_and_an_install_line():
+    """A fresh machine: `make demo` and `make test` (what CI runs), and `pip install`."""
+    text = (ROOT / "README.md").read_text()
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
+    assert "make demo" in lines and "make test" in lines
+    assert any(line.startswith("pip install") for line in lines)
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
