@@ -125,6 +125,9 @@ def test_demo_small(tmp_path):
     assert ours["max_err"] <= 2 * stock["max_err"] + 1e-6
     assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-3, abs=1e-4)
     assert "peak extra memory of one step" in proc.stdout and "1 region rewritten" in proc.stdout
+    # the time: both backends in one process, interleaved, the median of --steps each
+    assert stock["n_steps"] == ours["n_steps"] == 1 and results["time_ratio"] > 0
+    assert "step time, chunked_logits vs stock" in proc.stdout and "(lower is better)" in proc.stdout
 
 
 def test_trl_sft_under_the_launcher(tmp_path):
