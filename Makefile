@@ -12,13 +12,13 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
 
-demo: setup
+demo: setup  # one thread, interleaved steps: examples/demo.py --help
 	$(BIN)/python examples/demo.py
 
 lint: setup
 	$(BIN)/ruff check .
 
-# What a CPU without AVX-512 computes (issue 10): ATen's AVX2 kernels, and Inductor's C++
+# What a CPU without AVX-512 computes: ATen's AVX2 kernels, and Inductor's C++
 # built for an AVX2-only target (with -march=native an AVX-512 machine would mix the two),
 # in a cache of its own (Inductor's FX graph cache would serve the AVX-512 graphs).
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=haswell \

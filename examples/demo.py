@@ -1,20 +1,28 @@
 """chunked-logits demo: stock Inductor vs the chunked_logits backend on one training step.
 
-    make demo            # or: python examples/demo.py [--tokens 2048 --vocab 32768]
+    make demo            # or: python examples/demo.py [--tokens 2048 --vocab 32768 --threads 1]
 
 A tiny bf16 language model built from code (embedding, one residual MLP block,
 RMSNorm, lm_head; no download) produces logits [T, V] for T tokens and a vocabulary
 of V.  One GRPO-style training step (``log_softmax(logits.float() / temperature)``,
-token log-probs, entropy bonus, backward) runs under ``torch.compile`` twice, each
-in a fresh process:
+token log-probs, entropy bonus, backward) runs under ``torch.compile`` with two
+backends:
 
 * ``inductor``        stock Inductor: it materialises FP32 [T, V] tensors;
 * ``chunked_logits``  the same code with the pass: bf16 in, per-row FP32 stats out.
 
-For each it prints the peak extra memory of one step (after a warm-up step: read
-VmRSS, write 5 to /proc/self/clear_refs to reset the high-water mark, run the step,
-read VmHWM), the step time, the largest error of the token log-probs against an
-FP64 reference (the same bf16 weights, every op in FP64), and what the pass rewrote.
+Three child processes, one after the other:
+
+* memory, one per backend (a fresh process each, so one backend's heap cannot hide
+  the other's peak): the peak extra memory of one step (after a warm-up step: read
+  VmRSS, write 5 to /proc/self/clear_refs to reset the high-water mark, run the step,
+  read VmHWM), the largest error of the token log-probs against an FP64 reference
+  (the same bf16 weights, every op in FP64), and what the pass rewrote;
+* time: both backends compiled in one process, then ``--steps`` steps each with the
+  backends taking turns (A, B, A, B, ...), so that a slow moment of a shared machine
+  hits both; the median step of each and their ratio.  One thread by default
+  (``--threads``, as benchmarks/run.py is run for the README): with every core in use,
+  a machine shared with other work gives ratios that move by 2x from run to run.
 """
 
 from __future__ import annotations
@@ -22,11 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+import types
 
 TEMPERATURE = 0.7
+BACKENDS = ("inductor", "chunked_logits")
 
 
 def build(args):
@@ -96,21 +107,45 @@ def _malloc_trim() -> None:
         pass
 
 
-def worker(args) -> dict:
-    """One backend in this (fresh) process; returns the measurements."""
-    import gc
-
+def _compile(backend: str):
+    """``policy_step`` compiled with ``backend``, on its own copy of the code object, so
+    that Dynamo keeps one cache per backend when both run in one process."""
     import torch
 
-    model, ids, tokens, advantages = build(args)
-    step = torch.compile(policy_step, backend=args.worker)
+    fn = types.FunctionType(policy_step.__code__.replace(), policy_step.__globals__,
+                            f"policy_step_{backend}", policy_step.__defaults__, policy_step.__closure__)
+    return torch.compile(fn, backend=backend)
 
+
+def _runner(step, model, ids, tokens, advantages):
     def run():
         model.zero_grad(set_to_none=True)
         loss, logp = step(model, ids, tokens, advantages)
         loss.backward()
         return loss, logp
+    return run
 
+
+def _summary_text() -> str:
+    """What the pass rewrote in this process, as the exit summary prints it."""
+    import fx_passes
+
+    if hasattr(fx_passes, "summary_text"):  # the public report
+        return fx_passes.summary_text()
+    from fx_passes.reporting import summary  # fx_passes releases before the public report
+
+    return summary.format_text(summary.collect())
+
+
+def memory_worker(args) -> dict:
+    """One backend in this (fresh) process: peak extra memory, error, what was rewritten."""
+    import gc
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    model, ids, tokens, advantages = build(args)
+    run = _runner(_compile(args.worker), model, ids, tokens, advantages)
     t0 = time.perf_counter()
     run()  # compile + first run
     compile_s = time.perf_counter() - t0
@@ -125,14 +160,8 @@ def worker(args) -> dict:
         reset = True
     except OSError:
         reset = False
-    t0 = time.perf_counter()
     loss, logp = run()
-    times = [time.perf_counter() - t0]
     peak = _status("VmHWM")
-    for _ in range(args.repeat - 1):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
     # The FP64 reference: the same bf16 weights, every op in FP64, eagerly.
     with torch.no_grad():
         model.double()
@@ -142,22 +171,57 @@ def worker(args) -> dict:
         "backend": args.worker,
         "extra_bytes": peak - rss if reset else None,
         "peak_bytes": peak,
-        "step_s": min(times),
         "compile_s": compile_s,
         "max_err": (logp.double() - exact).abs().max().item(),
         "loss": loss.item(),
     }
     if args.worker == "chunked_logits":
-        from fx_passes.reporting import summary
-
-        data = summary.collect()
-        out["counters"] = data["counters"]
-        out["rewritten"] = summary.format_text(data)
+        out["counters"] = dict(counters["chunked_logits"])
+        out["rewritten"] = _summary_text()
     return out
+
+
+def time_worker(args) -> dict:
+    """Both backends in this process, their steps interleaved: median step time of each."""
+    model, ids, tokens, advantages = build(args)
+    runs = {b: _runner(_compile(b), model, ids, tokens, advantages) for b in BACKENDS}
+    for run in runs.values():
+        run()  # compile + first run
+        run()  # warm-up
+    times = {b: [] for b in BACKENDS}
+    for _ in range(args.steps):
+        for backend, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[backend].append(time.perf_counter() - t0)
+    return {b: {"step_s": statistics.median(ts), "step_min_s": min(ts), "n_steps": len(ts)}
+            for b, ts in times.items()}
+
+
+def worker(args) -> dict:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return time_worker(args) if args.worker == "time" else memory_worker(args)
 
 
 def mib(n) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def child(args, what: str) -> dict:
+    """Run this script as a fresh process for ``what`` (a backend's memory, or "time")."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", what, "--tokens", str(args.tokens),
+           "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--steps", str(args.steps),
+           "--threads", str(args.threads)]
+    env = {k: v for k, v in os.environ.items() if k != "CHUNKED_LOGITS"}  # stock means stock
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise SystemExit(f"demo: the {what} run failed")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main() -> None:
@@ -165,35 +229,34 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="T, rows of the logits")
     parser.add_argument("--vocab", type=int, default=32768, help="V, the vocabulary")
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=2, help="timed steps (the fastest is shown)")
+    parser.add_argument("--steps", type=int, default=7,
+                        help="timed steps per backend, interleaved (the median is shown)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 1 or args.threads < 0:
+        parser.error("--steps must be at least 1 and --threads at least 0")
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
 
     T, V = args.tokens, args.vocab
+    threads = args.threads or "torch's default number of"
     print(f"chunked-logits demo: one GRPO-style training step, bf16 logits [T={T}, V={V}]\n"
-          f"(an FP32 [T, V] tensor is {mib(4 * T * V)}; each backend runs in a fresh process)\n",
-          flush=True)
-    results = {}
-    for backend in ("inductor", "chunked_logits"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", backend, "--tokens", str(T),
-               "--vocab", str(V), "--hidden", str(args.hidden), "--repeat", str(args.repeat)]
-        env = {k: v for k, v in os.environ.items() if k != "CHUNKED_LOGITS"}  # stock means stock
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stdout + proc.stderr)
-            raise SystemExit(f"demo: the {backend} run failed")
-        results[backend] = json.loads(lines[-1][len("RESULT "):])
-
+          f"(an FP32 [T, V] tensor is {mib(4 * T * V)}; memory: each backend in a fresh process; "
+          f"time: {args.steps} steps each, interleaved, {threads} thread(s))\n", flush=True)
+    results = {backend: child(args, backend) for backend in BACKENDS}
+    timing = child(args, "time")
+    for backend in BACKENDS:
+        results[backend].update(timing[backend])
     stock, ours = results["inductor"], results["chunked_logits"]
+    ratio = ours["step_s"] / stock["step_s"]
+    results["time_ratio"] = ratio
     rows = [
         ("peak extra memory of one step", mib(stock["extra_bytes"]), mib(ours["extra_bytes"])),
-        ("step time (best of --repeat)", f"{stock['step_s'] * 1e3:,.0f} ms",
+        (f"step time (median of {args.steps})", f"{stock['step_s'] * 1e3:,.0f} ms",
          f"{ours['step_s'] * 1e3:,.0f} ms"),
         ("max |log-prob error| vs FP64", f"{stock['max_err']:.2e}", f"{ours['max_err']:.2e}"),
         ("loss", f"{stock['loss']:.6f}", f"{ours['loss']:.6f}"),
@@ -205,7 +268,8 @@ def main() -> None:
     if stock["extra_bytes"] and ours["extra_bytes"] is not None:
         saved = stock["extra_bytes"] - ours["extra_bytes"]
         print(f"\nmemory saved per step: {mib(saved)} ({saved / stock['extra_bytes']:.0%} of the stock "
-              f"step's extra memory); step time ratio chunked/stock: {ours['step_s'] / stock['step_s']:.2f}")
+              f"step's extra memory)")
+    print(f"step time, chunked_logits vs stock: {ratio:.2f}x (lower is better)")
     print("\nwhat the pass rewrote:\n" + ours["rewritten"].rstrip())
     if args.json:
         print(json.dumps(results))

@@ -115,7 +115,7 @@ def test_ref_scoring_under_the_environment_switch(tmp_path):
 def test_demo_small(tmp_path):
     """The README's demo at a smaller size: less memory, the same error, a report."""
     proc = run([sys.executable, str(EXAMPLES / "demo.py"), "--tokens", "2048", "--vocab", "16384",
-                "--repeat", "1", "--json"], tmp_path)
+                "--steps", "1", "--json"], tmp_path)
     results = last_json(proc.stdout)
     stock, ours = results["inductor"], results["chunked_logits"]
     assert ours["counters"]["rewritten"] == 1
@@ -125,6 +125,9 @@ def test_demo_small(tmp_path):
     assert ours["max_err"] <= 2 * stock["max_err"] + 1e-6
     assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-3, abs=1e-4)
     assert "peak extra memory of one step" in proc.stdout and "1 region rewritten" in proc.stdout
+    # the time: both backends in one process, interleaved, the median of --steps each
+    assert stock["n_steps"] == ours["n_steps"] == 1 and results["time_ratio"] > 0
+    assert "step time, chunked_logits vs stock" in proc.stdout and "(lower is better)" in proc.stdout
 
 
 def test_trl_sft_under_the_launcher(tmp_path):
