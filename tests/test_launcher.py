@@ -212,8 +212,11 @@ def test_summary_ranks_and_files(summary_settings, capfd, tmp_path):
 def test_summary_text_cases():
     from fx_passes.reporting.summary import format_text
 
-    twice = _data(events=_data()["events"] * 2)
+    once = _data()["events"][0]
+    twice = _data(events=[{**once, "run": 1}, {**once, "run": 2, "what": "logprob over (s0, 256)"}])
     assert "(x2 compiles)" in format_text(twice) and "1 region rewritten" in format_text(twice)
+    two = _data(events=[{**once, "run": 1}, {**once, "run": 1}])  # one graph, one place: two calls
+    assert "2 regions rewritten" in format_text(two)
     failed = format_text(_data(events=[], counters={"pass_failed": 1}))
     assert "the pass failed on 1 graph(s)" in failed
     assert "disabled by CHUNKED_LOGITS_DISABLE=1" in format_text(_data(disabled=True))
