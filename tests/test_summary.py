@@ -115,3 +115,14 @@ def test_summary_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(),
                          timeout=120)
     assert out.stdout.split() == ["0", "False"], out.stderr
+
+
+def test_fused_lm_head_counts_the_logits_it_never_makes():
+    """logits = h @ w.T fused into the loop: the FP32 [T, V] and the bf16 [T, V] logits."""
+    def head_logprob(h, w, tokens):
+        return logprob(h @ w.T, tokens)
+
+    h, w, tokens = torch.randn(8, 16).bfloat16(), torch.randn(64, 16).bfloat16(), torch.randint(0, 64, (8,))
+    torch.compile(head_logprob, backend="chunked_logits")(h, w, tokens)
+    assert chunked_counters().get("lm_head_fused") == 1
+    assert fx_passes.summary()["estimated_bytes_avoided"] == 4 * 8 * 64 + 2 * 8 * 64
