@@ -3,6 +3,7 @@
     torch.compile(model, backend="chunked_logits")                 # the backend
     torch.compile(model, backend="chunked_logits", options={...})  # with a Config
     fx_passes.install(**options)                                   # into backend="inductor"
+    fx_passes.summary() / fx_passes.summary_text()                 # what was rewritten, and why not
     chunked-logits run [options] -- script.py args...              # the launcher
     CHUNKED_LOGITS=1 python script.py                              # the environment switch
 
@@ -23,10 +24,13 @@ _LAZY = {
     "install": ".entry.install",
     "uninstall": ".entry.install",
     "installed_config": ".entry.install",
+    "summary": ".reporting.public",
+    "summary_text": ".reporting.public",
+    "SummaryCallback": ".entry.hf",
 }
 
 __all__ = ["chunked_logits", "Config", "ChunkedLogitsPass", "transform", "Reason",
-           "install", "uninstall", "installed_config"]
+           "install", "uninstall", "installed_config", "summary", "summary_text", "SummaryCallback"]
 
 
 TYPE_CHECKING = False  # not `from typing import ...`: keep this import cheap
@@ -58,6 +62,8 @@ def __dir__():
 if TYPE_CHECKING:
     from .config import Config
     from .entry.backend import chunked_logits
+    from .entry.hf import SummaryCallback
     from .entry.install import install, installed_config, uninstall
     from .pipeline import ChunkedLogitsPass, transform
+    from .reporting.public import summary, summary_text
     from .reporting.report import Reason

@@ -21,12 +21,15 @@ from torch.fx import Graph, GraphModule, Node
 from . import compat, env
 from .config import Config
 from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
+from .fx.graph_ops import meta
 from .match.logits import Region, find_regions
+from .match.region import Role
 from .match.row_local import find_row_region
 from .match.upcast import upcast_behind, upcast_input
 from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome
 from .reporting.report import COUNTER, Decline, Reason, log, record_decline, record_rewrite
+from .reporting.session import session
 from .rewrite.logits import fp32_bytes, rewrite_region
 from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
@@ -67,6 +70,23 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
         counters[COUNTER]["vocab_parallel"] += 1
         record_rewrite(where, _counted(outcome, what, "vocab_parallel_lm_head"), nbytes, report_only=False)
     return seen
+
+
+def _bytes_avoided(region: Region) -> tuple[int, int]:
+    """What stock Inductor keeps per call that a rewrite of ``region`` does not (0 if
+    symbolic), read before the rewrite: the FP32 ``[.., V]`` tensor, except for a
+    cross-entropy alone (stock's fused kernels keep none either); and the model-precision
+    logits, which a fused lm_head also never makes."""
+    nbytes = 0 if {s.role for s in region.sinks} == {Role.LOSS} else fp32_bytes(region.z)
+    logits = upcast_input(region.upcast)
+    value = meta(logits) if logits is not None else None
+    numel = value.numel() if isinstance(value, torch.Tensor) else None
+    return nbytes, numel * value.element_size() if isinstance(numel, int) else 0
+
+
+def _with_lm_head(nbytes: tuple[int, int], outcome: Outcome) -> int:
+    fused = outcome.lm_head is LMHead.FUSED and not outcome.returns_logits
+    return nbytes[0] + (nbytes[1] if fused else 0)
 
 
 def _counted(outcome: Outcome, what: str, fused: str) -> str:
@@ -142,6 +162,7 @@ def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
 
 def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
+    session.start_run()
     shard_upcasts = _shard_regions(graph, config)
     taken: set[Node] = set()  # nodes of row-local regions rewritten
     for found in find_regions(graph, config):
@@ -153,9 +174,9 @@ def run_passes(graph: Graph, config: Config) -> None:
         region: Region = found
         if taken and (region.upcast in taken or any(n in taken for n in region.roles)):
             continue  # (its nodes went into a row-local region)
-        where, what, nbytes = _where(region.upcast), region.describe(), fp32_bytes(region.z)
+        where, what, nbytes = _where(region.upcast), region.describe(), _bytes_avoided(region)
         if config.report_only or not config.rewrite:
-            record_rewrite(where, what, nbytes, report_only=True)
+            record_rewrite(where, what, nbytes[0], report_only=True)
             continue
         if log.isEnabledFor(logging.DEBUG):
             log.debug("chunked_logits: region before rewrite:\n%s",
@@ -169,7 +190,7 @@ def run_passes(graph: Graph, config: Config) -> None:
         what = _counted(outcome, what, "lm_head_fused")
         for call in fused_calls(graph) - fused if config.gradients_in_forward else ():
             what += rewrite_loss_tail(graph, call, config) or ""  # gradients in the forward
-        record_rewrite(where, what, nbytes, report_only=False)
+        record_rewrite(where, what, _with_lm_head(nbytes, outcome), report_only=False)
         if region.unit_scale_dropped:
             counters[COUNTER]["div_by_one_removed"] += 1
     if config.remove_div_by_one and not config.report_only:

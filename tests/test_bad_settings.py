@@ -1,20 +1,24 @@
 """Bad inputs and settings: each one gets the exact message the user sees.
 
 ``torch.compile`` does not call the backend until the compiled function is first
-called, so that is where a bad ``options={...}`` shows: as Dynamo's
-``BackendCompilerFailed``, whose text is ``backend='chunked_logits' raised:`` and then
-our error's type and message.
+called (it only looks the backend up), so that is where a bad ``options={...}`` shows:
+as a plain ValueError (``fx_passes.entry.backend.OptionError``) with our message only,
+not wrapped in Dynamo's ``BackendCompilerFailed`` and without its footer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import traceback
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from fx_passes import ChunkedLogitsPass, Config, env
+from tests.helpers import clean_env
 
 NAMES = ", ".join(f.name for f in dataclasses.fields(Config))
 BOOLS = [f.name for f in dataclasses.fields(Config) if f.type == "bool"]
@@ -29,17 +33,18 @@ def fn(x):
     return torch.logsumexp(x.float(), dim=-1)  # rewritten when the pass runs
 
 
-def first_call_error(**compile_kwargs) -> torch._dynamo.exc.BackendCompilerFailed:
-    """What the user sees on the first call of torch.compile(fn, backend="chunked_logits", ...)."""
+def first_call_error(**compile_kwargs) -> ValueError:
+    """What the user sees on the first call of torch.compile(fn, backend="chunked_logits", ...):
+    a ValueError, its text ours alone, its traceback from the user's call to the backend."""
     compiled = torch.compile(fn, backend="chunked_logits", **compile_kwargs)  # no error yet
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+    with pytest.raises(ValueError) as info:
         compiled(torch.randn(3, 5).bfloat16())
-    return info.value
-
-
-def shown(inner: Exception) -> str:
-    """The first lines of the BackendCompilerFailed text for an inner error."""
-    return f"backend='chunked_logits' raised:\n{type(inner).__name__}: {inner}"
+    err = info.value
+    assert not isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
+    shown = traceback.format_exception(err)
+    assert shown[-1] == f"fx_passes.entry.backend.OptionError: {err}\n"  # no Dynamo footer
+    assert "first_call_error" in shown[1] and "in chunked_logits" in shown[-2] and len(shown) == 5
+    return err
 
 
 # ---- Config.from_options ----------------------------------------------------------------------------
@@ -116,36 +121,35 @@ def test_config_is_frozen() -> None:
 
 def test_compile_with_unknown_option_fails_on_first_call() -> None:
     err = first_call_error(options={"bogus": 1})
-    assert isinstance(err.inner_exception, ValueError)
-    assert str(err.inner_exception) == unknown("bogus")
-    assert str(err).startswith(shown(err.inner_exception) + "\n")
+    assert str(err) == unknown("bogus")
     assert counters["chunked_logits"] == {}  # nothing ran
 
 
 def test_compile_with_a_typo_fails_with_the_suggestion() -> None:
     err = first_call_error(options={"strict ": True})
-    assert str(err.inner_exception) == unknown("strict ", "did you mean 'strict'? ")
+    assert str(err) == unknown("strict ", "did you mean 'strict'? ")
 
 
 def test_compile_with_non_bool_option() -> None:
     err = first_call_error(options={"rewrite": "no"})
-    assert str(err.inner_exception) == "chunked_logits option 'rewrite' must be True or False, got 'no'"
+    assert str(err) == "chunked_logits option 'rewrite' must be True or False, got 'no'"
 
 
 def test_compile_with_unknown_inductor_setting() -> None:
     err = first_call_error(options={"inductor": {"bogus_setting": 1}})
-    assert isinstance(err.inner_exception, AttributeError)
-    assert str(err.inner_exception) == "torch._inductor.config.bogus_setting does not exist"
+    assert str(err) == ("chunked_logits: unknown Inductor setting options['inductor']['bogus_setting']: "
+                        "torch._inductor.config.bogus_setting does not exist")
 
 
 def test_compile_with_unknown_mode() -> None:
     err = first_call_error(mode="bogus-mode")
-    assert str(err.inner_exception).startswith("Unrecognized mode=bogus-mode, should be one of: ")
+    assert str(err).startswith("chunked_logits: mode='bogus-mode': Unrecognized mode=bogus-mode, "
+                               "should be one of: ")
 
 
 def test_compile_with_inductor_settings_not_a_dict() -> None:
     err = first_call_error(options={"inductor": "max-autotune"})
-    assert str(err.inner_exception) == (
+    assert str(err) == (
         "chunked_logits: options['inductor'] must be a dict of Inductor settings, got str "
         "'max-autotune'; for an Inductor mode use torch.compile(..., mode='max-autotune') or e.g. "
         "options={'inductor': {'max_autotune': True}}")
@@ -153,7 +157,7 @@ def test_compile_with_inductor_settings_not_a_dict() -> None:
 
 def test_compile_with_options_not_a_mapping() -> None:
     err = first_call_error(options=["strict"])
-    assert str(err.inner_exception) == (
+    assert str(err) == (
         "chunked_logits: options must be a dict of option names to values, got list ['strict']; "
         "e.g. options={'strict': True}")
 
@@ -181,3 +185,27 @@ def test_kill_switch_makes_the_backend_stock_inductor(monkeypatch) -> None:
     got = torch.compile(fn, backend="chunked_logits")(x)
     assert counters["chunked_logits"].get("rewritten", 0) == 0
     torch.testing.assert_close(got, fn(x))
+
+
+# ---- a bad CHUNKED_LOGITS_OPTIONS ------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,error", [
+    ("bogus", unknown("bogus")),
+    ('{"strict": 1}', "chunked_logits option 'strict' must be True or False, got 1"),
+    ("report_only,lm_head_plan=fast", "chunked_logits option 'lm_head_plan' must be one of 'auto', "
+     "'two_sweeps', 'fp32_tiles', 'blocks', 'gpu', got 'fast'; e.g. lm_head_plan='auto'"),
+])
+def test_bad_env_options_stop_the_process_at_start(value, error) -> None:
+    """The switch asked for the pass: a process whose options are wrong does not start
+    (exit code 2, the message alone), rather than run for hours without the pass."""
+    proc = subprocess.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=60,
+                          env=clean_env(CHUNKED_LOGITS="1", CHUNKED_LOGITS_OPTIONS=value))
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"chunked_logits: CHUNKED_LOGITS_OPTIONS={value!r} is not valid: {error}\n"
+                           "chunked_logits: this process stops here; fix CHUNKED_LOGITS_OPTIONS, or unset "
+                           "CHUNKED_LOGITS to run without the pass\n")
+    killed = subprocess.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True,
+                            timeout=60,
+                            env=clean_env(CHUNKED_LOGITS="1", CHUNKED_LOGITS_OPTIONS=value,
+                                          CHUNKED_LOGITS_DISABLE="1"))
+    assert (killed.returncode, killed.stdout, killed.stderr) == (0, "ran\n", "")  # the kill switch wins

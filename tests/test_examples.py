@@ -58,7 +58,7 @@ def test_sft_hf_trainer_under_the_launcher(tmp_path):
     (event,) = [e for e in data["events"] if e["kind"] == "rewritten"]
     assert event["what"].startswith("loss over (128, 2048)")
     assert "ForCausalLMLoss" in event["where"] and "loss_utils.py" in event["where"]
-    assert event["fp32_bytes_avoided"] == 4 * 128 * 2048
+    assert event["fp32_bytes_avoided"] == 0  # a cross-entropy alone: stock keeps no FP32 [T, V] either
     assert "chunked_logits summary" in with_pass.stderr and "ForCausalLMLoss" in with_pass.stderr
     ours, theirs = last_json(with_pass.stdout), last_json(stock.stdout)
     assert ours["backend"] == theirs["backend"] == "inductor"

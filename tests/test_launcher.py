@@ -134,13 +134,55 @@ def test_script_exception_propagates_with_summary(tmp_path):
     assert "RuntimeError: boom" in proc.stderr and "chunked_logits summary" in proc.stderr
 
 
+RUN_USAGE = ("usage: chunked-logits run [options] -- script.py [args...]\n"
+             "       chunked-logits run [options] -- -m module [args...]\n")
+
+
 def test_usage_errors(tmp_path):
+    """Each error of ``run`` comes with run's own usage, not the top-level one."""
     proc = launch(["run", "--report-onyl", "--", "x.py"], cwd=tmp_path)
-    assert proc.returncode == 2 and "unrecognized arguments: --report-onyl" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr == (
+        RUN_USAGE + "chunked-logits run: error: unrecognized arguments: --report-onyl\n")
     proc = launch(["run"], cwd=tmp_path)
-    assert proc.returncode == 2 and "missing the script" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(RUN_USAGE) and "missing the script" in proc.stderr
     proc = launch(["run", "--", "missing.py"], cwd=tmp_path)
     assert proc.returncode != 0 and "can't open file" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["run", "--strcit", "--", "x.py"], "unrecognized arguments: --strcit"),
+    (["run", "--chunk-budget-mib", "abc", "--", "x.py"],
+     "argument --chunk-budget-mib: invalid float value: 'abc'"),
+    (["run", "--chunk-budget-mib", "0", "--", "x.py"],
+     "chunked_logits option 'chunk_budget_mib' must be a positive number of MiB, got 0.0; "
+     "e.g. chunk_budget_mib=32"),
+    (["run", "--lm-head-plan", "fast", "--", "x.py"], "argument --lm-head-plan: invalid choice: 'fast'"),
+    (["run", "--report-only", "x.py", "--", "y.py"], "unexpected arguments before '--': x.py"),
+])
+def test_parse_errors_show_runs_usage(argv, error, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(RUN_USAGE)
+    assert err.splitlines()[2].startswith(f"chunked-logits run: error: {error}")
+
+
+def test_version(capsys):
+    import fx_passes
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"chunked-logits {fx_passes.__version__}\n"
+
+
+def test_help_is_plain_text_with_the_documented_types():
+    text = cli.build_parser().run_parser.format_help()
+    assert "``" not in text and ":mod:" not in text and ":func:" not in text and "`" not in text
+    assert "--chunk-budget-mib FLOAT" in text and "STR" not in text  # docs/enabling.md
+    assert "--lm-head-plan {auto,two_sweeps,fp32_tiles,blocks,gpu}" in text
+    assert "drop x / 1 and x * 1 everywhere in the graph. [on]" in " ".join(text.split())
+    assert cli.plain("see :mod:`fx_passes.kernels` and ``x / 1``, :func:`~a.b`") == (
+        "see fx_passes.kernels and x / 1, a.b")
 
 
 def test_every_config_field_has_a_flag():
@@ -212,8 +254,11 @@ def test_summary_ranks_and_files(summary_settings, capfd, tmp_path):
 def test_summary_text_cases():
     from fx_passes.reporting.summary import format_text
 
-    twice = _data(events=_data()["events"] * 2)
+    once = _data()["events"][0]
+    twice = _data(events=[{**once, "run": 1}, {**once, "run": 2, "what": "logprob over (s0, 256)"}])
     assert "(x2 compiles)" in format_text(twice) and "1 region rewritten" in format_text(twice)
+    two = _data(events=[{**once, "run": 1}, {**once, "run": 1}])  # one graph, one place: two calls
+    assert "2 regions rewritten" in format_text(two)
     failed = format_text(_data(events=[], counters={"pass_failed": 1}))
     assert "the pass failed on 1 graph(s)" in failed
     assert "disabled by CHUNKED_LOGITS_DISABLE=1" in format_text(_data(disabled=True))

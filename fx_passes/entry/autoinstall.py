@@ -19,6 +19,7 @@ The variables and their parsing are in
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -99,10 +100,32 @@ def _install(_module) -> None:
     install_from_env()
 
 
+def check_options() -> None:
+    """A bad ``CHUNKED_LOGITS_OPTIONS`` stops the process here, at its start, with the
+    message: the pass was asked for, and a run without it (a training run, hours later
+    found to have no pass and no summary) costs more than a process that does not start."""
+    if not os.environ.get(env.OPTIONS, "").strip():
+        return
+    from fx_passes.config import Config  # torch-free
+
+    try:
+        Config.from_options(env.options())
+    except ValueError as e:  # a JSON error is a ValueError too
+        sys.stderr.write(f"chunked_logits: {env.OPTIONS}={os.environ[env.OPTIONS]!r} is not valid: {e}\n"
+                         f"chunked_logits: this process stops here; fix {env.OPTIONS}, or unset "
+                         f"{env.SWITCH} to run without the pass\n")
+        sys.stderr.flush()
+        # Not SystemExit: raised while site.py runs the .pth file, Python would add a
+        # "Fatal Python error" and a traceback to the message; nothing has run to clean up.
+        os._exit(2)
+
+
 def activate() -> bool:
-    """Arrange the install if the switch is on (and the kill switch off)."""
+    """Arrange the install if the switch is on (and the kill switch off); a bad
+    ``CHUNKED_LOGITS_OPTIONS`` ends the process (:func:`check_options`)."""
     if not env.switch_on() or env.disabled():
         return False
+    check_options()
     when_imported(TRIGGER, _install)
     return True
 

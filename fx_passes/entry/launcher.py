@@ -23,16 +23,22 @@ import runpy
 import sys
 from typing import Any, Optional, Sequence
 
-from .. import env
-from ..config import Config
+from .. import __version__, env
+from ..config import LM_HEAD_PLANS, Config
 from ..reporting import summary
 from . import autoinstall as _autoinstall
 
 __all__ = ["main", "build_parser", "config_options"]
 
 
+def plain(text: str) -> str:
+    """Docstring text as plain text for a terminal: no reST roles or literal markup."""
+    text = re.sub(r":\w+:`~?([^`]*)`", r"\1", text)  # :mod:`x`, :func:`~a.b`
+    return text.replace("``", "").replace("`", "")
+
+
 def _field_help() -> dict[str, str]:
-    """Config attribute descriptions, read from its docstring's ``Attributes:`` list."""
+    """Config attribute descriptions, read from its docstring's ``Attributes:`` list, as plain text."""
     out: dict[str, str] = {}
     name = None
     for line in (Config.__doc__ or "").splitlines():
@@ -44,7 +50,13 @@ def _field_help() -> dict[str, str]:
             out[name] += " " + line.strip()
         else:
             name = None
-    return out
+    return {k: plain(v) for k, v in out.items()}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The type a Config field's flag parses (its annotation, which may be a string)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return float if "float" in kind else int if "int" in kind else str
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,10 +69,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             group.add_argument(flag, dest="cfg_" + f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=f"{text} [{'on' if default else 'off'}]")
+        elif f.name == "lm_head_plan":
+            group.add_argument(flag, dest="cfg_" + f.name, choices=LM_HEAD_PLANS, default=None,
+                               help=f"{text} [{default}]")
         else:
-            kind = type(default) if default is not None else str
+            kind = _field_type(f)
             group.add_argument(flag, dest="cfg_" + f.name, type=kind, default=None,
-                               metavar=kind.__name__.upper(), help=f"{text} [{default!r}]")
+                               metavar=kind.__name__.upper(), help=f"{text} [{default}]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="chunked-logits",
         description="Turn the chunked-logits pass on for torch.compile's stock inductor backend "
                     "around unmodified code.")
+    parser.add_argument("--version", action="version", version=f"chunked-logits {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run", help="run a Python script or module with the pass installed",
@@ -89,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write counters and events as JSON to PATH ({rank} and {pid} are replaced)")
     run.add_argument("target", nargs=argparse.REMAINDER,
                      help="-- script.py args...  or  -- -m module args...")
+    parser.run_parser = run  # main() reports run's errors with run's usage
     return parser
 
 
@@ -135,18 +152,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ours, target = argv[:cut], argv[cut + 1:]
     else:
         ours, target = argv, None
-    args = parser.parse_args(ours if target is not None else argv)
+    args, extra = parser.parse_known_args(ours if target is not None else argv)
+    run = parser.run_parser  # the only command: its errors come with its usage
+    if extra:
+        run.error(f"unrecognized arguments: {' '.join(extra)}")
     if target is None:
         target = [a for a in (args.target or []) if a != "--"]
     elif args.target:
-        parser.error(f"unexpected arguments before '--': {' '.join(args.target)}")
+        run.error(f"unexpected arguments before '--': {' '.join(args.target)}")
     if not target:
-        parser.error("missing the script: chunked-logits run [options] -- script.py [args...]")
+        run.error("missing the script: chunked-logits run [options] -- script.py [args...]")
     options = config_options(args)
     try:
         config = Config.from_options(options)  # validate before running anything
     except ValueError as e:
-        parser.error(str(e))
+        run.error(str(e))
 
     summary.configure(mode=args.summary, ranks=args.summary_ranks or env.summary_ranks(),
         directory=args.summary_dir,

@@ -3,7 +3,10 @@
 bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.graph_bodies`).
 
 * Inductor compiles the body once (``dynamic=True``, ``fullgraph=True``): fused kernels
-  that read model-precision tensors, so no FP32 ``[.., V]`` buffer exists.
+  that read model-precision tensors, so no FP32 ``[.., V]`` buffer exists.  It is stock
+  Inductor whatever the process installed: no ``pre_grad_custom_pass`` runs on a body
+  (:func:`fx_passes.install` puts the passes there, and a body must not be rewritten
+  by the pass that made it; a user's own pre-grad pass is for the user's graphs).
 * Each call passes detached tensors under one dispatch-key set and grad mode
   (``compat.below_autograd_no_grad``), since Dynamo guards on all three and the loops'
   first call and later ones can differ: each body compiles once.
@@ -36,8 +39,19 @@ __all__ = ["compile_body", "compiling_with"]
 Compiler = Callable[[Callable, Optional[dict]], Callable]
 
 
+def _stock_inductor(options: Optional[dict]) -> Callable:
+    """A torch.compile backend: Inductor with ``options`` and no pre-grad custom pass."""
+    patches = {**(options or {}), "pre_grad_custom_pass": None}
+
+    def stock_inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    return stock_inductor
+
+
 def _inductor(fn: Callable, options: Optional[dict]) -> Callable:
-    return torch.compile(fn, dynamic=True, fullgraph=True, options=options)
+    return torch.compile(fn, backend=_stock_inductor(options), dynamic=True, fullgraph=True)
 
 
 _compiler: list[Compiler] = [_inductor]

@@ -1,7 +1,7 @@
 """What the passes rewrote, what they declined and why: counters, logs, a summary.
 
 Counters live in ``torch._dynamo.utils.counters["chunked_logits"]``:
-``rewritten``, ``declined``, ``div_by_one_removed``, ``pass_failed``, one
+``rewritten``, ``declined``, ``near_miss``, ``div_by_one_removed``, ``pass_failed``, one
 ``declined:<reason>`` per reason, and the lm_head / vocab-parallel ones
 (docs/how-it-works.md, section 7); each event also goes to ``session.session`` (for
 the exit summary).  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
@@ -17,7 +17,8 @@ from torch._dynamo.utils import counters
 
 from .session import Event, session
 
-__all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline"]
+__all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline",
+           "record_near_miss"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -63,8 +64,10 @@ def record_rewrite(where: str, what: str, fp32_bytes: int, report_only: bool) ->
     kind = "would_rewrite" if report_only else "rewritten"
     counters[COUNTER][kind] += 1
     session.record(Event(kind, where, what, fp32_bytes))
-    log.info("chunked_logits: %s %s at %s (FP32 [.., V] bytes avoided: %s)",
-             "would rewrite" if report_only else "rewrote", what, where, fp32_bytes or "symbolic")
+    # report_only is asked for: said at WARNING, which Python prints without any logging set up
+    log.log(logging.WARNING if report_only else logging.INFO,
+            "chunked_logits: %s %s at %s (bytes avoided per call: %s)",
+            "would rewrite" if report_only else "rewrote", what, where, fp32_bytes or "symbolic or none")
 
 
 def record_decline(where: str, decline: Decline) -> None:
@@ -72,3 +75,14 @@ def record_decline(where: str, decline: Decline) -> None:
     counters[COUNTER][f"declined:{decline.reason.name}"] += 1
     session.record(Event("declined", where, str(decline), reason=decline.reason))
     log.info("chunked_logits: declined region at %s: %s", where, decline)
+
+
+def record_near_miss(where: str, message: str) -> None:
+    """A hint for the user: the graph at ``where`` almost had something to rewrite, and
+    ``message`` says what to change.  Each distinct (where, message) is recorded once
+    (a recompile says it again): one ``near_miss`` count, one event, one WARNING line."""
+    if session.has("near_miss", where, message):
+        return
+    counters[COUNTER]["near_miss"] += 1
+    session.record(Event("near_miss", where, message))
+    log.warning("chunked_logits: near miss at %s: %s", where, message)

@@ -19,11 +19,12 @@ __all__ = ["Event", "Session", "session"]
 
 @dataclasses.dataclass
 class Event:
-    kind: str  # "rewritten" | "declined" | "would_rewrite"
+    kind: str  # "rewritten" | "declined" | "would_rewrite" | "near_miss"
     where: str
     what: str
     fp32_bytes_avoided: int = 0
     reason: Any = None  # a report.Reason (not imported: report imports this module)
+    run: int = 0  # which run of the passes recorded it (``Session.runs``): one graph each
 
 
 @dataclasses.dataclass
@@ -32,11 +33,21 @@ class Session:
 
     events: list[Event] = dataclasses.field(default_factory=list)
     graphs_seen: int = 0  # graphs the passes looked at (installed pass and backend)
+    runs: int = 0  # runs of the passes (a graph each; also those of fx_passes.transform)
     installed: Any = None  # the Config of the last install(), kept after uninstall()
     _dropped: Optional[Callable[[], bool]] = None  # install()'s check: was its pass replaced?
 
     def record(self, event: Event) -> None:
+        event.run = self.runs
         self.events.append(event)
+
+    def start_run(self) -> None:
+        """The passes start on a graph: the events until the next start are of that graph."""
+        self.runs += 1
+
+    def has(self, kind: str, where: str, what: str) -> bool:
+        """Is an event of this kind, place and text recorded already?"""
+        return any(e.kind == kind and e.where == where and e.what == what for e in self.events)
 
     def count_graph(self) -> None:
         self.graphs_seen += 1
@@ -59,7 +70,7 @@ class Session:
     def reset(self) -> None:
         """Start over: no events, no graphs seen, nothing installed noted."""
         self.events.clear()
-        self.graphs_seen = 0
+        self.graphs_seen = self.runs = 0
         self.installed, self._dropped = None, None
 
 

@@ -20,8 +20,8 @@ from typing import Any, Optional
 from .. import env
 from .session import session
 
-__all__ = ["configure", "settings", "restore", "arm", "arm_from_env", "collect", "format_text", "rank",
-           "write_summary"]
+__all__ = ["configure", "settings", "restore", "arm", "arm_from_env", "collect", "regions", "format_text",
+           "rank", "write_summary"]
 
 MODES = env.SUMMARY_MODES
 
@@ -101,10 +101,36 @@ def collect() -> dict[str, Any]:
         "graphs_seen": session.graphs_seen,
         "counters": {k: int(v) for k, v in sorted(counters.items())},
         "events": [{"kind": e.kind, "where": e.where, "what": e.what,
-                    "fp32_bytes_avoided": e.fp32_bytes_avoided,
+                    "fp32_bytes_avoided": e.fp32_bytes_avoided, "run": e.run,
                     "reason": e.reason.name if e.reason is not None else None}
                    for e in session.events],
     }
+
+
+def _place(where: str) -> str:
+    """The source part of an event's ``where`` ("node (File ..., line N, in f)")."""
+    name, sep, rest = where.partition(" (")
+    return rest[:-1] if sep and rest.endswith(")") else where
+
+
+def regions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The distinct regions of the events (as :func:`collect` lists them), in the
+    order first seen: kind, where, what, reason, bytes avoided and how many compiles saw it."""
+    out: dict[tuple, dict[str, Any]] = {}
+    rank: dict[tuple, int] = {}
+    for e in events:
+        place = (e.get("run", 0), e["kind"], _place(e["where"]), e["reason"])
+        n = rank[place] = rank.get(place, -1) + 1
+        key = (e["kind"], _place(e["where"]), e["reason"], n)
+        if e["kind"] == "near_miss":
+            key = (e["kind"], e["where"], e["what"])  # one per distinct hint
+        if key not in out:
+            out[key] = {"kind": e["kind"], "where": e["where"], "what": e["what"], "reason": e["reason"],
+                        "bytes_avoided": 0, "compiles": 0}
+        region = out[key]
+        region["compiles"] += 1
+        region["bytes_avoided"] = max(region["bytes_avoided"], e["fp32_bytes_avoided"])
+    return list(out.values())
 
 
 def _size(n: int) -> str:
@@ -132,37 +158,38 @@ def format_text(data: dict[str, Any]) -> str:
     head = f"chunked_logits summary [{who}]"
     if data["disabled"]:
         return f"{head}: disabled by CHUNKED_LOGITS_DISABLE=1; no graph was changed\n"
-    # One line per distinct region (a recompile reports the same region again).
-    groups: dict[tuple, list[dict]] = {}
-    for e in data["events"]:
-        groups.setdefault((e["kind"], e["where"], e["what"], e["reason"]), []).append(e)
-    kinds = [k[0] for k in groups]
+    # One line per distinct source region (a recompile reports the same region again).
+    found = regions(data["events"])
+    kinds = [r["kind"] for r in found]
     n_rw, n_would = kinds.count("rewritten"), kinds.count("would_rewrite")
-    n_dec = kinds.count("declined")
-    avoided = sum(es[0]["fp32_bytes_avoided"] for k, es in groups.items() if k[0] == "rewritten")
+    n_dec, n_near = kinds.count("declined"), kinds.count("near_miss")
+    avoided = sum(r["bytes_avoided"] for r in found if r["kind"] == "rewritten")
     parts = [f"{n_rw} region{'s' if n_rw != 1 else ''} rewritten"]
     if n_would:
         parts.append(f"{n_would} would be rewritten (report_only)")
     parts.append(f"{n_dec} declined")
+    if n_near:
+        parts.append(f"{n_near} near miss{'es' if n_near != 1 else ''}")
     lines = []
-    if groups:
-        lines.append(f"{head}: {', '.join(parts)}; estimated FP32 bytes avoided: {_size(avoided)}"
-                     " (one FP32 [.., V] tensor per region per call)")
+    if found:
+        lines.append(f"{head}: {', '.join(parts)}; estimated bytes avoided per call: {_size(avoided)}")
     elif data["graphs_seen"] or data["counters"]:
         lines.append(f"{head}: {data['graphs_seen']} graph(s) compiled, no FP32 upcast of bf16/fp16 "
                      "logits into log_softmax/softmax/logsumexp/cross_entropy found")
     else:
         lines.append(f"{head}: no graph was compiled with Inductor in this process; nothing rewritten")
-    label = {"rewritten": "rewritten", "would_rewrite": "would rewrite", "declined": "declined"}
-    for (kind, where, what, _reason), es in groups.items():
-        times = f" (x{len(es)} compiles)" if len(es) > 1 else ""
-        if kind == "declined":
-            lines.append(f"  {label[kind]:<13} at {_short(where)}{times}")
-            lines.append(f"  {'':<13} {what}")
+    label = {"rewritten": "rewritten", "would_rewrite": "would rewrite", "declined": "declined",
+             "near_miss": "near miss"}
+    for r in found:
+        kind, times = r["kind"], f" (x{r['compiles']} compiles)" if r["compiles"] > 1 else ""
+        if kind in ("declined", "near_miss"):
+            lines.append(f"  {label[kind]:<13} at {_short(r['where'])}{times}")
+            lines.append(f"  {'':<13} {r['what']}")
         else:
-            size = es[0]["fp32_bytes_avoided"]
-            lines.append(f"  {label[kind]:<13} {what}, {_size(size) if size else 'symbolic size'}{times}")
-            lines.append(f"  {'':<13} at {_short(where)}")
+            size = r["bytes_avoided"]
+            avoided = f"{_size(size) if size else 'no'} bytes avoided"
+            lines.append(f"  {label[kind]:<13} {r['what']}, {avoided}{times}")
+            lines.append(f"  {'':<13} at {_short(r['where'])}")
     failed = data["counters"].get("pass_failed", 0)
     if failed:
         lines.append(f"  the pass failed on {failed} graph(s), which were compiled unchanged "
