@@ -17,7 +17,8 @@ from torch._dynamo.utils import counters
 
 from .session import Event, session
 
-__all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline"]
+__all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline",
+           "record_near_miss", "near_misses"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -72,3 +73,16 @@ def record_decline(where: str, decline: Decline) -> None:
     counters[COUNTER][f"declined:{decline.reason.name}"] += 1
     session.record(Event("declined", where, str(decline), reason=decline.reason))
     log.info("chunked_logits: declined region at %s: %s", where, decline)
+
+
+# (where, message) of each near miss: a graph the pass left alone where a one-line
+# change would let it rewrite; each said once.
+near_misses: dict[tuple[str, str], None] = {}
+
+
+def record_near_miss(where: str, message: str) -> None:
+    if (where, message) in near_misses:
+        return
+    near_misses[(where, message)] = None
+    counters[COUNTER]["near_miss"] += 1
+    log.warning("chunked_logits: near miss: %s at %s", message, where)
