@@ -187,8 +187,8 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     if head is None:
         return None, why
     outside = [u for u in x.users if u not in reads]
-    if region.meta_users or any(u.op != "output" for u in outside) or (views and outside) or any(
-            len(v.users) != 1 for v in views[1:] + [src] if views):
+    sliced_elsewhere = bool(views) and (bool(outside) or any(len(v.users) != 1 for v in [*views[1:], src]))
+    if region.meta_users or any(u.op != "output" for u in outside) or sliced_elsewhere:
         return None, READ_ELSEWHERE
     head.returned, head.views = bool(outside), tuple(reversed(views))
     if not model_precision_operands(head, x):

@@ -268,6 +268,7 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
         config.upgrade_low_precision
     out: list[Region | tuple[Node, Decline]] = []
     seen: set[Node] = set()
+    hinted: set[Any] = set()  # model-precision logits a near miss was said for
     for node in list(graph.nodes):
         if canon(node) not in HEADS:
             continue
@@ -277,8 +278,8 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
                                                upgrade=upgrade_low_precision)
         else:
             if not is_fp32(tensor_input(node)):
-                if tensor_input(node) not in seen:  # (one hint per logits)
-                    seen.add(tensor_input(node))
+                if tensor_input(node) not in hinted:  # (one hint per logits)
+                    hinted.add(tensor_input(node))
                     model_precision_head(node, upgrade_low_precision)
                 continue
             root = walk_back(node)

@@ -43,7 +43,7 @@ def loss_outside(graph: Graph) -> None:
         if not (wide or from_lm_head(x)) or any(canon(u) in HEADS for u in x.users):
             continue
         record_near_miss(where(x), (
-            f"the compiled graph returns the {_dtype(v)} logits {x.name} {tuple(v.shape)} and computes no "
+            f"the compiled graph returns the {_dtype(v)} logits {x.name} [.., {v.shape[-1]}] and computes no "
             "loss from them, so there is nothing to rewrite: compile the function that computes the loss "
             "too (torch.compile a step function that calls the model and the loss, or give the model the "
             "labels so that its forward computes the loss), with no graph break between them"))
@@ -70,13 +70,14 @@ def index_spelling(decline: Decline) -> None:
     """``decline`` (an op the pass does not know reads the region) names advanced
     indexing of the log-probs: say how to write it so the pass takes it."""
     reader: Optional[Node] = getattr(decline, "reader", None)
-    if reader is None or canon(reader) != "getitem":
+    src = tensor_input(reader) if reader is not None and canon(reader) == "getitem" else None
+    if not isinstance(src, Node) or canon(src) not in ("log_softmax", "softmax"):
         return
     index = get_arg(reader, "index")
     index = index if isinstance(index, tuple) else (index,)
-    if not any(isinstance(i, Node) for i in index):
-        return
-    src, spelled = tensor_input(reader), ", ".join(_arg(i) for i in index)
+    if len(index) != meta(src).dim() or not isinstance(index[-1], Node):
+        return  # (not one vocabulary entry per row picked: e.g. a mask of rows)
+    spelled = ", ".join(_arg(i) for i in index)
     record_near_miss(where(reader), (
         f"{reader.name} reads {src.name} by advanced indexing ({src.name}[{spelled}]), "
         "which the pass does not take (it takes lp[torch.arange(N), tokens] of [N, V] log-probs): write it "
