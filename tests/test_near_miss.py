@@ -135,6 +135,20 @@ def test_logits_row_slice_read_elsewhere_keeps_the_matmul_and_says_why(caplog):
     assert "lm_head not fused: the logits are also used outside the region" in caplog.text
 
 
+def test_hidden_changed_between_the_matmul_and_the_slice_keeps_the_matmul(caplog):
+    def fn(h, w, tok):
+        h = h * 1
+        logits = h @ w.T
+        h.mul_(0.5)  # the fused loop would read h after this: the matmul stays whole
+        return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tok[:, 1:, None])
+
+    h, w, tok = _tensors(("x", (2, T, H)), ("w", (V, H)), ("tok", (2, T)))
+    with caplog.at_level("INFO", logger="fx_passes"):
+        transform(dynamo_graph(fn, h, w, tok), Config())
+    assert chunked_counters() == {"rewritten": 1, "lm_head_not_fused": 1}
+    assert "lm_head not fused: MUTATION" in caplog.text
+
+
 # --- the loss outside the compiled function ------------------------------------------
 
 class TinyLM(torch.nn.Module):
