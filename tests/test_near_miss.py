@@ -114,10 +114,16 @@ def last_k_entropy(h, w, up=F32):
     return -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
 
 
-@pytest.mark.parametrize("fn", [shifted_logprob, last_k_entropy], ids=["shift", "last_k"])
+def softcapped_shift_ce(h, w, tok, up=F32):
+    logits = (torch.tanh((h @ w.T) / 3.0) * 3.0)[:, :-1]  # Gemma2's softcap, then the shift
+    return F.cross_entropy(logits.to(up).flatten(0, 1), tok[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("fn", [shifted_logprob, last_k_entropy, softcapped_shift_ce],
+                         ids=["shift", "last_k", "softcap_shift"])
 def test_logits_row_slice_fuses_the_lm_head(fn):
     h, w, tok = _tensors(("x", (2, T, H)), ("w", (V, H)), ("tok", (2, T)))
-    inputs = [h, w, tok] if fn is shifted_logprob else [h, w]
+    inputs = [h, w] if fn is last_k_entropy else [h, w, tok]
     moved = _no_worse_than_stock(fn, inputs, (0, 1), chunk_budget_mib=0.01)
     assert moved == {"rewritten": 1, "lm_head_fused": 1}, moved
 

@@ -183,7 +183,7 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     x = region.x
     reads = set(region.roles) | ({region.moved_scale} if region.moved_scale is not None else set())
     views, src = _row_slices(x)
-    head, why = _unwind(src, set(views)) if isinstance(x, Node) else (None, "")
+    head, why = _unwind(src, reads | set(views)) if isinstance(x, Node) else (None, "")
     if head is None:
         return None, why
     outside = [u for u in x.users if u not in reads]
