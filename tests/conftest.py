@@ -3,6 +3,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+from fx_passes.reporting.report import near_misses
 from fx_passes.reporting.session import session
 
 
@@ -14,6 +15,7 @@ def _fresh_dynamo(request):
     torch._dynamo.reset()
     counters.clear()
     session.reset()
+    near_misses.clear()
     yield
     failed = counters["chunked_logits"].get("pass_failed", 0)
     torch._dynamo.reset()
