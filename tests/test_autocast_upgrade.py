@@ -190,8 +190,8 @@ def test_upgrade_through_launcher_and_env_switch(tmp_path, how):
     }[how]
     out, err = _run_script(tmp_path, argv, **env)
     if how.endswith("unset"):  # off by default: the bf16 graph and its error stay
-        assert out["counters"] == {} and out["dtype"] == "torch.bfloat16" and out["err"] > 1e-2
-        assert "upgraded to FP32" not in err
+        assert out["counters"] == {"near_miss": 1} and out["dtype"] == "torch.bfloat16" and out["err"] > 1e-2
+        assert "upgraded to FP32" not in err and "set upgrade_low_precision=True" in err
     else:
         assert out["counters"] == {"rewritten": 1} and out["dtype"] == "torch.float32"
         assert out["err"] <= 1e-4
