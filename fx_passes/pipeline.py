@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import pathlib
+from typing import Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -23,9 +24,11 @@ from .config import Config
 from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
 from .fx.graph_ops import meta
 from .match.logits import Region, find_regions
+from .match.near_miss import loss_outside
 from .match.region import Role
+from .match.region import where as _where
 from .match.row_local import find_row_region
-from .match.upcast import upcast_behind, upcast_input
+from .match.upcast import upcast_ancestor, upcast_behind, upcast_input
 from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome
 from .reporting.report import COUNTER, Decline, Reason, log, record_decline, record_rewrite
@@ -40,12 +43,6 @@ __all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash"]
 # Marks a graph this package has already transformed, so that the backend plus an
 # installed pre-grad pass (or two installs) rewrite each region once.
 _DONE = "_chunked_logits_done"
-
-
-def _where(node: torch.fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-    return f"{node.name} ({lines[-1]})" if lines else node.name
 
 
 def _shard_regions(graph: Graph, config: Config) -> set[Node]:
@@ -130,12 +127,15 @@ ROW_LOCAL_RETRIES = {Reason.UNKNOWN_OP, Reason.LOSS_OPTIONS, Reason.ESCAPES, Rea
                      Reason.INDEX_SHAPE, Reason.NOT_LAST_DIM, Reason.TEMPERATURE, Reason.ORDER}
 
 
-def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken: set[Node]) -> None:
+def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken: set[Node],
+               declined: set[Node]) -> None:
     """A region the hand-derived path declined (``decline`` at ``node``): rewrite it as a
-    row-local region (:mod:`fx_passes.match.row_local`) or record why not."""
+    row-local region (:mod:`fx_passes.match.row_local`) or record why not (and add its
+    upcast to ``declined``)."""
     if node in taken:
         return  # absorbed by a row-local region already (a teacher's upcast)
     seed = node if upcast_input(node) is not None else upcast_behind(node)
+    declined.update(filter(None, (node, seed)))
     if not config.row_local or decline.reason not in ROW_LOCAL_RETRIES or seed is None or seed in taken:
         record_decline(_where(node), decline)
         return
@@ -150,6 +150,7 @@ def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken
         # (the same reason twice: the hand-derived path's words, which docs/declines.md shows)
         record_decline(_where(node), decline if d.reason is decline.reason else d)
         return
+    declined.difference_update((node, seed))
     taken.update(region.nodes)
     counters[COUNTER]["row_local"] += 1
     record_rewrite(where, _counted(outcome, what, "row_local_lm_head"), nbytes, report_only=False)
@@ -160,16 +161,37 @@ def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
     return node in upcasts or (upcast_input(node) is None and upcast_behind(node) in upcasts)
 
 
+def _inner(found: Region | tuple[Node, Decline]) -> Optional[Node]:
+    """The upcast whose region holds a candidate declined as "FP32 already" (a tensor
+    computed from that upcast through ops the matcher does not follow), else None."""
+    if isinstance(found, Region) or found[1].reason is not Reason.NOT_LOW_PRECISION:
+        return None
+    return upcast_ancestor(found[0])
+
+
+def _inner_last(found: list[Region | tuple[Node, Decline]]) -> list[Region | tuple[Node, Decline]]:
+    """Candidates inside another's region after it: taken or declined with it."""
+    return sorted(found, key=lambda f: _inner(f) is not None)
+
+
 def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
     session.start_run()
     shard_upcasts = _shard_regions(graph, config)
     taken: set[Node] = set()  # nodes of row-local regions rewritten
-    for found in find_regions(graph, config):
+    declined: set[Node] = set()  # roots and upcasts of regions declined
+    candidates = find_regions(graph, config)
+    if not candidates and not shard_upcasts:
+        loss_outside(graph)  # (a near miss when the graph returns logits)
+    for found in _inner_last(candidates):
         if shard_upcasts and _handled(found, shard_upcasts):
             continue
+        if isinstance(found, tuple) and (up := _inner(found)) is not None and (
+                found[0] in taken or up in taken or up in declined):
+            log.debug("chunked_logits: %s is inside the region of %s", found[0].name, up.name)
+            continue  # (one region, one outcome: no second decline for a tensor inside it)
         if isinstance(found, tuple):
-            _row_local(graph, found[0], found[1], config, taken)
+            _row_local(graph, found[0], found[1], config, taken, declined)
             continue
         region: Region = found
         if taken and (region.upcast in taken or any(n in taken for n in region.roles)):
@@ -185,7 +207,7 @@ def run_passes(graph: Graph, config: Config) -> None:
         try:
             outcome = rewrite_region(graph, region, config)
         except Decline as d:  # raised before the graph is touched
-            _row_local(graph, region.upcast, d, config, taken)
+            _row_local(graph, region.upcast, d, config, taken, declined)
             continue
         what = _counted(outcome, what, "lm_head_fused")
         for call in fused_calls(graph) - fused if config.gradients_in_forward else ():

@@ -203,10 +203,11 @@ class Case:
 
     @property
     def lm_head_x(self) -> bool:
-        """Are the model-precision logits a region reads the lm_head matmul's output itself?
+        """Are the model-precision logits a region reads the lm_head matmul's output itself
+        (or a row slice of it: the shift before the upcast)?
         (A temperature before the upcast is moved after it when those logits feed only this
         region and it is not per-row.)"""
-        if self.lm_head == "none" or self.mask == "graph" or self.shift == "before":
+        if self.lm_head == "none" or self.mask == "graph":  # (a shift before the upcast: done on hidden)
             return False
         if self.temp != "none" and self.temp_where == "before":
             return self.temp != "per_row" and self.twist != "two_regions"

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, is_low_precision, meta, scaled_by_number
+from ..fx.graph_ops import canon, is_low_precision, meta, scaled_by_number, tensor_input
+from .upcast import is_row_view
 
-__all__ = ["LMHead", "match_lm_head", "producer", "model_precision_operands", "NOT_MODEL_PRECISION",
-           "READ_ELSEWHERE", "FUSION_OFF", "TRANSFORMS_KNOWN"]
+__all__ = ["LMHead", "match_lm_head", "producer", "from_lm_head", "model_precision_operands",
+           "NOT_MODEL_PRECISION", "READ_ELSEWHERE", "FUSION_OFF", "TRANSFORMS_KNOWN"]
 
 TRANSFORMS_KNOWN = "x / c, x * c and tanh(x), c a constant"
 _MAX_TRANSFORMS = 8  # how far back from the upcast the logit transforms are followed
@@ -47,6 +48,7 @@ class LMHead:
     chain: tuple[Node, ...] = ()  # the logit transforms' nodes, matmul side first, erased too
     transforms: str = ""  # their encoding for the op: "div:<c>,tanh,mul:<c>" (float.hex)
     returned: bool = False  # the graph returns the logits too: the loop writes them
+    views: tuple[Node, ...] = ()  # row slices of the logits before the upcast ([:, :-1]), done on hidden
 
 
 _SWAPS = ((0, 1), (1, 0), (-1, -2), (-2, -1))  # transpose(a, b) of a 2-D weight
@@ -143,6 +145,23 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
     return head, ""
 
 
+def _row_slices(x: Any) -> tuple[list[Node], Any]:
+    """(the row slices ``x`` is of the lm_head's logits, ``x``'s side first; what they
+    slice): ``(h @ w.T)[:, :-1]`` slices the hidden states as well, ``h[:, :-1] @ w.T``."""
+    views = []
+    while isinstance(x, Node) and canon(x) == "getitem" and isinstance(src := tensor_input(x), Node) \
+            and is_row_view(x, src):
+        views.append(x)
+        x = src
+    return views, x
+
+
+def from_lm_head(x: Node) -> bool:
+    """Is ``x`` an lm_head's logits (through known transforms and row slices)?"""
+    views, src = _row_slices(x)
+    return isinstance(src, Node) and _unwind(src, set(views))[0] is not None
+
+
 # why the matmul stays whole (rewrite/logits.py and rewrite/row_local.py say them too)
 NOT_MODEL_PRECISION = "the matmul's operands are not a model-precision [.., H] x [V, H] lm_head"
 READ_ELSEWHERE = "the logits are also used outside the region; the matmul runs once in full"
@@ -163,13 +182,15 @@ def match_lm_head(region) -> tuple[Optional[LMHead], str]:
     """The lm_head producing the region's logits, or None with the reason it stays."""
     x = region.x
     reads = set(region.roles) | ({region.moved_scale} if region.moved_scale is not None else set())
-    head, why = _unwind(x, reads) if isinstance(x, Node) else (None, "")
+    views, src = _row_slices(x)
+    head, why = _unwind(src, reads | set(views)) if isinstance(x, Node) else (None, "")
     if head is None:
         return None, why
     outside = [u for u in x.users if u not in reads]
-    if region.meta_users or any(u.op != "output" for u in outside):
+    sliced_elsewhere = bool(views) and (bool(outside) or any(len(v.users) != 1 for v in [*views[1:], src]))
+    if region.meta_users or any(u.op != "output" for u in outside) or sliced_elsewhere:
         return None, READ_ELSEWHERE
-    head.returned = bool(outside)
+    head.returned, head.views = bool(outside), tuple(reversed(views))
     if not model_precision_operands(head, x):
         return None, NOT_MODEL_PRECISION
     for view in region.views:

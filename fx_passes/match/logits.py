@@ -35,7 +35,8 @@ from ..fx.graph_ops import (
     tensor_input,
 )
 from ..reporting.report import Decline, Reason
-from .region import SINK_ROLES, TERMINAL_ROLES, Region, Role, Sink, make_sink, region_index
+from .near_miss import index_spelling, model_precision_head
+from .region import SINK_ROLES, TERMINAL_ROLES, Region, Role, Sink, make_sink, region_index, row_indexed
 from .upcast import (
     HEADS,
     implicit_root,
@@ -197,7 +198,9 @@ class _Matcher:
         if any(o.op == "output" for o in node.users) and self.roles.get(node) not in SINK_ROLES:
             # the FP32 tensor itself is a graph output: that decides, whatever else reads it
             raise Decline(Reason.ESCAPES, f"{node.name} is read by the graph output")
-        raise Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
+        d = Decline(Reason.UNKNOWN_OP, f"{u.name} ({u.target}) reads {node.name}")
+        d.reader = u  # (near_miss.index_spelling reads it)
+        raise d
 
     def _fp32_head(self, head: Node) -> bool:
         """In implicit mode: does this head of the low-precision logits compute in FP32?"""
@@ -225,6 +228,8 @@ class _Matcher:
         if op in ("gather", "take_along_dim", "nll_loss") and kind == Role.LOG_SOFTMAX \
                 and tensor_input(u) is src:
             return Role.LOSS if op == "nll_loss" else Role.LOGPROB
+        if op == "getitem" and kind == Role.LOG_SOFTMAX and row_indexed(u, src):
+            return Role.LOGPROB  # L[arange(N), tok]: a gather
         return None
 
     def _head_role(self, u: Node, src: Node, op: str) -> Optional[Role]:
@@ -263,6 +268,7 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
         config.upgrade_low_precision
     out: list[Region | tuple[Node, Decline]] = []
     seen: set[Node] = set()
+    hinted: set[Any] = set()  # model-precision logits a near miss was said for
     for node in list(graph.nodes):
         if canon(node) not in HEADS:
             continue
@@ -272,6 +278,9 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
                                                upgrade=upgrade_low_precision)
         else:
             if not is_fp32(tensor_input(node)):
+                if tensor_input(node) not in hinted:  # (one hint per logits)
+                    hinted.add(tensor_input(node))
+                    model_precision_head(node, upgrade_low_precision)
                 continue
             root = walk_back(node)
             matcher = _Matcher(root, temperature_after_upcast)
@@ -294,6 +303,7 @@ def find_regions(graph: Graph, config: Config = Config()) -> list[Region | tuple
         try:
             out.append(matcher.match())
         except Decline as d:
+            index_spelling(d)
             if not not_logits(root, d):
                 out.append((root, d))
     return out

@@ -13,12 +13,13 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fx.graph_ops import canon, get_arg, last_dim, meta, tensor_input
 from ..reporting.report import Decline, Reason
 
 __all__ = ["Role", "Sink", "Region", "SINK_ROLES", "TERMINAL_ROLES", "ENTROPY_ROLES", "make_sink",
-           "region_index"]
+           "region_index", "row_indexed", "where"]
 
 
 class Role(str, enum.Enum):
@@ -32,7 +33,7 @@ class Role(str, enum.Enum):
     P_LOGP = "p_logp"  # P * L
     P_Z = "p_z"  # P * z
     # sinks: the per-row results, which anything may read
-    LOGPROB = "logprob"  # L.gather(-1, tok[..., None]) / take_along_dim
+    LOGPROB = "logprob"  # L.gather(-1, tok[..., None]) / take_along_dim / L[arange(N), tok]
     LOSS = "loss"  # cross_entropy(z, labels) / nll_loss(L, labels)
     NEG_ENTROPY = "neg_entropy"  # (P * L).sum(-1)
     ENTROPY = "entropy"  # logsumexp(z) - (P * z).sum(-1)
@@ -53,6 +54,7 @@ class Sink:
     keepdim: bool = False
     ignore_index: Any = -100  # an int, or a SymInt input's placeholder
     reduction: str = "none"
+    indexed: bool = False  # a log-prob read as L[arange(N), tok] (no trailing dim of 1)
 
 
 @dataclasses.dataclass
@@ -95,6 +97,8 @@ def make_sink(node: Node, role: Role, roles: dict[Node, Role], z: Node) -> Optio
     if role in (Role.LSE, Role.NEG_ENTROPY, Role.EXPECTED_Z, Role.ENTROPY):
         head = tensor_input(node) if role == Role.ENTROPY else node
         return Sink(node, role, keepdim=bool(get_arg(head, "keepdim", False)))
+    if role == Role.LOGPROB and canon(node) == "getitem":
+        return Sink(node, role, indexed=True)
     if role == Role.LOGPROB:
         dim = get_arg(node, "dim")
         if not last_dim(dim, meta(node).dim()):
@@ -129,10 +133,11 @@ def region_index(sinks: list[Sink], z: Node) -> Optional[Node]:
     found = set()
     for s in sinks:
         if s.role == Role.LOGPROB:
-            idx = get_arg(s.node, "index" if canon(s.node) == "gather" else "indices")
+            idx = get_arg(s.node, "index" if canon(s.node) in ("gather", "getitem") else "indices")
+            idx, one = (idx[1], ()) if s.indexed else (idx, (1,))
             vi, vz = meta(idx), meta(z)
             if (not isinstance(vi, torch.Tensor) or vi.dtype != torch.int64
-                    or tuple(vi.shape) != tuple(vz.shape[:-1]) + (1,)):
+                    or tuple(vi.shape) != tuple(vz.shape[:-1]) + one):
                 raise Decline(Reason.INDEX_SHAPE, f"{s.node.name} index shape "
                               f"{tuple(getattr(vi, 'shape', ()))} for logits {tuple(vz.shape)}")
             found.add(("gather", idx))
@@ -151,3 +156,38 @@ def region_index(sinks: list[Sink], z: Node) -> Optional[Node]:
 def _is_int_input(node: Node) -> bool:
     """An int the compiled function receives (a SymInt input under dynamic=True)."""
     return node.op == "placeholder" and isinstance(meta(node), torch.SymInt)
+
+
+def row_indexed(node: Node, src: Node) -> bool:
+    """Is ``node`` ``src[arange(N), tok]``: one entry per row of the ``[N, V]`` tensor
+    ``src`` picked by advanced indexing (a gather spelled as an index)?"""
+    index = get_arg(node, "index") if canon(node) == "getitem" and tensor_input(node) is src else None
+    vs = meta(src)
+    if not (isinstance(index, tuple) and len(index) == 2 and isinstance(vs, torch.Tensor) and vs.dim() == 2):
+        return False
+    rows, cols = index
+    vr, vc = meta(rows) if isinstance(rows, Node) else None, meta(cols) if isinstance(cols, Node) else None
+    return (_is_arange(rows) and _per_row(vr, vs.shape[0]) and _per_row(vc, vs.shape[0])
+            and vc.dtype == torch.int64)
+
+
+def _per_row(v: Any, n: Any) -> bool:
+    """A tensor of shape ``[n]`` for every value of its symbols."""
+    return isinstance(v, torch.Tensor) and v.dim() == 1 and statically_known_true(v.shape[0] == n)
+
+
+def _is_arange(node: Node) -> bool:
+    """``torch.arange(n)`` / ``torch.arange(0, n)`` / ``torch.arange(0, n, 1)`` (its length checked apart)."""
+    if node.op != "call_function" or node.target is not torch.arange:
+        return False
+    names = ("start", "end", "step") if len(node.args) > 1 else ("end",)
+    args = {**dict(zip(names, node.args)), **node.kwargs}
+    dtype = args.get("dtype", torch.int64)
+    return args.get("start", 0) == 0 and args.get("step", 1) == 1 and dtype == torch.int64
+
+
+def where(node: Node) -> str:
+    """``node``'s name and the user's source line it comes from, for the log."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+    return f"{node.name} ({lines[-1]})" if lines else node.name

@@ -11,9 +11,10 @@ model-precision logits ``[rows, .., V]`` and takes in every op that reads one of
 tensors and acts on each row on its own:
 
 * pointwise ops (ATen's own ``pointwise`` tag, random ones excepted), conversions,
-  ``detach`` / ``clone``, with operands that are region tensors, per-row tensors
-  (dim 0 of size rows, as many dims as the result) or broadcast ones (no dim 0 of
-  size rows: scalars, ``[V]`` vectors, 0-d tensors);
+  ``detach`` / ``clone``, ``zeros_like`` / ``full_like`` ... (which read only the
+  shape), with operands that are region tensors, per-row tensors (dim 0 of size rows,
+  as many dims as the result) or broadcast ones (no dim 0 of size rows: scalars,
+  ``[V]`` vectors, 0-d tensors);
 * reductions, softmaxes, scans, sorts and ``topk`` along dims other than 0;
   ``gather`` / ``scatter`` / ``take_along_dim`` along them, with per-row indices;
 * indexing that keeps dim 0 whole (``x[:, :k]``, ``x[..., -1, None]``), ``unsqueeze``
@@ -62,6 +63,7 @@ _ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_an
 _REFLECTED = {"radd", "rmul", "rtruediv", "rfloordiv", "rpow", "rand", "ror", "rxor", "rmod"}
 _CONVERSIONS = {"float", "double", "half", "bfloat16", "long", "int", "bool", "type_as"}
 _IDENTITIES = {"detach", "clone", "contiguous", "alias"}
+_LIKE = {"zeros_like", "ones_like", "full_like", "empty_like"}  # (not new_*: their size is given)
 ALL, REQUIRED = "all", "required"
 # op -> (position of its dim argument after the tensor, what no dim means)
 _ALONG: dict[str, tuple[int, Any]] = {
@@ -204,7 +206,7 @@ def check_row_local(node: Node) -> Optional[str]:
         if isinstance(meta(src), (tuple, list)):
             return None if isinstance(node.args[1], int) else "indexes a tuple by a value"
         return None if _keeps_rows(node) else "indexes dim 0 (the rows)"
-    if canon(node) == "convert" or name in _CONVERSIONS | _IDENTITIES:
+    if canon(node) == "convert" or name in _CONVERSIONS | _IDENTITIES | _LIKE:  # (_LIKE: reads the shape)
         out = meta(node)
         same_device = isinstance(out, torch.Tensor) and out.device == meta(src).device
         return None if same_device else "moves the tensor to another device"

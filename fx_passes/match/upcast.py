@@ -27,7 +27,7 @@ from ..fx.graph_ops import (
 from ..reporting.report import Decline, Reason, log
 
 __all__ = ["ROW_VIEWS", "HEADS", "upcast_input", "upcast_behind", "is_row_view", "scalar_operand",
-           "scaled_operand", "walk_back", "implicit_root", "not_logits"]
+           "scaled_operand", "walk_back", "implicit_root", "not_logits", "upcast_ancestor"]
 
 ROW_VIEWS = {"getitem", "reshape", "flatten", "contiguous"}
 HEADS = {"log_softmax", "softmax", "logsumexp", "cross_entropy"}
@@ -150,6 +150,25 @@ def upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
         for n in frontier:
             for src in n.all_input_nodes:
                 if src in seen or not is_fp32(src) or getattr(meta(src), "shape", None) != meta(node).shape:
+                    continue
+                if upcast_input(src) is not None:
+                    return src
+                seen.add(src)
+                nxt.append(src)
+        frontier = nxt
+    return None
+
+
+def upcast_ancestor(node: Node, depth: int = 16) -> Optional[Node]:
+    """The nearest upcast of model-precision logits that ``node`` is computed from, a few
+    ops back through anything (a sort's tuple, a mask): an FP32 tensor inside the region
+    of that upcast, declined or rewritten with it, not a region of its own."""
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for src in n.all_input_nodes:
+                if src in seen:
                     continue
                 if upcast_input(src) is not None:
                     return src

@@ -184,7 +184,7 @@ def plan_rewrite(graph: Graph, region: Region, config: Config) -> _Plan:
         raise Decline(Reason.LOSS_OPTIONS, "losses with different ignore_index")
     lm_head, why = match_lm_head(region) if config.fuse_lm_head else (None, FUSION_OFF)
     if lm_head is not None:  # the loop also computes the matmul at the anchor: the same rule from there
-        head_nodes = [lm_head.logits, *lm_head.chain, *filter(None, [lm_head.transpose])]
+        head_nodes = [lm_head.logits, *lm_head.chain, *lm_head.views, *filter(None, [lm_head.transpose])]
         try:
             operands = [o for o in (lm_head.hidden, lm_head.weight, lm_head.bias) if o is not None]
             detach = check_placement(graph, [*absorbed, *head_nodes], anchor,
@@ -205,9 +205,10 @@ def rewrite_region(graph: Graph, region: Region, config: Config) -> Outcome:
         plan.anchor.prepend(n)
     e = Emitter(graph, plan.anchor)
     lm_head = plan.lm_head
-    src = lm_head.hidden if lm_head else region.x
-    twins: dict[Node, Node] = {region.upcast: src}
-    xv = src
+    xv = lm_head.hidden if lm_head else region.x
+    for view in lm_head.views if lm_head else ():  # (h @ w.T)[:, :-1] is h[:, :-1] @ w.T
+        xv = _replay_view(e, view, xv)
+    twins: dict[Node, Node] = {region.upcast: xv}
     for view in region.views:
         xv = _replay_view(e, view, xv, on_hidden=lm_head is not None)
         twins[view] = xv
@@ -233,6 +234,8 @@ def _emit_tokens(e: Emitter, region: Region, plan: _Plan) -> tuple[Node | None, 
     """(token indices with one per row, the not-ignored mask of a loss, or None)."""
     if region.index is None:
         return None, None
+    if not plan.loss and meta(region.index).dim() < meta(region.z).dim():  # L[arange(N), tok]: tok
+        return region.index, None
     if not plan.loss:  # gather: the index without its trailing 1
         return _unsqueezed(region.index) or e.method("squeeze", region.index, -1), None
     valid = e.function(operator.ne, region.index, plan.ignore_index)
@@ -251,7 +254,7 @@ def _replace_sinks(e: Emitter, region: Region, stats: Node, valid: Node | None, 
 
     for sink in region.sinks:
         if sink.role == Role.LOGPROB:
-            value = e.method("unsqueeze", out(1), -1)
+            value = out(1) if sink.indexed else e.method("unsqueeze", out(1), -1)
         elif sink.role == Role.LSE:
             value = out(0)
         elif sink.role == Role.ENTROPY:
@@ -275,12 +278,17 @@ def _replace_sinks(e: Emitter, region: Region, stats: Node, valid: Node | None, 
 
 def _erase_region(graph: Graph, region: Region, plan: _Plan) -> None:
     """Erase the region's nodes (and the lm_head matmul, the token unsqueeze) now unused."""
+    aranges = [get_arg(s.node, "index")[0] for s in region.sinks if s.indexed]  # (L[arange(N), tok])
     for node in sorted(region.roles, key=plan.order.__getitem__, reverse=True):
         graph.erase_node(node)
+    for node in dict.fromkeys(aranges):
+        if not node.users:
+            graph.erase_node(node)
     if region.moved_scale is not None:
         graph.erase_node(region.moved_scale)
     if plan.lm_head is not None:
-        for n in (*reversed(plan.lm_head.chain), plan.lm_head.logits, plan.lm_head.transpose):
+        for n in (*reversed(plan.lm_head.views), *reversed(plan.lm_head.chain), plan.lm_head.logits,
+                  plan.lm_head.transpose):
             if n is not None and not n.users:
                 graph.erase_node(n)
     index = region.index

@@ -1,0 +1,98 @@
+"""Near misses: graphs the pass leaves alone where a one-line change would let it
+rewrite them.  Each is said once, as a WARNING naming what to change
+(``chunked_logits: near miss: ...``, :func:`fx_passes.reporting.report.record_near_miss`):
+
+* the graph returns model-precision logits and nothing in it reduces them: the loss is
+  computed outside the compiled function (:func:`loss_outside`);
+* ``log_softmax`` / ``softmax`` / ``logsumexp`` of model-precision logits computed in
+  model precision, with ``upgrade_low_precision`` off (:func:`model_precision_head`);
+* log-probs read by advanced indexing the matcher does not take (:func:`index_spelling`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from ..fx.graph_ops import canon, get_arg, is_low_precision, last_dim, meta, tensor_input
+from ..reporting.report import Decline, record_near_miss
+from .lm_head import from_lm_head
+from .region import where
+from .upcast import HEADS, reduces_rows
+
+__all__ = ["LOGITS_MIN_VOCAB", "loss_outside", "model_precision_head", "index_spelling"]
+
+# A returned model-precision tensor with a last dim this wide is taken for logits even
+# when no lm_head matmul is seen making it (Llama 2's vocabulary, the smallest common one;
+# hidden sizes stay below it).
+LOGITS_MIN_VOCAB = 32000
+
+
+def loss_outside(graph: Graph) -> None:
+    """The graph returns model-precision logits ``[.., V]`` (an lm_head matmul's output,
+    or a last dim of at least ``LOGITS_MIN_VOCAB``) that no softmax / loss in it reads.
+    (The caller calls it for a graph with no candidate region.)"""
+    out = next(iter(graph.find_nodes(op="output")), None)
+    for x in _nodes(out.args) if out is not None else []:
+        v = meta(x)
+        if not (isinstance(v, torch.Tensor) and v.dim() >= 2 and is_low_precision(v)):
+            continue
+        wide = isinstance(v.shape[-1], int) and v.shape[-1] >= LOGITS_MIN_VOCAB
+        if not (wide or from_lm_head(x)) or any(canon(u) in HEADS for u in x.users):
+            continue
+        record_near_miss(where(x), (
+            f"the compiled graph returns the {_dtype(v)} logits {x.name} [.., {v.shape[-1]}] and computes no "
+            "loss from them, so there is nothing to rewrite: compile the function that computes the loss "
+            "too (torch.compile a step function that calls the model and the loss, or give the model the "
+            "labels so that its forward computes the loss), with no graph break between them"))
+
+
+def model_precision_head(head: Node, upgrade: bool) -> None:
+    """``head`` (a log_softmax / softmax / logsumexp over the last dim) computes in model
+    precision on model-precision logits that a vocabulary reduction reads, and the
+    option that would take it is off."""
+    x = tensor_input(head)
+    if upgrade or canon(head) not in ("log_softmax", "softmax", "logsumexp") or not isinstance(x, Node):
+        return
+    if not (is_low_precision(x) and is_low_precision(head) and last_dim(get_arg(head, "dim"), meta(x).dim())
+            and reduces_rows(x)):
+        return
+    record_near_miss(where(head), (
+        f"{canon(head)} of the {_dtype(meta(x))} logits {x.name} is computed in {_dtype(meta(x))} (no FP32 "
+        "upcast, nothing to remove): to have it computed in FP32 per chunk of rows, with no FP32 copy of "
+        "the logits, set upgrade_low_precision=True (options={'upgrade_low_precision': True} or "
+        "Config(upgrade_low_precision=True)); results become FP32"))
+
+
+def index_spelling(decline: Decline) -> None:
+    """``decline`` (an op the pass does not know reads the region) names advanced
+    indexing of the log-probs: say how to write it so the pass takes it."""
+    reader: Optional[Node] = getattr(decline, "reader", None)
+    src = tensor_input(reader) if reader is not None and canon(reader) == "getitem" else None
+    if not isinstance(src, Node) or canon(src) not in ("log_softmax", "softmax"):
+        return
+    index = get_arg(reader, "index")
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) != meta(src).dim() or not isinstance(index[-1], Node):
+        return  # (not one vocabulary entry per row picked: e.g. a mask of rows)
+    spelled = ", ".join(_arg(i) for i in index)
+    record_near_miss(where(reader), (
+        f"{reader.name} reads {src.name} by advanced indexing ({src.name}[{spelled}]), "
+        "which the pass does not take (it takes lp[torch.arange(N), tokens] of [N, V] log-probs): write it "
+        f"as {src.name}.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)"))
+
+
+def _nodes(args) -> list[Node]:
+    found: list[Node] = []
+    torch.fx.node.map_arg(args, found.append)
+    return list(dict.fromkeys(found))
+
+
+def _arg(i) -> str:
+    return i.name if isinstance(i, Node) else ":" if i == slice(None) else repr(i)
+
+
+def _dtype(v: torch.Tensor) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v.dtype, str(v.dtype))
