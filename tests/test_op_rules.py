@@ -123,3 +123,40 @@ def test_a_row_local_body_op_as_eager_with_1_3_8_chunks(name, in_forward):
         split = c.get("row_local_lm_head", 0) == 1 and not c.get("row_local_lm_head_in_call")
         assert split == SPLITS[name], (name, c)
         assert c.get("gradients_in_forward", 0) == int(in_forward and split), (name, c)
+
+
+def _empty_batch():
+    bf16 = torch.bfloat16
+    return torch.zeros(0, 16, dtype=bf16), torch.randn(2048, 16).to(bf16), torch.randn(2048).to(bf16)
+
+
+@pytest.mark.parametrize("plan", ["two_sweeps", "blocks", "fp32_tiles", "gpu"])
+def test_an_empty_batch_does_no_per_block_work(plan, monkeypatch):
+    """0 rows: no vocabulary block is computed (``two_sweeps`` looped over 2048 one-column
+    blocks at this vocabulary), and the gradients are zeros (``blocks`` / ``fp32_tiles``
+    left ``grad_weight`` unwritten when ``grad_hidden`` was wanted too)."""
+    from fx_passes.kernels import lm_head
+    from fx_passes.testing.gemms import cpu_out_dtype_kernels
+
+    tiles = []
+    real = lm_head._Backward.grad_of_tile
+    monkeypatch.setattr(lm_head._Backward, "grad_of_tile",
+                        lambda self, *a: tiles.append(a[4:6]) or real(self, *a))
+    h, w, b = _empty_batch()
+    rows, tok = torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    with cpu_out_dtype_kernels(), eager_lm_head_chunks():
+        gh, gw, gb = lm_head.lm_head_grads(h, w, b, tok, rows, rows, rows, rows, rows, None, False, 1 << 20,
+                                           plan=plan)
+    assert tiles == [] and gh.shape == (0, 16)
+    assert torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
+
+
+def test_an_empty_batch_does_no_per_block_work_in_the_row_local_sweep(monkeypatch):
+    from fx_passes.kernels import row_local_sweeps
+
+    blocks = []
+    monkeypatch.setattr(row_local_sweeps, "_logits", lambda *a: blocks.append(a) or pytest.fail("a block"))
+    h, w, b = _empty_batch()
+    gw, gb = row_local_sweeps.block_sweep(None, "key", [], [], [], [], 1 << 20, 0, h, w, b, "matmul",
+                                          [False, True, True])
+    assert blocks == [] and torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
