@@ -70,6 +70,12 @@ TAILS = {
     # a sum in the model dtype whose partial sums over the row chunks are large and cancel
     "sum_low": _tail(lambda lp, adv, sign, up: -(lp.to(_low(up)) * sign.to(_low(up))).sum()),
     "mean_low": _tail(lambda lp, adv, sign, up: -(lp.to(_low(up)) * sign.to(_low(up))).mean()),
+    "rsub_pos": _tail(lambda lp, adv, sign, up: +(1.0 - (lp * adv).sum())),
+    "rsub_alpha": _tail(lambda lp, adv, sign, up: torch.rsub((lp * adv).sum(), 1.0, alpha=0.5)),
+    "mean_dtype": _tail(lambda lp, adv, sign, up: -(lp * adv).mean(dtype=torch.float64).float()),
+    "conversions": _tail(lambda lp, adv, sign, up: (lp * adv).sum().double().float().type_as(sign.sum())),
+    "half": _tail(lambda lp, adv, sign, up: (lp * adv).mean().half()),
+    "bfloat16": _tail(lambda lp, adv, sign, up: (lp * adv).mean().bfloat16()),
     "row_div_floor": _tail(lambda lp, adv, sign, up: (torch.div(lp * 4, 1.5, rounding_mode="floor")
                                                       + lp * adv).sum()),
     "row_clamp": _tail(lambda lp, adv, sign, up: (lp.clamp(min=-6.0) * adv).mean()),

@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fx_passes import Config
+from fx_passes.fx.op_rules import TAIL as TAIL_RULES
 from tests.op_rule_programs import (
     BODIES,
     LM_HEAD_BUDGETS,
@@ -94,7 +95,20 @@ def _check_chunk_counts(fn, budgets: dict, **options) -> list[dict]:
 # tails the table must take (gradients in the forward) and the ones it must decline
 TAIL_TAKEN = {"div": True, "div_floor": False, "div_trunc": False, "mul_neg": True,
               "add_alpha": True, "sub_alpha": True, "mean": True, "sum_dtype": True, "sum_low": True,
-              "mean_low": True, "row_div_floor": True, "row_clamp": True}
+              "mean_low": True, "row_div_floor": True, "row_clamp": True, "rsub_pos": True,
+              "rsub_alpha": True, "mean_dtype": True, "conversions": True, "half": True, "bfloat16": True}
+# each op of the loss tail's table (fx/op_rules.TAIL) and the programs that put it in a tail
+# (with each value of a keyword argument that changes its meaning)
+TAIL_OPS = {"add": ["add_alpha"], "sub": ["sub_alpha"], "rsub": ["rsub_pos", "rsub_alpha"],
+            "neg": ["mul_neg"], "positive": ["rsub_pos"], "mul": ["mul_neg"],
+            "div": ["div", "div_floor", "div_trunc"],
+            "sum": ["div", "sum_dtype", "sum_low"], "mean": ["mean", "mean_dtype", "mean_low"],
+            "to": ["sum_dtype", "sum_low"], "float": ["conversions"], "double": ["conversions"],
+            "half": ["half"], "bfloat16": ["bfloat16"], "type_as": ["conversions"]}
+
+
+def test_every_op_of_the_tail_table_has_its_programs():
+    assert set(TAIL_OPS) == set(TAIL_RULES) and all(p in TAILS for ps in TAIL_OPS.values() for p in ps)
 
 
 @pytest.mark.parametrize("name", list(TAILS))

@@ -78,7 +78,7 @@ TAIL: dict[str, OpRule] = {
     "sub": OpRule(Kind.SUM_OF_TERMS, 2, _kw(alpha=ANY)),
     "rsub": OpRule(Kind.SUM_OF_TERMS, 2, _kw(alpha=ANY)),
     "neg": OpRule(Kind.NEGATE, 1),
-    "pos": OpRule(Kind.SAME, 1),
+    "positive": OpRule(Kind.SAME, 1),
     "mul": OpRule(Kind.FACTOR, 2),
     # (``rounding_mode='floor'`` / ``'trunc'``: a step function, a zero gradient, not a factor)
     "div": OpRule(Kind.FACTOR, 2, _kw(rounding_mode=(None,))),
