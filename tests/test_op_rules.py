@@ -13,6 +13,8 @@ declines keeps the recompute path: the same check holds, and the counters say wh
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -174,3 +176,12 @@ def test_an_empty_batch_does_no_per_block_work_in_the_row_local_sweep(monkeypatc
     gw, gb = row_local_sweeps.block_sweep(None, "key", [], [], [], [], 1 << 20, 0, h, w, b, "matmul",
                                           [False, True, True])
     assert blocks == [] and torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("mode", ["floor", "trunc"])
+def test_a_kwarg_the_table_does_not_take_is_named_in_the_log(mode, caplog):
+    """``torch.div(loss, c, rounding_mode=...)`` declines the tail, the op and the value named."""
+    with caplog.at_level(logging.DEBUG, logger="fx_passes"):
+        _, c = _ours(tail_program(f"div_{mode}"), LM_HEAD_BUDGETS[8])
+    assert c.get("lm_head_fused") == 1 and not c.get("gradients_in_forward"), c
+    assert f"div(rounding_mode='{mode}') changes what the op means" in caplog.text
