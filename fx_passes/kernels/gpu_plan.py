@@ -52,6 +52,11 @@ def out_dtype_blocks(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: i
         with_weight = i == 0 and grad_weight is not None
         t0, t1 = (0, n) if with_weight else (r0, r1)  # the rows this sweep recomputes
         group = acc[:r1 - r0].zero_() if acc is not None else None
+        if t0 == t1:  # (no rows: no per-block work, zero sums)
+            for t in (grad_weight, grad_bias) if with_weight else ():
+                if t is not None:
+                    t.zero_()
+            continue
         for v0, v1 in even_splits(vocab, gpu_block_cols(budget_bytes, t1 - t0, vocab)):
             g = grad_of_tile(t0, t1, v0, v1)
             if with_weight:

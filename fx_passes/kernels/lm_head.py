@@ -149,6 +149,11 @@ class _Backward:
         (vocab, width), body = weight.shape, compiled(backward_block)
         first, last = (0, hidden.shape[0]) if grad_weight is not None else (r0, r1)
         fp32 = self.plan == "fp32_tiles"
+        if last == first:  # (no rows: no per-block work, zero sums)
+            for t in (grad_weight, grad_bias):
+                if t is not None:
+                    t.zero_()
+            return
         cols, rows = backward_tiles(self.budget_bytes, last - first, vocab, width, fp32)
         for v0, v1 in even_splits(vocab, cols):
             w32 = weight[v0:v1].float()
@@ -204,7 +209,10 @@ def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: int, gr
             torch.mm(g, weight, out=grad_hidden[t0:t1])
             del g  # (before the next tile's logits exist)
     if grad_weight is not None:
-        for v0, v1 in even_splits(vocab, cols):
+        for t in (grad_weight, grad_bias) if n == 0 else ():  # (no rows: no per-block work, zero sums)
+            if t is not None:
+                t.zero_()
+        for v0, v1 in even_splits(vocab, cols) if n else ():
             g = grad_of_tile(0, n, v0, v1)
             torch.mm(g.t(), hidden, out=grad_weight[v0:v1])
             if grad_bias is not None:
@@ -251,7 +259,7 @@ def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, 
         return grad_hidden, grad_weight, grad_bias
     acc = torch.empty(accumulator_rows(budget_bytes, n, width), width, dtype=torch.float32,
                       device=hidden.device)
-    for r0, r1 in even_splits(n, acc.shape[0]):
+    for r0, r1 in even_splits(n, acc.shape[0]) or [(0, 0)]:  # (no rows: one sweep, zero sums)
         group = acc[:r1 - r0].zero_()
         first = r0 == 0 and need_weight
         bwd.sweep(r0, r1, group, grad_weight if first else None, with_bias if first else None)

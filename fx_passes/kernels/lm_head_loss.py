@@ -89,7 +89,9 @@ def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:
             return tuple(fn(a, b, c, *ops))
         outs, pullback = torch.func.vjp(partial, lse, logprob, entropy)
         grads = pullback(tuple(w.to(o.dtype).expand_as(o) for w, o in zip(weights, outs)))
-        return (*grads, *(o.sum() for o in outs))
+        # (each chunk's sum in FP64, as the loop accumulates them: a model-precision sum
+        # rounded per chunk would depend on the chunk count; rounded once, in loss_of_sums)
+        return (*grads, *(o.sum(dtype=torch.float64) if o.is_floating_point() else o.sum() for o in outs))
     return graph_bodies.register(make_fx(tail, tracing_mode="symbolic")(*examples))
 
 

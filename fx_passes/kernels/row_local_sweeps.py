@@ -140,6 +140,8 @@ def block_sweep(split: Split, key: str, rows: list[torch.Tensor], whole: list[to
     grad_b = torch.empty_like(bias) if bias is not None and needs[2] else None
     if grad_w is None and grad_b is None:
         return grad_w, grad_b
+    if n == 0:  # (no rows: no per-block work, zero sums)
+        return tuple(t.zero_() if t is not None else None for t in (grad_w, grad_b))
     block = compiled(split.block, ("sweep_block", key, id(split)))
 
     def columns(v0: int, v1: int) -> torch.Tensor:

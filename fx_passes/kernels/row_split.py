@@ -36,23 +36,14 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ..fx.op_rules import RESHAPES as _RESHAPES
+from ..fx.op_rules import Kind, block_rule, reads_row_length
 from . import graph_bodies
 
 __all__ = ["Split", "split_of", "split_of_spec", "spec_of", "COLUMNS"]
 
 COLUMNS = -1  # (a block input that is the block's column indices, ``[1, v1 - v0]``)
 
-# Ops whose wide results are computed per block as they are (besides pointwise ops).
-_VIEWS = {torch.ops.aten.expand.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default}
-# Views that keep the vocabulary last (a class weight ``[V]`` viewed as ``[1, V]``): the
-# block's sizes come from its own inputs (symbolic sizes), so they view the block.
-_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-             torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
-_MAKERS = {torch.ops.aten.full.default, torch.ops.aten.full_like.default, torch.ops.aten.zeros_like.default,
-           torch.ops.aten.ones_like.default, torch.ops.aten.scalar_tensor.default}
-# One value a row put at one column (the backward of a gather: a cross-entropy's or a
-# token log-prob's picked logit): in a block, a ``where`` on the block's column indices.
-_SCATTERS = {torch.ops.aten.scatter.value, torch.ops.aten.scatter.src, torch.ops.aten.scatter_add.default}
 _ROWS = 13  # rows of the traced example (a size no other dimension is likely to share)
 _WIDEST = 1024  # numbers a row a per-row value may hold (a top-k's values: k)
 
@@ -120,13 +111,16 @@ class _Sorter:
                 if not (shape[-1:] == (self.v,) and (v.dim() == 1 or (v.dim() == 2 and (
                         _same(shape[0], self.r) or shape[0] == 1)))):
                     raise _NoSplit(f"{n.name} ({n.target}) has shape {tuple(shape)}")
-                if n.target in _SCATTERS:
+                rule = block_rule(n.target)  # (fx/op_rules.py: the one table of what ops mean)
+                if rule is not None and rule.kind is Kind.ONE_COLUMN:
                     out = self.env[n] = self.scatter(n)
                     return out
-                tags = getattr(n.target, "tags", ())
                 reshaped = n.target in _RESHAPES and self.wide(n.args[0])
-                if torch.Tag.pointwise not in tags and n.target not in _VIEWS | _MAKERS and not reshaped:
+                if rule is None or (n.target in _RESHAPES and not reshaped):
                     raise _NoSplit(f"{getattr(n.target, '__name__', n.target)} is not pointwise")
+            why = reads_row_length(n, self.v)  # (a block would read its own width for V)
+            if why:
+                raise _NoSplit(why)
             out = self.graph.node_copy(n, self.copy)
         self.env[n] = out
         return out
@@ -205,6 +199,8 @@ def _traced_split(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...], i
         places = [p for p in traced.graph.nodes if p.op == "placeholder"]
         grad_x = out.args[0][wanted.index(index)]
         sorter = _Sorter(traced, places[index])
+        if not sorter.wide(grad_x):  # (a vocabulary the trace made a constant on the way: a class weight's)
+            raise _NoSplit("the logits' gradient does not keep the vocabulary's symbolic size")
         sorter.graph.output(sorter.copy(grad_x))
     except _NoSplit as e:
         return str(e)

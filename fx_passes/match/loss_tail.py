@@ -32,15 +32,14 @@ import torch
 from torch.fx import Graph, Node
 
 from ..fx.graph_ops import canon, is_pure, is_scalar, meta, requires_grad
+from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
 from ..kernels.lm_head import lm_head_row_stats
-from .row_local import op_name, pointwise_op, same, same_shape
+from .row_local import op_name, same, same_shape
 
 __all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "VIEWS"]
 
 # Views that keep the row-major order of the values (one per row): identities on the flat rows.
-VIEWS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "contiguous"}
-_SAME_VALUES = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "clone"}
-_AFFINE = {"add", "sub", "rsub", "neg", "mul", "div", "pos"}
+VIEWS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.ROW_VIEW}
 ROW, REDUCE, SCALAR = "row", "reduce", "scalar"
 
 
@@ -123,7 +122,10 @@ class _Matcher:
 
     def _row_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
         src = _tensor(inner[0])
-        if name in ("sum", "mean") and len(node.args) == 1 and not node.kwargs:
+        if name in ("sum", "mean") and out.dim() == 0:
+            rule, why = tail_rule(node, name)  # (fx/op_rules.py: the one table of what ops mean)
+            if rule is None:
+                raise NoTail(f"{node.name}: {why}")
             if not src.is_floating_point():
                 raise NoTail(f"{node.name} sums a tensor of {src.dtype}")
             return REDUCE
@@ -134,8 +136,8 @@ class _Matcher:
             if node.all_input_nodes != [inner[0]] and name in ("view", "reshape"):
                 raise NoTail(f"{node.name} reshapes to a size the graph computes")
             return ROW
-        if not (pointwise_op(name) or canon(node) == "convert" or name in _SAME_VALUES):
-            raise NoTail(f"{node.name} ({name}) is not a pointwise op on the rows")
+        if not (tail_row_rule(name) or canon(node) == "convert"):
+            raise NoTail(f"{node.name} ({name}) is not a pointwise op on the rows (fx/op_rules.py)")
         for a in node.all_input_nodes:
             if a in self.kind:
                 t = _tensor(a)
@@ -148,8 +150,10 @@ class _Matcher:
     def _scalar_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
         if out.dim() != 0 or not out.is_floating_point():
             raise NoTail(f"{node.name} ({name}) makes {tuple(out.shape)} {out.dtype} from the loss's sums")
-        if name not in _AFFINE and not (canon(node) == "convert" and name != "type"):
-            raise NoTail(f"{node.name} ({name}) is not affine in the sums over the rows")
+        rule, why = tail_rule(node, name)  # (fx/op_rules.py: the one table of what ops mean)
+        if rule is None or rule.kind is Kind.REDUCE_ROWS:
+            raise NoTail(f"{node.name} ({name}) is not affine in the sums over the rows: "
+                         f"{why or 'a reduction of a sum'}")
         tensors = [a for a in node.args if isinstance(a, Node)]
         if name == "mul" and len([a for a in tensors if a in self.kind]) > 1:
             raise NoTail(f"{node.name} multiplies two sums over the rows")

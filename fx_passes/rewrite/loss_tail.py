@@ -33,6 +33,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
 from ..fx.graph_ops import is_scalar, keep_meta, meta, requires_grad, scalar_tensor
+from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
 from ..kernels import graph_bodies
 from ..kernels.lm_head import lm_head_row_stats
@@ -154,24 +155,29 @@ def _factors(g: Graph, tail: LossTail, env: dict) -> list[Node]:
                               for i, r in enumerate(tail.reductions)}
     for n in tail.scalars:
         name, args = op_name(n), list(n.args)
+        rule, why = tail_rule(n, name)  # (the matcher took it: fx/op_rules.py, the same table)
+        if rule is None:
+            raise NoTail(f"{n.name}: {why}")
         if str(n.target).startswith("__r") and name != "rsub":  # (``x.__rtruediv__(c)`` is ``c / x``;
             args.reverse()  # ``rsub(x, c)`` is ``c - x`` already, as ATen's ``rsub``)
         of = [coef.get(a, [None] * k) if isinstance(a, Node) else [None] * k for a in args[:2]]
-        if name in ("add", "sub", "rsub"):
+        if rule.kind is Kind.SUM_OF_TERMS:
             alpha = value(n.kwargs.get("alpha", 1))
             a, b = (of[1], of[0]) if name == "rsub" else (of[0], of[1])
             sign = -1.0 if name != "add" else 1.0
             coef[n] = [plus(x, times(times(y, alpha), sign)) for x, y in zip(a, b)]
-        elif name == "neg":
+        elif rule.kind is Kind.NEGATE:
             coef[n] = [times(x, -1.0) for x in of[0]]
-        elif name in ("mul", "div"):
+        elif rule.kind is Kind.FACTOR:
             mine = 0 if args[0] in coef else 1
             if name == "div" and mine == 1:
                 raise NoTail(f"{n.name} divides by a sum over the rows")
             op = operator.mul if name == "mul" else operator.truediv
             coef[n] = [times(x, value(args[1 - mine]), op) for x in of[mine]]
-        else:  # pos, a conversion: the factor of its input
+        elif rule.kind is Kind.SAME:  # pos, a conversion: the factor of its input
             coef[n] = of[0]
+        else:
+            raise NoTail(f"{n.name} ({name}) is {rule.kind.value}, not a step of an affine map")
     f64 = {"dtype": torch.float64}
     return [c if isinstance(c, Node) else g.call_function(torch.scalar_tensor, (c or 0.0,), f64)
             for c in coef[tail.loss]]
