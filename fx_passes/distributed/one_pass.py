@@ -45,9 +45,9 @@ from torch.fx import Graph, GraphModule, Node
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
 from ..kernels import graph_bodies
-from ..kernels.registry import ONE_PASS_PLANS
+from ..kernels.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
-from ..kernels.tiling import even_splits, sweep_sizes
+from ..kernels.tiling import even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
 from .regions import needs_grad
 
@@ -279,23 +279,21 @@ def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> l
     return [vals[r] for r in plan.outputs]
 
 
-def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
-    """The row chunks, the same on every rank of the glue's groups: each rank's budget
-    gives its own count (vocabulary shards may differ in width), the largest is taken,
-    so every rank runs the same collectives on the same rows, each within its budget."""
+def _splits(hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
+    """The row chunks, the same on every rank of the glue's groups without a collective:
+    from what every rank has alike (the rows; the budget, a function of the device kind
+    and its total memory) and the shard's width rounded up to a power of two, so shards
+    that differ by a few columns (V not a multiple of the group's size) cut the same rows
+    unless one width is a power of two and another just above it (docs/gpu.md)."""
     n = hidden.shape[0]
-    rows, _ = sweep_sizes(budget_bytes, n, weight.shape[0])
-    count = len(even_splits(n, rows))
-    collectives = torch.ops._c10d_functional
-    for group in plan.groups:
-        got = collectives.all_reduce(hidden.new_tensor([count], dtype=torch.int64), "max", group)
-        count = int(collectives.wait_tensor(got).item())
-    return even_splits(n, -(-n // max(1, count)))
+    width = 1 << max(0, weight.shape[0] - 1).bit_length()
+    rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), n, width)
+    return even_splits(n, rows)
 
 
 def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     plan = ONE_PASS_PLANS[name]
-    outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget_bytes),
+    outs = row_chunks(hidden, weight, externals, _splits(hidden, weight, budget_bytes),
                       lambda x, *chunk: _run(plan, x, list(chunk), graph_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
@@ -306,7 +304,7 @@ def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
 
 
-@torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=())
+@torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=(), tags=UNSAFE)
 def _stages(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
             budget_bytes: int) -> list[torch.Tensor]:
     return _forward(name, hidden, weight, externals, budget_bytes)
@@ -343,6 +341,7 @@ def _backward(ctx, grads):
 _stages.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("shard_lm_head_stages",), CUDAGRAPH_UNSAFE)
 def shard_lm_head_stages(name: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
                          weight: torch.Tensor, *externals: torch.Tensor):
     """All stages of a rewritten vocab-parallel region whose logits shard is

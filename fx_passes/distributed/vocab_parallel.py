@@ -61,6 +61,7 @@ from ..fx.graph_ops import (
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
 from ..kernels import graph_bodies
+from ..kernels.registry import CAPTURE_SAFE, emitted
 from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
 from ..match.lm_head import LMHead, producer
 from ..reporting.outcome import LMHead as LMHeadOutcome
@@ -154,6 +155,7 @@ def _backward(ctx, grads):
 _shard_reduce.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("shard_reduce", "shard_reduce_backward"), CAPTURE_SAFE)
 def shard_reduce(key: str, differentiable: bool, x: torch.Tensor, *operands: torch.Tensor):
     """The reductions of one stage of a rewritten vocab-parallel region (see the module doc)."""
     if not differentiable:
@@ -257,7 +259,7 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
     call for all stages when their glue allows, :mod:`fx_passes.distributed.one_pass`); the
     FP32 ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
     Returns what became of the lm_head matmul and of the one pass."""
-    fuse_lm_head, budget_bytes = config.fuse_lm_head, config.chunk_budget_bytes
+    fuse_lm_head, budget_bytes = config.fuse_lm_head, config.device_budget_bytes
     head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
