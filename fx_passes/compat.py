@@ -200,8 +200,11 @@ def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _capturing(kind: str) -> bool:
-    check = getattr(getattr(torch, kind, None), "is_current_stream_capturing", None)
-    return bool(check and check())
+    """Is the current stream of device type ``kind`` capturing a CUDA graph?"""
+    module = getattr(torch, kind, None)
+    available = getattr(module, "is_available", None)
+    check = getattr(module, "is_current_stream_capturing", None)
+    return bool(available and check and available() and check())
 
 
 def probe_addmm_into(device: torch.device, dtype: torch.dtype) -> bool:

@@ -6,8 +6,9 @@ memory the loop needs above the model-precision gradients is bounded by the budg
 whatever T and V are.  Unset, the budget is the device's (``device_budget``): a pure
 function of the device kind and its total memory (never of the memory free at the
 call), so every step and every rank cuts the same chunks.  Pieces are multiples of
-``ALIGN`` (128) rows or columns but the last, where the budget holds that many
-(GEMM tiles; ``grad_weight`` column slices at aligned offsets).
+``ALIGN`` (128) rows or columns but the last where the budget holds 1024 or more, of 8
+where it holds 64 or more (rounding 221 rows down to 128 would cost 42% of the chunk:
+GEMM tiles and ``grad_weight`` column slices at aligned offsets either way).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 from .. import compat
 
 __all__ = ["forward_rows", "backward_tiles", "gpu_block_cols", "sweep_sizes", "accumulator_rows",
-           "even_splits", "aligned", "backward_plan", "BY_DEVICE", "device_budget", "resolve_budget", "ALIGN"]
+           "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
+           "resolve_budget", "ALIGN"]
 
 log = logging.getLogger("fx_passes")
 
@@ -30,7 +32,7 @@ BY_DEVICE = 0  # budget_bytes of a Config without chunk_budget_mib: the device's
 CPU_BUDGET = 32 * MIB
 GPU_SHARE = 64  # a GPU's budget: 1/64 of its total memory (a whole MiB),
 GPU_MIN, GPU_MAX = 256 * MIB, 2048 * MIB  # within these
-ALIGN = 128  # rows / columns a piece is a multiple of (all but the last)
+ALIGN, SMALL_ALIGN = 128, 8  # rows / columns a piece is a multiple of (all but the last): granule()
 
 
 def device_budget(device_type: str, total_bytes: Optional[int]) -> int:
@@ -56,10 +58,16 @@ def resolve_budget(budget_bytes: int, device: torch.device) -> int:
     return device_budget(device.type, compat.total_device_bytes(device))
 
 
+def granule(count: int) -> int:
+    """What a piece of at most ``count`` rows / columns is a multiple of: ``ALIGN`` from
+    1024 on, 8 from 64 on (rounding down loses at most 1/8 either way), else 1."""
+    return ALIGN if count >= 8 * ALIGN else SMALL_ALIGN if count >= 8 * SMALL_ALIGN else 1
+
+
 def aligned(count: int) -> int:
-    """``count`` (rows or columns a piece may hold) rounded down to a multiple of
-    ``ALIGN`` when it holds one; as it is otherwise (at least 1)."""
-    return count // ALIGN * ALIGN if count >= ALIGN else max(1, count)
+    """``count`` (rows or columns a piece may hold) rounded down to a multiple of its
+    ``granule`` (at least 1)."""
+    return max(1, count // granule(count) * granule(count))
 
 
 def _budget(budget_bytes: int, n: int, vocab: int) -> int:
@@ -123,11 +131,10 @@ def accumulator_rows(budget_bytes: int, n: int, width: int) -> int:
 
 def even_splits(total: int, most: int) -> list[tuple[int, int]]:
     """``[0, total)`` cut into the fewest pieces of at most ``most``: multiples of
-    ``ALIGN`` but the last when ``most`` holds ``ALIGN``, as even as that allows; else
-    sizes differing by at most one (either way no 1-row remainder tile with its own
-    1-row kernel where the pieces can be even)."""
-    most = max(1, most)
-    if most < ALIGN or total <= most:
+    ``granule(most)`` but the last, as even as that allows (no 1-row remainder tile with
+    its own 1-row kernel where the pieces can be even)."""
+    most, unit = max(1, most), granule(max(1, most))
+    if unit == 1 or total <= most:
         k = -(-total // most)
         q, extra = divmod(total, max(1, k))
         bounds, start = [], 0
@@ -136,9 +143,9 @@ def even_splits(total: int, most: int) -> list[tuple[int, int]]:
             bounds.append((start, end))
             start = end
         return bounds
-    step = most // ALIGN * ALIGN
+    step = most // unit * unit
     k = -(-total // step)
-    size = min(step, -(-(-(-total // k)) // ALIGN) * ALIGN)  # total / k rounded up to ALIGN
+    size = min(step, -(-(-(-total // k)) // unit) * unit)  # total / k rounded up to the unit
     return [(a, min(total, a + size)) for a in range(0, total, size)]
 
 
