@@ -206,3 +206,18 @@ def test_a_warm_start_is_served_from_the_cache(tmp_path, options, counter):
     warm = _child(tmp_path, options)
     assert warm["aot_autograd"] == {"autograd_cache_hit": stored}, warm  # nothing compiled from scratch
     assert warm["checksum"] == first["checksum"]
+
+
+def test_scalar_constants_are_made_on_the_calls_device():
+    """A number a call reads whole becomes a 0-d tensor on the device of the call's
+    tensors (a host tensor in a CUDA graph's inputs would keep Inductor from capturing)."""
+    from torch.fx import Graph
+
+    from fx_passes.fx.graph_ops import scalar_tensor
+
+    g = Graph()
+    x, t = g.placeholder("x"), g.placeholder("t")
+    x.meta["example_value"] = torch.empty(2, 3, device="meta")
+    t.meta["example_value"] = 0.7
+    made = scalar_tensor(g, t, x)
+    assert made.kwargs == {"dtype": torch.float32, "device": torch.device("meta")}, made.kwargs

@@ -310,7 +310,7 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
             anchor.prepend(n)
         key = graph_bodies.register(p.body)
         with graph.inserting_before(anchor):
-            operands = [scalar_tensor(graph, o) if is_scalar(o) else o for o in p.operands]
+            operands = [scalar_tensor(graph, o, region.x) if is_scalar(o) else o for o in p.operands]
         if head is not None:
             gather_index_positions(key, p.indexes)
             args = (shard_lm_head, (key, p.differentiable, budget_bytes, head.hidden, head.weight, *operands))
@@ -333,7 +333,7 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
     name = register_one_pass(one, [p.reductions for p in plans], keys)
     differentiable = any(p.differentiable for p in plans)
     with graph.inserting_before(anchor):
-        externals = [scalar_tensor(graph, o) if is_scalar(o) else o for o in one.externals]
+        externals = [scalar_tensor(graph, o, head.hidden) if is_scalar(o) else o for o in one.externals]
         call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget_bytes, head.hidden,
                                                           head.weight, *externals))
         getitems(graph, call, one.outputs)
