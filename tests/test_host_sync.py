@@ -112,6 +112,9 @@ def test_row_local_given_logits_and_saved_masks():
     assert reads == [], reads
 
 
+@pytest.mark.xfail(strict=True, reason="the one-pass loop agrees on its chunk count with an all-reduce "
+                   "and reads it back: shard widths may differ arbitrarily (1000 / 1400), so no rule "
+                   "from one rank's shapes agrees (docs/gpu.md, 'Host syncs')")
 @pytest.mark.usefixtures("one_rank_group")
 def test_vocab_parallel_lm_head_on_one_rank():
     """The one-pass call (the glue's collectives inside, row chunks agreed without one)."""

@@ -279,21 +279,25 @@ def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> l
     return [vals[r] for r in plan.outputs]
 
 
-def _splits(hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
-    """The row chunks, the same on every rank of the glue's groups without a collective:
-    from what every rank has alike (the rows; the budget, a function of the device kind
-    and its total memory) and the shard's width rounded up to a power of two, so shards
-    that differ by a few columns (V not a multiple of the group's size) cut the same rows
-    unless one width is a power of two and another just above it (docs/gpu.md)."""
+def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
+    """The row chunks, the same on every rank of the glue's groups: each rank's budget
+    gives its own count (vocabulary shards may differ in width: 1000 and 1400 columns),
+    the largest is taken, so every rank runs the same collectives on the same rows, each
+    within its budget.  Reading the agreed count back is a host sync per call
+    (docs/gpu.md, "Host syncs")."""
     n = hidden.shape[0]
-    width = 1 << max(0, weight.shape[0] - 1).bit_length()
-    rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), n, width)
-    return even_splits(n, rows)
+    rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), n, weight.shape[0])
+    count = len(even_splits(n, rows))
+    collectives = torch.ops._c10d_functional
+    for group in plan.groups:
+        got = collectives.all_reduce(hidden.new_tensor([count], dtype=torch.int64), "max", group)
+        count = int(collectives.wait_tensor(got).item())
+    return even_splits(n, -(-n // max(1, count)))
 
 
 def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     plan = ONE_PASS_PLANS[name]
-    outs = row_chunks(hidden, weight, externals, _splits(hidden, weight, budget_bytes),
+    outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget_bytes),
                       lambda x, *chunk: _run(plan, x, list(chunk), graph_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
