@@ -76,7 +76,7 @@ class Device:
     bandwidth: float  # bytes/s
     exps: float  # FP32 exp() per second
     launch_s: float  # per kernel
-    free_bytes: int  # what the chunk budget sees (tiling.device_budget)
+    total_bytes: int  # the device memory the chunk budget is a share of (tiling.device_budget)
     kind: str  # "cuda" or "cpu"
     source: str
     first_touch: float = math.inf  # bytes/s of faulting in a fresh buffer's pages (a GPU: none)
@@ -295,7 +295,28 @@ def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
 def device_budget(dev: Device) -> int:
     """The lm_head loop's budget on ``dev`` when none is configured (``tiling.device_budget``)."""
     fn = getattr(tiling, "device_budget", None)
-    return fn(dev.kind, dev.free_bytes) if fn else 32 * MIB
+    return fn(dev.kind, dev.total_bytes) if fn else 32 * MIB
+
+
+BUDGET_SHAPE = (16384, 4096, 151936)  # (T, H, V) of issue 35's budget table
+
+
+def budget_table(budgets_mib: Optional[list[float]] = None, dev: Optional[Device] = None) -> str:
+    """Ours / stock (cross-entropy with the lm_head in the graph, the ``gpu`` plan) at T
+    16384, H 4096, V 151936 on ``dev`` (the H200): the loss in the graph and per-token,
+    at the device's default budget and at smaller user-set ones."""
+    dev = dev or DEVICES[-1]
+    T, H, V = BUDGET_SHAPE
+    default = device_budget(dev)
+    budgets = [default] + [int(m * MIB) for m in (budgets_mib or [1024, 512, 256, 128, 32])]
+    base = step_time(stock(T, H, V, "ce"), dev)
+    lines = [f"{dev.name}, T {T}, H {H}, V {V}, plan gpu, ours / stock:", "",
+             "| budget | forward rows | loss in graph | per-token |", "| --- | --- | --- | --- |"]
+    for b in budgets:
+        gif, per = (step_time(ours(T, H, V, "gpu", g, b), dev) / base for g in (True, False))
+        name = f"{b / MIB:.0f} MiB" + (" (default)" if b == default else "")
+        lines.append(f"| {name} | {tiling.forward_rows(b, T, V)} | {gif:.2f}x | {per:.2f}x |")
+    return "\n".join(lines)
 
 
 # --- the table --------------------------------------------------------------------------
@@ -427,7 +448,12 @@ def main(argv=None) -> int:
     p.add_argument("--gif-ran", action="store_true", help="the measured W4 took the grads-in-forward path")
     p.add_argument("--audit", action="store_true", help="recorded vs modelled GEMMs, W4 and WV at small size")
     p.add_argument("--what-if", action="store_true", help="the gpu plan's loss path without its overheads")
+    p.add_argument("--budgets", nargs="*", type=float, default=None, metavar="MIB",
+                   help="ratios at the default chunk budget and these (default 1024 512 256 128 32), H200")
     args = p.parse_args(argv)
+    if args.budgets is not None:
+        print(budget_table(args.budgets or None))
+        return 0
     if args.calibrate or args.audit:
         from benchmarks import cost_calibrate
         if args.audit:

@@ -35,8 +35,8 @@ for the device (CUDA, XPU; tiling.backward_plan)    CUDA     is not picked: "blo
                                                              GEMM for ``grad_hidden``)
 ``addmm(.., out_dtype=float32, out=acc)`` with an   newer    ``acc += mm(.., out_dtype)``: one
 FP32 ``acc`` (gpu_plan: accumulate in place)        than 2.8 FP32 ``[S, H]`` temporary per block
-``torch.cuda`` / ``torch.xpu`` ``mem_get_info``     all      the lm_head loop's default budget
-(tiling.device_budget)                                       is 32 MiB on that device too
+``torch.cuda`` / ``torch.xpu``                      all      the chunk loops' default budget
+``get_device_properties`` (tiling.device_budget)             is 256 MiB on that device
 ==================================================  =======  ====================================
 """
 
@@ -55,7 +55,7 @@ import torch._inductor.custom_graph_pass as custom_graph_pass
 __all__ = ["TELEMETRY_FUNCTIONS", "CACHEABLE_MARKS", "PRE_GRAD_PASS_TIMING", "PASS_LISTS",
            "CONTROL_FLOW_ERRORS", "custom_graph_passes", "dynamo_node_attributes",
            "below_autograd_no_grad", "cpu_matmul_in_hardware", "gemm_out_dtype", "addmm_fp32_",
-           "free_device_bytes", "available", "without_saved_tensors_hooks"]
+           "total_device_bytes", "probe_addmm_into", "available", "without_saved_tensors_hooks"]
 
 log = logging.getLogger("fx_passes")
 
@@ -194,15 +194,40 @@ def _addmm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     kind = acc.device.type
     if kind == "cpu":  # only fx_passes.testing.gemms's kernels, which take it
         return gemm_out_dtype(kind)
-    if kind in _ADDMM_INTO:
-        return _ADDMM_INTO[kind]
-    one = torch.ones(1, 1, dtype=a.dtype, device=acc.device)
-    probe = torch.zeros(1, 1, dtype=torch.float32, device=acc.device)
-    try:
-        torch.addmm(probe, one, one, out_dtype=torch.float32, out=probe)
-        works = probe.item() == 1.0
-    except (RuntimeError, TypeError, NotImplementedError):
-        works = False
+    if kind not in _ADDMM_INTO and not _capturing(kind):  # (probed when the plan was chosen)
+        probe_addmm_into(acc.device, a.dtype)
+    return _ADDMM_INTO.get(kind, False)  # (unprobed inside a capture: add a product, always right)
+
+
+def _capturing(kind: str) -> bool:
+    """Is the current stream of device type ``kind`` capturing a CUDA graph?"""
+    module = getattr(torch, kind, None)
+    available = getattr(module, "is_available", None)
+    check = getattr(module, "is_current_stream_capturing", None)
+    return bool(available and check and available() and check())
+
+
+def probe_addmm_into(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the ``addmm(out_dtype=, out=)`` probe on ``device`` once, where the plan is
+    chosen (compile time, outside any step and any CUDA graph capture: it reads its
+    result back); a step then only looks the answer up."""
+    kind = device.type
+    if kind == "cpu" or kind in _ADDMM_INTO:
+        return _ADDMM_INTO.get(kind, gemm_out_dtype(kind))
+    if _capturing(kind):  # (not cached: the next call outside a capture probes)
+        return False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        try:
+            one = torch.ones(1, 1, dtype=dtype, device=device)
+            probe = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        except (RuntimeError, AssertionError):  # (no such device in this process: nothing to probe)
+            return False
+        try:
+            torch.addmm(probe, one, one, out_dtype=torch.float32, out=probe)
+            works = probe.item() == 1.0
+        except (RuntimeError, TypeError, NotImplementedError):
+            works = False
     _check(works, "addmm(out_dtype=float32, out=<FP32 self>) on " + kind, "newer than 2.8",
            "the lm_head 'gpu' plan adds each block's FP32 product into its accumulator")
     _ADDMM_INTO[kind] = works
@@ -217,18 +242,21 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 
-def free_device_bytes(device: torch.device) -> Optional[int]:
-    """Bytes a new buffer on ``device`` can take: the driver's free memory plus what
-    torch's caching allocator holds unused; None on a CPU or where torch cannot tell."""
-    module = getattr(torch, device.type, None) if device.type in ("cuda", "xpu") else None
-    get_info = getattr(module, "mem_get_info", None)
-    if get_info is None:
+@functools.lru_cache(None)
+def _total_bytes(device_type: str, index: Optional[int]) -> Optional[int]:
+    module = getattr(torch, device_type, None)
+    props = getattr(module, "get_device_properties", None)
+    if props is None or not module.is_available():
         return None
-    free = int(get_info(device)[0])
-    reserved, allocated = getattr(module, "memory_reserved", None), getattr(module, "memory_allocated", None)
-    if reserved is not None and allocated is not None:
-        free += max(0, int(reserved(device)) - int(allocated(device)))
-    return free
+    return int(props(index if index is not None else module.current_device()).total_memory)
+
+
+def total_device_bytes(device: torch.device) -> Optional[int]:
+    """The device's total memory (read once per device: no sync, the same on every step);
+    None on a CPU or where torch cannot tell."""
+    if device.type not in ("cuda", "xpu"):
+        return None
+    return _total_bytes(device.type, device.index)
 
 
 def available() -> dict[str, bool]:

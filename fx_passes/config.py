@@ -43,10 +43,10 @@ class Config:
             forward chunk are ``budget / (4 V)``, vocabulary columns per backward
             block ``budget / (8 T)`` (``budget / (4 T)`` in the "gpu" plan).  None (the
             default): the device's (``kernels.tiling.device_budget``): 32 MiB on a CPU;
-            for the lm_head loop and row-local regions on a GPU an eighth of the free
-            memory, within 32 MiB and 4 GiB, so that their GEMMs are large enough to
-            run near peak and a step is not thousands of small chunks.  The
-            vocab-parallel shards' loops take 32 MiB.
+            for the lm_head loop, row-local regions and the vocab-parallel loops on a
+            GPU 1/64 of its total memory, within 256 MiB and 2 GiB (2 GiB on an H200),
+            the same on every step and rank, so that their GEMMs are large enough to
+            run near peak and a step is not thousands of small chunks.
         row_local: a region the hand-derived path does not take (an op it does not
             know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
             its own ops over chunks of rows when every op acts on each row on its own

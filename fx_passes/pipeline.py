@@ -23,6 +23,7 @@ from . import compat, env
 from .config import Config
 from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
 from .fx.graph_ops import meta
+from .kernels.registry import cacheable_names
 from .match.logits import Region, find_regions
 from .match.near_miss import loss_outside
 from .match.region import Role
@@ -257,21 +258,20 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
     return new
 
 
-# The functions a rewritten graph calls.  AOTAutograd's cache stores only graphs whose
-# calls it can vouch for; these are marked cacheable (Inductor's
+# The functions a rewritten graph calls, each registered where it is defined
+# (``kernels.registry.emitted``; NOTE [emitted functions]).  AOTAutograd's cache stores only
+# graphs whose calls it can vouch for; these are marked cacheable (Inductor's
 # ``unsafe_marked_cacheable_functions``) with a value that changes with this package's
 # sources (the value is part of the cache key), so a warm start reuses the compiled
 # forward and backward and a changed package never gets stale ones.
-CACHEABLE = ("fx_passes.kernels.stats.row_stats", "fx_passes.kernels.lm_head.lm_head_row_stats",
-             "fx_passes.distributed.vocab_parallel.shard_reduce",
-             "fx_passes.kernels.shard_lm_head.shard_lm_head",
-             "fx_passes.distributed.one_pass.shard_lm_head_stages", "fx_passes.kernels.row_local.row_local",
-             "fx_passes.kernels.lm_head_loss.lm_head_loss")
+def cacheable() -> tuple[str, ...]:
+    """The names :func:`with_cacheable_marks` marks: every registered emitted function."""
+    return cacheable_names()
 
 
 def with_cacheable_marks(marked: dict[str, str]) -> dict[str, str]:
     """``marked`` (a value of ``unsafe_marked_cacheable_functions``) plus our marks."""
-    return {**marked, **dict.fromkeys(CACHEABLE, f"chunked_logits-{source_hash()[:16]}")}
+    return {**marked, **dict.fromkeys(cacheable(), f"chunked_logits-{source_hash()[:16]}")}
 
 
 PACKAGE = pathlib.Path(__file__).parent

@@ -45,9 +45,9 @@ from torch.fx import Graph, GraphModule, Node
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
 from ..kernels import graph_bodies
-from ..kernels.registry import ONE_PASS_PLANS
+from ..kernels.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
-from ..kernels.tiling import even_splits, sweep_sizes
+from ..kernels.tiling import even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
 from .regions import needs_grad
 
@@ -281,10 +281,12 @@ def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> l
 
 def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
     """The row chunks, the same on every rank of the glue's groups: each rank's budget
-    gives its own count (vocabulary shards may differ in width), the largest is taken,
-    so every rank runs the same collectives on the same rows, each within its budget."""
+    gives its own count (vocabulary shards may differ in width: 1000 and 1400 columns),
+    the largest is taken, so every rank runs the same collectives on the same rows, each
+    within its budget.  Reading the agreed count back is a host sync per call
+    (docs/gpu.md, "Host syncs")."""
     n = hidden.shape[0]
-    rows, _ = sweep_sizes(budget_bytes, n, weight.shape[0])
+    rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), n, weight.shape[0])
     count = len(even_splits(n, rows))
     collectives = torch.ops._c10d_functional
     for group in plan.groups:
@@ -306,7 +308,7 @@ def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
 
 
-@torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=())
+@torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=(), tags=UNSAFE)
 def _stages(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
             budget_bytes: int) -> list[torch.Tensor]:
     return _forward(name, hidden, weight, externals, budget_bytes)
@@ -343,6 +345,7 @@ def _backward(ctx, grads):
 _stages.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("shard_lm_head_stages",), CUDAGRAPH_UNSAFE)
 def shard_lm_head_stages(name: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
                          weight: torch.Tensor, *externals: torch.Tensor):
     """All stages of a rewritten vocab-parallel region whose logits shard is

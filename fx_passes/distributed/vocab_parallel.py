@@ -61,6 +61,7 @@ from ..fx.graph_ops import (
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
 from ..kernels import graph_bodies
+from ..kernels.registry import CAPTURE_SAFE, emitted
 from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
 from ..match.lm_head import LMHead, producer
 from ..reporting.outcome import LMHead as LMHeadOutcome
@@ -154,6 +155,7 @@ def _backward(ctx, grads):
 _shard_reduce.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("shard_reduce", "shard_reduce_backward"), CAPTURE_SAFE)
 def shard_reduce(key: str, differentiable: bool, x: torch.Tensor, *operands: torch.Tensor):
     """The reductions of one stage of a rewritten vocab-parallel region (see the module doc)."""
     if not differentiable:
@@ -257,7 +259,7 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
     call for all stages when their glue allows, :mod:`fx_passes.distributed.one_pass`); the
     FP32 ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
     Returns what became of the lm_head matmul and of the one pass."""
-    fuse_lm_head, budget_bytes = config.fuse_lm_head, config.chunk_budget_bytes
+    fuse_lm_head, budget_bytes = config.fuse_lm_head, config.device_budget_bytes
     head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
@@ -308,7 +310,7 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
             anchor.prepend(n)
         key = graph_bodies.register(p.body)
         with graph.inserting_before(anchor):
-            operands = [scalar_tensor(graph, o) if is_scalar(o) else o for o in p.operands]
+            operands = [scalar_tensor(graph, o, region.x) if is_scalar(o) else o for o in p.operands]
         if head is not None:
             gather_index_positions(key, p.indexes)
             args = (shard_lm_head, (key, p.differentiable, budget_bytes, head.hidden, head.weight, *operands))
@@ -331,7 +333,7 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
     name = register_one_pass(one, [p.reductions for p in plans], keys)
     differentiable = any(p.differentiable for p in plans)
     with graph.inserting_before(anchor):
-        externals = [scalar_tensor(graph, o) if is_scalar(o) else o for o in one.externals]
+        externals = [scalar_tensor(graph, o, head.hidden) if is_scalar(o) else o for o in one.externals]
         call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget_bytes, head.hidden,
                                                           head.weight, *externals))
         getitems(graph, call, one.outputs)

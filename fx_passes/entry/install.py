@@ -166,10 +166,10 @@ def _remove() -> bool:
     if _state.timing_changed and inductor_config.pre_grad_pass_timing == "early":  # set: it exists
         inductor_config.pre_grad_pass_timing = "default"
     if removed and compat.CACHEABLE_MARKS:
-        from ..pipeline import CACHEABLE
+        from ..pipeline import cacheable
         inductor_config.unsafe_marked_cacheable_functions = {
             k: v for k, v in inductor_config.unsafe_marked_cacheable_functions.items()
-            if k not in CACHEABLE}
+            if k not in cacheable()}
     _state.timing_changed = False
     _state.current = None
     _state.container = "none"

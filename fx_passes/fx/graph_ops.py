@@ -131,12 +131,17 @@ def is_scalar(value: Any) -> bool:
     return is_number(v) or isinstance(v, (torch.SymFloat, torch.SymInt))
 
 
-def scalar_tensor(graph: Graph, node: Node) -> Node:
+def scalar_tensor(graph: Graph, node: Node, like: Optional[Node] = None) -> Node:
     """A node computing the symbolic scalar ``node`` as the 0-d tensor a custom op takes
     (before the graph's insertion point): FP32 for a float (the FP32 ops it meets compute
-    with it in FP32 either way), int64 for an int."""
+    with it in FP32 either way), int64 for an int; on ``like``'s device (the call's
+    tensors': no host tensor in a graph CUDA graphs capture)."""
     dtype = torch.float32 if isinstance(meta(node), (torch.SymFloat, float)) else torch.int64
-    return graph.call_function(torch.scalar_tensor, (node,), {"dtype": dtype})
+    kwargs = {"dtype": dtype}
+    device = getattr(meta(like), "device", None) if like is not None else None
+    if device is not None:
+        kwargs["device"] = device
+    return graph.call_function(torch.scalar_tensor, (node,), kwargs)
 
 
 def scaled_by_number(node: Node) -> Optional[tuple[Node, Any, str]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .registry import emitted
+
 __all__ = ["pack_bits", "unpack_bits", "packed_bytes"]
 
 
@@ -23,6 +25,7 @@ def packed_bytes(elements_per_row: int) -> int:
     return -(-elements_per_row // 8)
 
 
+@emitted()
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """``mask`` ``[rows, ..]`` (bool) as ``[rows, ceil(numel per row / 8)]`` uint8: flag
     ``j`` of a row is bit ``j % 8`` of byte ``j // 8``."""
@@ -39,6 +42,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@emitted()
 def unpack_bits(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The mask :func:`pack_bits` packed, in the shape of ``like`` (a tensor of the
     mask's shape: the region's row input it was found to match)."""

@@ -37,6 +37,7 @@ import torch
 
 from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
 from .gpu_plan import out_dtype_blocks
+from .registry import CAPTURE_SAFE, emitted
 from .stats import softmax_lse
 from .tiling import (
     accumulator_rows,
@@ -87,6 +88,7 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 @lm_head_stats.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
+    backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     n = hidden.shape[0]
     return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
 
@@ -107,6 +109,7 @@ def lm_head_stats_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 @lm_head_stats_logits.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
+    backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     n = hidden.shape[0]
     return (*(hidden.new_empty(n, dtype=torch.float32) for _ in range(3)),
             hidden.new_empty(n, weight.shape[0]))
@@ -323,6 +326,7 @@ lm_head_stats.register_autograd(_backward, setup_context=_setup)
 lm_head_stats_logits.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward"), CAPTURE_SAFE)
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
                       budget_bytes: int, transforms: str = "", plan: str = "auto", returned_like=None):
     """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after

@@ -27,7 +27,8 @@ plan (``tiling.backward_plan``):
   by ``g`` would round twice, so the forward's ``grad_hidden`` is used only when that
   scaling is exact (``g`` read with ``.item()``, free on a CPU: 1, -1, any power of two, and
   no scaled element rounded); otherwise the backward recomputes both gradients from the
-  cotangents times ``g`` (4 GEMMs more: 6 in all).
+  cotangents times ``g`` (4 GEMMs more: 6 in all).  Forced on another device, it never
+  reads ``g`` (no host sync): it always recomputes.
 
 The loss is the graph's own scalar part (``final(*reductions, *whole)``) on the sums,
 each accumulated over the chunks in FP64.
@@ -46,6 +47,7 @@ from .. import compat
 from . import graph_bodies
 from .bodies import compiled, grad_through_transforms, transformed
 from .lm_head import lm_head_grads
+from .registry import CAPTURE_SAFE, emitted
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, resolve_budget
 
@@ -265,6 +267,11 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
     gradient-accumulation ``loss / 4`` keeps 4 GEMMs), else both recomputed from the
     cotangents times ``g`` (each still one FP32 sum rounded once)."""
     tokens = tokens if tokens is not None else torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    if g.device.type != "cpu":  # (a CPU plan elsewhere: no host read of g, both gradients recomputed)
+        c_lse, c_lp, c_ent = (c * g for c in (c_lse, c_lp, c_ent))
+        return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
+                             scale_is_div, budget_bytes, transforms, None, need_hidden=need_hidden,
+                             need_weight=need_weight, plan="two_sweeps")
     scale_g = g.item()
     c_lse, c_lp, c_ent = (c * scale_g for c in (c_lse, c_lp, c_ent))
     gh = scaled_exactly(grad_hidden, scale_g) if need_hidden else _empty(hidden, hidden.dtype)
@@ -316,6 +323,7 @@ def _backward(ctx, g, *_):
 _lm_head_loss.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("lm_head_loss", "lm_head_loss_backward"), CAPTURE_SAFE)
 def lm_head_loss(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
                  budget_bytes: int, transforms: str, plan: str, tail_key: str, final_key: str, kinds: str,
                  need_hidden: bool, need_weight: bool, n_rows: int, *operands):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .registry import emitted
+
 __all__ = ["log_softmax_stats", "softmax_stats", "log_softmax_given", "softmax_given"]
 
 
@@ -52,6 +54,7 @@ class _Softmax(torch.autograd.Function):
         return out * (g - (g * out).sum(ctx.dim, keepdim=True)), None, None, None
 
 
+@emitted()
 def log_softmax_stats(z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(log_softmax(z, dim), m, ls)``: ATen's own decomposition (``m`` the max,
     ``ls = log(sum(exp(z - m)))``, the result ``(z - m) - ls``), whose two reductions the
@@ -61,6 +64,7 @@ def log_softmax_stats(z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     return (z - m) - ls, m, ls
 
 
+@emitted()
 def softmax_stats(z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(softmax(z, dim), m, s)``: ATen's decomposition (``m`` the max,
     ``s = sum(exp(z - m))``, the result ``exp(z - m) / s``)."""
@@ -70,12 +74,14 @@ def softmax_stats(z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
     return e / s, m, s
 
 
+@emitted()
 def log_softmax_given(z: torch.Tensor, m: torch.Tensor, ls: torch.Tensor, dim: int) -> torch.Tensor:
     """``log_softmax(z, dim)`` from the forward's ``log_softmax_stats``: the same values
     bit for bit, pointwise, with log_softmax's gradient."""
     return _LogSoftmax.apply(z, m, ls, dim)
 
 
+@emitted()
 def softmax_given(z: torch.Tensor, m: torch.Tensor, s: torch.Tensor, dim: int) -> torch.Tensor:
     """``softmax(z, dim)`` from the forward's ``softmax_stats``, with softmax's gradient."""
     return _Softmax.apply(z, m, s, dim)

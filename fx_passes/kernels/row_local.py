@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import graph_bodies
-from .registry import REPLAYING_BODIES
+from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
 from .tiling import resolve_budget
 
 __all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows",
@@ -174,6 +174,7 @@ def _backward(ctx, grads):
 _row_local.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("row_local", "row_local_backward"), CAPTURE_SAFE)
 def row_local(key: str, budget_bytes: int, n_rows: int, *inputs: torch.Tensor,
               saving: Optional[str] = None) -> tuple[torch.Tensor, ...]:
     """The per-row results of the row-local region registered under ``key``: ``inputs``

@@ -16,8 +16,8 @@ reads.  The lm_head's gradients are then the GEMMs stock runs on the whole gradi
 A second backward through the same forward (``retain_graph=True``) finds a flag the
 first one cleared and recomputes the matmul before it starts: the same op on the same
 operands.  The flag is a one-byte host tensor on every device, so reading it never waits
-for a GPU; a graph holding a host tensor is one Inductor's CUDA graphs
-(``mode="reduce-overhead"``) skip, with the reason in its log.
+for a GPU; both ops carry ``torch.Tag.cudagraph_unsafe``: Inductor's CUDA graphs
+(``mode="reduce-overhead"``) run them outside the captured partitions.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .chunk_gemm import logits
-from .registry import REPLAYING_BODIES
+from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
 from .row_local import backward_chunks, fake_results, grads_of_outputs, row_local, run_chunks, setup_outputs
 
 __all__ = ["row_local_head"]
@@ -39,11 +39,18 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return x.flatten(0, -2) if flatten else x
 
 
+def _host_flag(flag: torch.Tensor) -> bool:
+    """The flag's value: a host tensor on every device, read from host memory (no device
+    sync, no dispatch); its op is ``cudagraph_unsafe`` (a replay would not read it)."""
+    assert flag.device.type == "cpu", flag.device
+    return bool(flag.numpy()[0])
+
+
 def _full(rows: list[torch.Tensor], index: int, x: torch.Tensor) -> list[torch.Tensor]:
     return [*rows[:index], x, *rows[index:]]
 
 
-@torch.library.custom_op("chunked_logits::row_local_head", mutates_args=())
+@torch.library.custom_op("chunked_logits::row_local_head", mutates_args=(), tags=UNSAFE)
 def _row_local_head(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                     index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     how: str, flatten: bool) -> list[torch.Tensor]:
@@ -68,7 +75,7 @@ def _grad_shapes(rows, wanted, hidden, weight, bias, needs) -> list[tuple[torch.
     return of
 
 
-@torch.library.custom_op("chunked_logits::row_local_head_backward", mutates_args=())
+@torch.library.custom_op("chunked_logits::row_local_head_backward", mutates_args=(), tags=UNSAFE)
 def _row_local_head_backward(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
                              whole: list[torch.Tensor], saved: list[torch.Tensor], grads: list[torch.Tensor],
                              budget_bytes: int, index: int, hidden: torch.Tensor, weight: torch.Tensor,
@@ -80,7 +87,7 @@ def _row_local_head_backward(key: str, wanted: list[int], outputs: list[int], ro
     # backward unpacks them again, and the flag makes that second backward correct)
     keep = torch.autograd._unsafe_preserve_version_counter
     with keep(x), keep(flag):
-        if not bool(flag.item()):  # a second backward: the first wrote the gradient over the logits
+        if not _host_flag(flag):  # a second backward: the first wrote the gradient over the logits
             x.copy_(_logits(hidden, weight, bias, how, flatten))
         full = _full(rows, index, x)
         others = [(i if i < index else i + 1) for i in wanted]
@@ -134,6 +141,7 @@ def _backward(ctx, grads):
 _row_local_head.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("row_local_head", "row_local_head_backward"), CUDAGRAPH_UNSAFE)
 def row_local_head(key: str, budget_bytes: int, n_rows: int, index: int, how: str, flatten: bool,
                    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    *inputs: torch.Tensor, saving: Optional[str] = None) -> tuple[torch.Tensor, ...]:

@@ -34,6 +34,7 @@ from ..reporting.report import log
 from . import graph_bodies
 from .chunk_gemm import row_chunk_logits
 from .compiler import compile_body
+from .registry import CAPTURE_SAFE, emitted
 from .row_local import (
     COUNTER,
     _fill,
@@ -224,6 +225,7 @@ def _backward(ctx, grads):
 _row_local_sweeps.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("row_local_sweeps", "row_local_sweeps_backward"), CAPTURE_SAFE)
 def row_local_sweeps(key: str, budget_bytes: int, n_rows: int, index: int, how: str,
                      hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from . import graph_bodies
 from .lm_head import two_sweeps
-from .registry import GATHER_INDEXES
-from .tiling import even_splits, sweep_sizes
+from .registry import CAPTURE_SAFE, GATHER_INDEXES, emitted
+from .tiling import even_splits, resolve_budget, sweep_sizes
 
 __all__ = ["shard_lm_head", "gather_index_positions", "row_chunks"]
 
@@ -77,7 +77,7 @@ def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Ten
 
 
 def _forward(key: str, hidden, weight, operands, budget_bytes: int) -> list[torch.Tensor]:
-    rows, _ = sweep_sizes(budget_bytes, hidden.shape[0], weight.shape[0])
+    rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), hidden.shape[0], weight.shape[0])
     outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), graph_bodies.body(key))
     return outs if outs is not None else _fake(key, hidden, weight, operands)
 
@@ -100,7 +100,7 @@ def _(key, hidden, weight, operands, budget_bytes):
 
 def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int, need_hidden: bool,
                     need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    n = hidden.shape[0]
+    n, budget_bytes = hidden.shape[0], resolve_budget(budget_bytes, hidden.device)
     vjp = graph_bodies.backward_body(key, (0,))
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
@@ -147,6 +147,7 @@ def _backward(ctx, grads):
 _shard_lm_head.register_autograd(_backward, setup_context=_setup)
 
 
+@emitted(("shard_lm_head", "shard_lm_head_backward"), CAPTURE_SAFE)
 def shard_lm_head(key: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
                   weight: torch.Tensor, *operands: torch.Tensor):
     """The reductions of one stage of a rewritten vocab-parallel region whose logits shard

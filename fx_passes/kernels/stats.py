@@ -17,6 +17,8 @@ from typing import Optional, Union
 
 import torch
 
+from .registry import emitted
+
 Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
 
 __all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits", "softmax_lse"]
@@ -144,6 +146,7 @@ class RowStats(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+@emitted()
 def row_stats(
     x: torch.Tensor,
     tokens: Optional[torch.Tensor],

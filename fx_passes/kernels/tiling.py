@@ -3,9 +3,12 @@ row tiles of the backward, rows per FP32 ``grad_hidden`` accumulator.
 
 Every size comes from one working-set budget (``Config.chunk_budget_mib``), so the
 memory the loop needs above the model-precision gradients is bounded by the budget,
-whatever T and V are.  Unset, the budget is the device's (``device_budget``): 32 MiB on
-a CPU, a share of the free memory on a GPU, where each GEMM must be large to run near
-peak (thousands of rows per forward chunk, vocabulary blocks over all rows).
+whatever T and V are.  Unset, the budget is the device's (``device_budget``): a pure
+function of the device kind and its total memory (never of the memory free at the
+call), so every step and every rank cuts the same chunks.  Pieces are multiples of
+``ALIGN`` (128) rows or columns but the last where the budget holds 1024 or more, of 8
+where it holds 64 or more (rounding 221 rows down to 128 would cost 42% of the chunk:
+GEMM tiles and ``grad_weight`` column slices at aligned offsets either way).
 """
 
 from __future__ import annotations
@@ -19,34 +22,52 @@ import torch
 from .. import compat
 
 __all__ = ["forward_rows", "backward_tiles", "gpu_block_cols", "sweep_sizes", "accumulator_rows",
-           "even_splits", "backward_plan", "BY_DEVICE", "device_budget", "resolve_budget"]
+           "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
+           "resolve_budget", "ALIGN"]
 
 log = logging.getLogger("fx_passes")
 
 MIB = 2**20
 BY_DEVICE = 0  # budget_bytes of a Config without chunk_budget_mib: the device's (device_budget)
 CPU_BUDGET = 32 * MIB
-GPU_SHARE = 8  # a GPU's budget: 1/8 of its free memory,
-GPU_MIN, GPU_MAX = 32 * MIB, 4096 * MIB  # within these
+GPU_SHARE = 64  # a GPU's budget: 1/64 of its total memory (a whole MiB),
+GPU_MIN, GPU_MAX = 256 * MIB, 2048 * MIB  # within these
+ALIGN, SMALL_ALIGN = 128, 8  # rows / columns a piece is a multiple of (all but the last): granule()
 
 
-def device_budget(device_type: str, free_bytes: Optional[int]) -> int:
-    """The working-set budget of the lm_head loop when none is configured: 32 MiB on a
+def device_budget(device_type: str, total_bytes: Optional[int]) -> int:
+    """The working-set budget of the chunk loops when none is configured: 32 MiB on a
     CPU (the size its caches and the measured tables were tuned at); on a GPU
-    (``"cuda"``, ``"xpu"``) an eighth of ``free_bytes``, within 32 MiB and 4 GiB: at
-    V 151936 a 4 GiB budget holds a 7000-row FP32 forward chunk, and on an H200 with
-    ~140 GB free the cap applies.  (The loops also hold at most a quarter of the FP32
-    logits per chunk: ``_budget``.)  ``free_bytes`` None (unknown): the CPU's."""
-    if device_type not in ("cuda", "xpu") or not free_bytes:
+    (``"cuda"``, ``"xpu"``) 1/64 of its total memory, within 256 MiB and 2 GiB (an H200
+    or H100: 2 GiB / 1.2 GiB; a 24 GiB card 384 MiB; total unknown: 256 MiB).  Total
+    memory, not free: the caching allocator's reserved blocks and a colocated rollout
+    engine make free memory small and different on every step and rank (docs/gpu.md,
+    "Chunk budget").  (The loops also hold at most a quarter of the FP32 logits per
+    chunk: ``_budget``.)"""
+    if device_type not in ("cuda", "xpu"):
         return CPU_BUDGET
-    return max(GPU_MIN, min(GPU_MAX, free_bytes // GPU_SHARE))
+    if not total_bytes:
+        return GPU_MIN
+    return max(GPU_MIN, min(GPU_MAX, total_bytes // GPU_SHARE // MIB * MIB))
 
 
 def resolve_budget(budget_bytes: int, device: torch.device) -> int:
     """``budget_bytes``, or the device's budget (``device_budget``) for ``BY_DEVICE``."""
     if budget_bytes != BY_DEVICE:
         return budget_bytes
-    return device_budget(device.type, compat.free_device_bytes(device))
+    return device_budget(device.type, compat.total_device_bytes(device))
+
+
+def granule(count: int) -> int:
+    """What a piece of at most ``count`` rows / columns is a multiple of: ``ALIGN`` from
+    1024 on, 8 from 64 on (rounding down loses at most 1/8 either way), else 1."""
+    return ALIGN if count >= 8 * ALIGN else SMALL_ALIGN if count >= 8 * SMALL_ALIGN else 1
+
+
+def aligned(count: int) -> int:
+    """``count`` (rows or columns a piece may hold) rounded down to a multiple of its
+    ``granule`` (at least 1)."""
+    return max(1, count // granule(count) * granule(count))
 
 
 def _budget(budget_bytes: int, n: int, vocab: int) -> int:
@@ -58,7 +79,7 @@ def _budget(budget_bytes: int, n: int, vocab: int) -> int:
 
 def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
     """Rows per forward chunk: one FP32 ``[rows, V]`` chunk fills the budget."""
-    return max(1, _budget(budget_bytes, n, vocab) // (4 * vocab))
+    return aligned(_budget(budget_bytes, n, vocab) // (4 * vocab))
 
 
 def backward_tiles(budget_bytes: int, n: int, vocab: int, width: int, fp32: bool) -> tuple[int, int]:
@@ -77,9 +98,9 @@ def backward_tiles(budget_bytes: int, n: int, vocab: int, width: int, fp32: bool
     """
     budget_bytes = _budget(budget_bytes, n, vocab)
     if not fp32:
-        return max(1, budget_bytes // (8 * max(1, n))), max(1, n)
-    cols = max(1, min(vocab, budget_bytes // (16 * width)))
-    rows = max(1, min(n, (budget_bytes // 2) // (12 * cols + 4 * width)))
+        return aligned(budget_bytes // (8 * max(1, n))), max(1, n)
+    cols = aligned(min(vocab, budget_bytes // (16 * width)))
+    rows = aligned(min(n, (budget_bytes // 2) // (12 * cols + 4 * width)))
     return cols, rows
 
 
@@ -90,7 +111,7 @@ def gpu_block_cols(budget_bytes: int, n: int, vocab: int) -> int:
     fill the budget (capped for small problems as the forward's)."""
     if n == 0:
         return max(1, vocab)
-    return max(1, min(vocab, _budget(budget_bytes, n, vocab) // (4 * n)))
+    return aligned(min(vocab, _budget(budget_bytes, n, vocab) // (4 * n)))
 
 
 def sweep_sizes(budget_bytes: int, n: int, vocab: int) -> tuple[int, int]:
@@ -98,27 +119,34 @@ def sweep_sizes(budget_bytes: int, n: int, vocab: int) -> tuple[int, int]:
     a chunk's or a block's model-precision logits and gradient (4 bytes an element) fill
     the budget (capped for small problems as the forward's)."""
     budget_bytes = _budget(budget_bytes, n, vocab)
-    return max(1, budget_bytes // (4 * vocab)), max(1, budget_bytes // (4 * max(1, n)))
+    return aligned(budget_bytes // (4 * vocab)), aligned(budget_bytes // (4 * max(1, n)))
 
 
 def accumulator_rows(budget_bytes: int, n: int, width: int) -> int:
     """Rows whose ``grad_hidden`` one backward sweep accumulates in FP32: an FP32
     ``[rows, H]`` buffer of at most half the budget, so never one of ``[T, H]``
     (all rows when ``4 T H`` bytes fit)."""
-    return max(1, min(n, ((budget_bytes or CPU_BUDGET) // 2) // (4 * max(1, width))))
+    return aligned(min(n, ((budget_bytes or CPU_BUDGET) // 2) // (4 * max(1, width))))
 
 
 def even_splits(total: int, most: int) -> list[tuple[int, int]]:
-    """``[0, total)`` cut into the fewest pieces of at most ``most``, their sizes
-    differing by at most one (no 1-row remainder tile with its own 1-row kernel)."""
-    k = -(-total // max(1, most))
-    q, extra = divmod(total, max(1, k))
-    bounds, start = [], 0
-    for i in range(k):
-        end = start + q + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    """``[0, total)`` cut into the fewest pieces of at most ``most``: multiples of
+    ``granule(most)`` but the last, as even as that allows (no 1-row remainder tile with
+    its own 1-row kernel where the pieces can be even)."""
+    most, unit = max(1, most), granule(max(1, most))
+    if unit == 1 or total <= most:
+        k = -(-total // most)
+        q, extra = divmod(total, max(1, k))
+        bounds, start = [], 0
+        for i in range(k):
+            end = start + q + (1 if i < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+    step = most // unit * unit
+    k = -(-total // step)
+    size = min(step, -(-(-(-total // k)) // unit) * unit)  # total / k rounded up to the unit
+    return [(a, min(total, a + size)) for a in range(0, total, size)]
 
 
 @functools.lru_cache(None)
@@ -159,12 +187,15 @@ def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") 
       weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).
 
     ``"gpu"`` forced where the device has no ``mm.dtype`` kernel runs ``"blocks"`` (logged).
+    Choosing ``"gpu"`` runs the device's one-time ``addmm`` probe (``compat.probe_addmm_into``).
     """
     if plan == "gpu" and not compat.gemm_out_dtype(device.type):
         _say_no_out_dtype(device.type)
         return "blocks"
-    if plan != "auto":
-        return plan
-    if device.type != "cpu":
-        return "gpu" if compat.gemm_out_dtype(device.type) else "blocks"
-    return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"
+    if plan == "auto" and device.type != "cpu":
+        plan = "gpu" if compat.gemm_out_dtype(device.type) else "blocks"
+    if plan == "auto":
+        return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"
+    if plan == "gpu":  # (the fake kernels and the rewrites call this at compile time: no probe in a step)
+        compat.probe_addmm_into(device, dtype)
+    return plan

@@ -280,7 +280,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
     _recount(graph, tail, hidden)
     with graph.inserting_before(tail.loss):
         flat = [graph.call_method("reshape", (o, -1)) for o in tail.row_operands]
-        scalars = [scalar_tensor(graph, o) if is_scalar(o) else o for o in tail.whole]
+        scalars = [scalar_tensor(graph, o, hidden) if is_scalar(o) else o for o in tail.whole]
         loss = graph.call_function(row_local_loss, (joined, budget, n + len(flat), index, how, hidden, weight,
                                                     bias, final, _kinds(tail), len(scalars),
                                                     row_bytes(split), plan, *inputs[:n - 1], *flat,

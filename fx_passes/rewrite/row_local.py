@@ -316,7 +316,8 @@ def _call(graph: Graph, region: RowRegion, head: _Head | None, key: str, saving:
     skip = head.index if head is not None else None  # (the call computes that row itself)
     rows = [graph.call_method("flatten", (r.x, 0, -2)) if isinstance(r, Flattened) else r
             for j, r in enumerate(region.rows) if j != skip]
-    whole = [scalar_tensor(graph, w) if is_scalar(w) else w for w in region.whole]
+    like = getattr(region.rows[0], "x", region.rows[0])  # (a Flattened row: its tensor)
+    whole = [scalar_tensor(graph, w, like) if is_scalar(w) else w for w in region.whole]
     kwargs = {"saving": saving} if saving else {}
     budget, n = config.device_budget_bytes, len(region.rows)  # (0: the device's, where the call runs)
     if head is None:
