@@ -187,7 +187,7 @@ def format_text(data: dict[str, Any]) -> str:
             lines.append(f"  {'':<13} {r['what']}")
         else:
             size = r["bytes_avoided"]
-            avoided = f"{_size(size) if size else 'no'} bytes avoided"
+            avoided = f"{_size(size)} avoided" if size else "nothing avoided"
             lines.append(f"  {label[kind]:<13} {r['what']}, {avoided}{times}")
             lines.append(f"  {'':<13} at {_short(r['where'])}")
     failed = data["counters"].get("pass_failed", 0)
