@@ -151,11 +151,11 @@ def tail_rule(node: Node, name: str) -> tuple[Optional[OpRule], str]:
 
 def tail_row_rule(name: str) -> Optional[Kind]:
     """The kind of a row-part op of the loss tail, None when the table does not take it."""
-    return TAIL_ROWS.get(name) or (Kind.PER_ROW if _pointwise(name) else None)
+    return TAIL_ROWS.get(name) or (Kind.PER_ROW if pointwise_op(name) else None)
 
 
 @functools.lru_cache(None)
-def _pointwise(name: str) -> bool:
+def pointwise_op(name: str) -> bool:
     """Does ATen tag ``name`` pointwise (and not random)?"""
     op = getattr(torch.ops.aten, name, None) if name and not name.startswith("_") else None
     if not isinstance(op, torch._ops.OpOverloadPacket):

@@ -32,7 +32,6 @@ result (no last dim V), or the region is declined naming that op (``NOT_ROW_LOCA
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import torch
@@ -49,6 +48,7 @@ from ..fx.graph_ops import (
     requires_grad,
     tensor_input,
 )
+from ..fx.op_rules import pointwise_op
 from ..reporting.report import Decline, Reason
 from .upcast import upcast_input
 
@@ -97,17 +97,6 @@ def op_name(node: Node) -> str:
         name = name[2:-2]
         name = name[1:] if name in _REFLECTED else name
     return _ATEN_NAMES.get(name, name)
-
-
-@functools.lru_cache(None)
-def pointwise_op(name: str) -> bool:
-    """Does ATen tag ``name`` pointwise (and not random)?"""
-    op = getattr(torch.ops.aten, name, None) if name and not name.startswith("_") else None
-    if not isinstance(op, torch._ops.OpOverloadPacket):
-        return False
-    tags = [getattr(op, o).tags for o in op.overloads()]
-    return any(torch.Tag.pointwise in t for t in tags) and not any(
-        torch.Tag.nondeterministic_seeded in t for t in tags)
 
 
 def loss_arg(node: Node, name: str, default: Any = None) -> Any:

@@ -9,7 +9,7 @@ row views and scalar scalings between an upcast and a head (:func:`is_row_view`,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import Node
@@ -140,16 +140,15 @@ def implicit_root(head: Node, upgrade: bool) -> Optional[Node]:
     return None
 
 
-def upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
-    """An upcast of model-precision logits that ``node`` (FP32, not itself an upcast)
-    is computed from through FP32 tensors of the same shape, a few ops back: then an op
-    the pass does not know sits between the upcast and the head."""
+def _upcast_back(node: Node, depth: int, follow: Callable[[Node], bool]) -> Optional[Node]:
+    """The nearest upcast of model-precision logits among ``node``'s inputs, breadth
+    first up to ``depth`` ops back, through the inputs ``follow`` accepts."""
     frontier, seen = [node], {node}
     for _ in range(depth):
         nxt = []
         for n in frontier:
             for src in n.all_input_nodes:
-                if src in seen or not is_fp32(src) or getattr(meta(src), "shape", None) != meta(node).shape:
+                if src in seen or not follow(src):
                     continue
                 if upcast_input(src) is not None:
                     return src
@@ -157,25 +156,21 @@ def upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
                 nxt.append(src)
         frontier = nxt
     return None
+
+
+def upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
+    """An upcast of model-precision logits that ``node`` (FP32, not itself an upcast)
+    is computed from through FP32 tensors of the same shape, a few ops back: then an op
+    the pass does not know sits between the upcast and the head."""
+    shape = meta(node).shape
+    return _upcast_back(node, depth, lambda src: is_fp32(src) and getattr(meta(src), "shape", None) == shape)
 
 
 def upcast_ancestor(node: Node, depth: int = 16) -> Optional[Node]:
     """The nearest upcast of model-precision logits that ``node`` is computed from, a few
     ops back through anything (a sort's tuple, a mask): an FP32 tensor inside the region
     of that upcast, declined or rewritten with it, not a region of its own."""
-    frontier, seen = [node], {node}
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            for src in n.all_input_nodes:
-                if src in seen:
-                    continue
-                if upcast_input(src) is not None:
-                    return src
-                seen.add(src)
-                nxt.append(src)
-        frontier = nxt
-    return None
+    return _upcast_back(node, depth, lambda src: True)
 
 
 # Ops that reduce rows over the last dim: a candidate whose FP32 tensors reach none of
