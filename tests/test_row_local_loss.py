@@ -181,9 +181,12 @@ def test_a_retained_graphs_second_backward_equals_the_first():
     h, w = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_()
     torch._dynamo.reset()
     counters.clear()
-    loss = torch.compile(fn, backend="chunked_logits")(h, w, *inputs[2:])
-    assert chunked_counters().get("gradients_in_forward") == 1
-    assert_retained_backward_repeats(loss, h, w)
+    # A fresh compile: a backward served warm from AOTAutograd's cache (these graphs are
+    # cacheable) is loaded with donated buffers, which torch refuses under retain_graph.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        loss = torch.compile(fn, backend="chunked_logits")(h, w, *inputs[2:])
+        assert chunked_counters().get("gradients_in_forward") == 1
+        assert_retained_backward_repeats(loss, h, w)
 
 
 @pytest.mark.parametrize("name", ["forward_kl", "kl_div_linear"])

@@ -176,9 +176,12 @@ def test_a_retained_graphs_second_backward_equals_the_first():
     fn, inputs, _ = _case("forward_kl")
     h, w, teacher = inputs[0].clone().requires_grad_(), inputs[1].clone().requires_grad_(), inputs[2]
     torch._dynamo.reset()
-    loss = torch.compile(fn, backend="chunked_logits")(h, w, teacher)
-    assert chunked_counters().get("row_local_lm_head") == 1
-    assert_retained_backward_repeats(loss, h, w)
+    # A fresh compile: a backward served warm from AOTAutograd's cache (these graphs are
+    # cacheable) is loaded with donated buffers, which torch refuses under retain_graph.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        loss = torch.compile(fn, backend="chunked_logits")(h, w, teacher)
+        assert chunked_counters().get("row_local_lm_head") == 1
+        assert_retained_backward_repeats(loss, h, w)
 
 
 def test_the_backward_finds_the_split_the_rewrite_traced():

@@ -126,7 +126,8 @@ def accumulator_rows(budget_bytes: int, n: int, width: int) -> int:
     """Rows whose ``grad_hidden`` one backward sweep accumulates in FP32: an FP32
     ``[rows, H]`` buffer of at most half the budget, so never one of ``[T, H]``
     (all rows when ``4 T H`` bytes fit)."""
-    return aligned(min(n, ((budget_bytes or CPU_BUDGET) // 2) // (4 * max(1, width))))
+    rows = ((budget_bytes or CPU_BUDGET) // 2) // (4 * max(1, width))
+    return n if rows >= n else aligned(rows)
 
 
 def even_splits(total: int, most: int) -> list[tuple[int, int]]:
