@@ -22,6 +22,8 @@ What a CPU-only torch cannot run, and why (so not checked here; the GPU check ru
   (``kernels/row_split.py`` ``_examples``) trace their bodies on real tensors of the
   inputs' device at compile time: "Torch not compiled with CUDA enabled".  There the pass
   fails and leaves the user's graph as it was (checked: never a broken compile).
+* vocab-parallel: its rewrite needs the process group of a sharded lm_head
+  (tests/test_vocab_parallel.py runs gloo groups on CPU tensors); not run here.
 No CUDA wheel is installed for this (several GB in ``make test``); the GPU check
 (benchmarks/gpu_check.py) covers the rest on a GPU.
 """
