@@ -24,7 +24,7 @@ import torch
 
 from . import graph_bodies
 from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
-from .tiling import resolve_budget
+from .tiling import aligned, even_splits, resolve_budget
 
 __all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows",
            "setup_outputs", "grads_of_outputs", "fake_results"]
@@ -38,13 +38,16 @@ COUNTER = "row_local_body_eager"
 
 def chunk_rows(rows: list[torch.Tensor], budget_bytes: int) -> int:
     """Rows (indices of dim 0) per chunk: the budget (``tiling.BY_DEVICE``: the device's,
-    ``tiling.device_budget``) over the widest row's working set."""
+    ``tiling.device_budget``) over the widest row's working set, aligned as the lm_head
+    loop's pieces (``tiling.aligned``: a multiple of 128 from 1024 rows, of 8 from 64)."""
     width = max((r[0].numel() if r.dim() and r.shape[0] else 1 for r in rows), default=1)
-    return max(1, resolve_budget(budget_bytes, rows[0].device) // (BYTES_PER_ELEMENT * max(width, 1)))
+    return aligned(resolve_budget(budget_bytes, rows[0].device) // (BYTES_PER_ELEMENT * max(width, 1)))
 
 
 def _spans(n: int, step: int) -> list[tuple[int, int]]:
-    return [(i, min(i + step, n)) for i in range(0, n, step)] or [(0, 0)]
+    """``[0, n)`` in chunks of at most ``step`` rows: ``tiling.even_splits`` (aligned
+    offsets, no ragged 1-row remainder)."""
+    return even_splits(n, step) or [(0, 0)]
 
 
 def fake_results(key: str, rows, whole) -> list[torch.Tensor]:
