@@ -2,43 +2,45 @@
 
 Supported: torch >= 2.11, < 2.15 (pyproject.toml).  Where an API is missing, the feature
 that needs it is off and the ``fx_passes`` log says so once, at import; nothing else in
-the package touches these names directly.
-
-==================================================  =======  ====================================
-API (who uses it)                                   torch    without it
-==================================================  =======  ====================================
-``torch._C._log_api_usage_once`` (graph_ops:        all      the telemetry call a loss module
-a telemetry call is not a side effect)                       makes when built inside the compiled
-                                                             code counts as a side effect
-                                                             (such regions are declined)
-Inductor ``unsafe_marked_cacheable_functions``      >= 2.8   rewritten graphs are not stored in
-(backend, install: warm starts)                              AOTAutograd's cache (cold starts)
-Inductor ``pre_grad_pass_timing`` (install: run     >= 2.12  nothing to do: before 2.12 pre-grad
-pre-grad passes before the cache lookup)                     passes always run before the lookup
-``custom_graph_pass.get_custom_graph_passes``,      >= 2.13  install() cannot chain with a user's
-lists in ``pre_grad_custom_pass`` (install)                  own pre-grad pass: it leaves theirs
-                                                             and is not installed (the backend
-                                                             works)
-``torch._dynamo.exc.RestartAnalysis``               all      -
-(containment: a restart is not a failure)
-Dynamo's ``_dynamo*`` node attributes, e.g.          all      nothing to copy
-placeholders' ``_dynamo_source`` (passes._copy)
-``torch.cpu._is_avx512_bf16_supported``,            all      the lm_head backward runs FP32
-``_is_amx_tile_supported``,                                  GEMMs on every CPU (slower where
-``_is_amx_fp16_supported`` (tiling.backward_plan)            the CPU multiplies bf16 in hardware)
-``torch._C._AutoDispatchBelowADInplaceOrView``      all      the lm_head loop bodies run under
-(lm_head loop bodies: one dispatch-key set)                  no_grad only (may compile again
-                                                             when the op is called with other
-                                                             dispatch keys)
-``aten::mm.dtype`` / ``aten::addmm.dtype`` kernels  >= 2.8   the lm_head backward's "gpu" plan
-for the device (CUDA, XPU; tiling.backward_plan)    CUDA     is not picked: "blocks" (an FP32
-                                                             GEMM for ``grad_hidden``)
-``addmm(.., out_dtype=float32, out=acc)`` with an   newer    ``acc += mm(.., out_dtype)``: one
-FP32 ``acc`` (gpu_plan: accumulate in place)        than 2.8 FP32 ``[S, H]`` temporary per block
-``torch.cuda`` / ``torch.xpu``                      all      the chunk loops' default budget
-``get_device_properties`` (tiling.device_budget)             is 256 MiB on that device
-==================================================  =======  ====================================
+the package touches these names directly.  See NOTE [private APIs] for each API, who uses
+it and what happens without it.
 """
+
+# NOTE [private APIs]
+# ==================================================  =======  ====================================
+# API (who uses it)                                   torch    without it
+# ==================================================  =======  ====================================
+# ``torch._C._log_api_usage_once`` (graph_ops:        all      the telemetry call a loss module
+# a telemetry call is not a side effect)                       makes when built inside the compiled
+#                                                              code counts as a side effect
+#                                                              (such regions are declined)
+# Inductor ``unsafe_marked_cacheable_functions``      >= 2.8   rewritten graphs are not stored in
+# (backend, install: warm starts)                              AOTAutograd's cache (cold starts)
+# Inductor ``pre_grad_pass_timing`` (install: run     >= 2.12  nothing to do: before 2.12 pre-grad
+# pre-grad passes before the cache lookup)                     passes always run before the lookup
+# ``custom_graph_pass.get_custom_graph_passes``,      >= 2.13  install() cannot chain with a user's
+# lists in ``pre_grad_custom_pass`` (install)                  own pre-grad pass: it leaves theirs
+#                                                              and is not installed (the backend
+#                                                              works)
+# ``torch._dynamo.exc.RestartAnalysis``               all      -
+# (containment: a restart is not a failure)
+# Dynamo's ``_dynamo*`` node attributes, e.g.          all      nothing to copy
+# placeholders' ``_dynamo_source`` (passes._copy)
+# ``torch.cpu._is_avx512_bf16_supported``,            all      the lm_head backward runs FP32
+# ``_is_amx_tile_supported``,                                  GEMMs on every CPU (slower where
+# ``_is_amx_fp16_supported`` (tiling.backward_plan)            the CPU multiplies bf16 in hardware)
+# ``torch._C._AutoDispatchBelowADInplaceOrView``      all      the lm_head loop bodies run under
+# (lm_head loop bodies: one dispatch-key set)                  no_grad only (may compile again
+#                                                              when the op is called with other
+#                                                              dispatch keys)
+# ``aten::mm.dtype`` / ``aten::addmm.dtype`` kernels  >= 2.8   the lm_head backward's "gpu" plan
+# for the device (CUDA, XPU; tiling.backward_plan)    CUDA     is not picked: "blocks" (an FP32
+#                                                              GEMM for ``grad_hidden``)
+# ``addmm(.., out_dtype=float32, out=acc)`` with an   newer    ``acc += mm(.., out_dtype)``: one
+# FP32 ``acc`` (gpu_plan: accumulate in place)        than 2.8 FP32 ``[S, H]`` temporary per block
+# ``torch.cuda`` / ``torch.xpu``                      all      the chunk loops' default budget
+# ``get_device_properties`` (tiling.device_budget)             is 256 MiB on that device
+# ==================================================  =======  ====================================
 
 from __future__ import annotations
 

@@ -16,78 +16,38 @@ DEFAULT_BUDGET_MIB = 32
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """What the passes do.  Build it from ``torch.compile(..., options={...})``.
+    """What the passes do.  Build it from ``torch.compile(..., options={...})``; the README's
+    settings table and docs/ say more about each field.
 
     Attributes:
         rewrite: rewrite matched FP32-upcast regions into the fused per-row form.
-        temperature_after_upcast: where the graph divides the model-precision logits
-            by a temperature right before the upcast, divide in FP32 after it instead.
-            Turn off to keep the division (and its rounding) where the graph has it.
+        temperature_after_upcast: move a model-precision ``logits / t`` right before the
+            upcast to FP32 after it; False keeps the division where the graph has it.
         remove_div_by_one: drop ``x / 1`` and ``x * 1`` everywhere in the graph.
         report_only: log and count what would be rewritten, change nothing.
         strict: re-raise an error inside the pass instead of falling back to stock
             Inductor (for debugging the pass itself).
-        upgrade_low_precision: also rewrite a model-precision ``log_softmax`` /
-            ``softmax`` / ``logsumexp`` / ``cross_entropy`` over the vocabulary (and a
-            model-precision temperature division feeding it) as if the graph had
-            upcast first: computed in FP32, per row, and returned in FP32.  This
-            changes results (to the accurate ones) and dtypes on purpose, so it is off
-            by default.
-        fuse_lm_head: when the logits are ``hidden @ weight.T`` in the same graph and
-            nothing else reads them, compute them chunk by chunk inside the region
-            (``lm_head.py``) so even the model-precision ``[T, V]`` logits never exist
-            (when the graph returns them, the loop writes them and the backward forms
-            no ``[T, V]`` gradient).  The gradients are no less accurate than stock's,
-            not always its bits; False keeps the matmul whole.
-        chunk_budget_mib: working-set budget of one chunk of that loop: rows per
-            forward chunk are ``budget / (4 V)``, vocabulary columns per backward
-            block ``budget / (8 T)`` (``budget / (4 T)`` in the "gpu" plan).  None (the
-            default): the device's (``kernels.tiling.device_budget``): 32 MiB on a CPU;
-            for the lm_head loop, row-local regions and the vocab-parallel loops on a
-            GPU 1/64 of its total memory, within 256 MiB and 2 GiB (2 GiB on an H200),
-            the same on every step and rank, so that their GEMMs are large enough to
-            run near peak and a step is not thousands of small chunks.
-        row_local: a region the hand-derived path does not take (an op it does not
-            know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
-            its own ops over chunks of rows when every op acts on each row on its own
-            (``match/row_local.py``); False leaves such regions as they are.
-        row_local_sweeps: a row-local region whose logits an lm_head matmul in the graph
-            makes (read by nothing else) runs that matmul chunk by chunk when the body's
-            gradient is a pointwise function of the logits given a few per-row values
-            (distillation, KL / JSD, label smoothing, a top-k mask:
-            ``kernels/row_split.py``): neither the logits nor their gradient exists
-            whole, for five ``[T, H] x [H, V]`` GEMMs a step against stock's three
-            (``kernels/row_local_sweeps.py``).  False, or a body that does not split (a
-            sort, a scan): the call runs the matmul whole and writes the logits'
-            gradient over them (stock's memory and GEMMs).  A region that takes no
-            gradient runs its matmul chunk by chunk whatever its body (off: whole).
-        save_masks: a row-local region's forward saves the boolean masks its sorts /
-            top-k / scans make (packed: ``V / 8`` bytes a row each) and its backward
-            reads them instead of sorting again (``rewrite/saved.py``); False
-            recomputes them (no saved bytes, the forward's work twice).
-        save_normalizers: a row-local region's forward also returns the two reductions
-            of each softmax / log_softmax its backward needs (the max and the sum of
-            exponentials or its log: two numbers a row) and the backward computes their
-            values pointwise from them (``rewrite/saved.py``); False recomputes the
-            reductions.
-        lm_head_plan: the fused lm_head's backward plan: "auto" (by device: "gpu" on
-            CUDA/XPU where torch has ``mm(.., out_dtype=)`` for it, else "blocks";
-            "two_sweeps" on CPUs that multiply bf16/fp16 in hardware, "fp32_tiles" on
-            other CPUs), or one of those names to force it on any device (tests run
-            every plan on one CPU this way; "gpu" needs the test-only CPU kernels of
-            ``fx_passes.testing.gemms`` there, and runs "blocks" without them).
-            docs/gemms.md: each plan's GEMMs and memory.
-        gradients_in_forward: when a fused lm_head region's results reach the graph's
-            scalar loss only through row-local ops and sums / means whose weights are
-            known in the forward (``match/loss_tail.py``), the chunk loop also computes
-            gradients in the forward: plan "gpu" all of them (3 GEMMs a step, kept in
-            FP32 until the backward scales them by the incoming gradient and rounds
-            once); "two_sweeps" ``grad_hidden``, with ``grad_weight`` from one
-            vocabulary sweep in the backward (4 GEMMs; an incoming gradient that is not
-            a power of two recomputes both).  Other plans, and False, recompute in the
-            backward (docs/how-it-works.md section 5b).  The same for a row-local region
-            whose lm_head runs chunk by chunk (``kernels/row_local_loss.py``): 4 GEMMs,
-            3 on plan "gpu", instead of 5.
+        upgrade_low_precision: also compute a model-precision ``log_softmax`` / ``softmax`` /
+            ``logsumexp`` / ``cross_entropy`` over the vocabulary in FP32, per row, returning
+            FP32: changes results and dtypes on purpose, so off by default.
+        fuse_lm_head: when an lm_head matmul ``hidden @ weight.T`` read by nothing else makes
+            the logits, compute them chunk by chunk inside the region (``lm_head.py``).
+        chunk_budget_mib: working-set budget of one chunk / block of the chunk loops.  None:
+            the device's (``kernels.tiling.device_budget``; docs/gpu.md).
+        row_local: run a region the hand-derived path declines as its own ops over chunks
+            of rows when every op acts on each row on its own (``match/row_local.py``).
+        row_local_sweeps: a row-local region whose lm_head matmul the call runs runs it
+            chunk by chunk when the body's gradient splits (``kernels/row_split.py``);
+            False runs it whole (stock's memory and GEMMs).
+        save_masks: a row-local region's forward saves the boolean masks its sorts / top-k /
+            scans make (bit-packed) for its backward (``rewrite/saved.py``); False recomputes.
+        save_normalizers: a row-local region's forward saves each softmax's max and sum (two
+            numbers a row) for its backward (``rewrite/saved.py``); False recomputes.
+        lm_head_plan: the fused lm_head's backward plan: "auto" (by device) or one of
+            ``LM_HEAD_PLANS`` to force it on any device (docs/gemms.md: each plan's GEMMs).
+        gradients_in_forward: when a fused region's results reach the scalar loss only
+            through row-local ops and sums / means (``match/loss_tail.py``), compute
+            gradients in the forward's chunk loop (docs/how-it-works.md section 5b).
     """
 
     rewrite: bool = True

@@ -1,6 +1,9 @@
 """The pass pipeline on one Dynamo graph, with fault containment.
 
-    find_regions -> rewrite_region (each) -> remove_div_by_one
+    find_shard_regions / rewrite_shard_region (vocab-parallel)
+    -> find_regions -> rewrite_region or rewrite_row_region (each region)
+    -> rewrite_loss_tail (each lm_head call a rewrite fused: gradients in the forward)
+    -> remove_div_by_one
 
 Runs on a copy of the graph: if anything inside raises, the caller gets the
 original graph back untouched (unless ``Config.strict``).

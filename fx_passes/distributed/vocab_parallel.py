@@ -1,44 +1,53 @@
 """Vocab-parallel regions: row reductions over this rank's vocabulary shard, combined
 across ranks by functional collectives.
 
-Megatron-style code (each rank holds the logits of its vocabulary shard, ``[.., V / world]``)
-computes a log-softmax in stages: the local row max, an all-reduce of it, the local
-sum of ``exp(z - max)`` and the target logit, all-reduces of those ``[rows]`` tensors,
-then ``log`` / ``-`` on ``[rows]``.  Each stage reads the FP32 upcast of the local
-logits; stock autograd keeps FP32 ``[.., V / world]`` tensors for the backward and
-writes its gradient through FP32 ``[.., V / world]`` buffers.
-
-The pass does not need to know the collectives: it takes the FP32 ``[.., V]`` part of
-the graph only (the upcast, elementwise ops on it with per-row or scalar operands, and
-the reductions over the last dim that end it) and leaves everything on ``[rows]``
-(the collectives, ``log``, the loss) as the user wrote it.  Each *stage* (the
-reductions whose per-row operands are ready at the same time) becomes one call of
-:func:`shard_reduce`, which recomputes the elementwise ops from the model-precision
-logits inside its reductions and, in the backward, writes the logits gradient in model
-precision in one pass (``torch.autograd.grad`` of the same ops on the saved
-model-precision logits).  So the result is the user's own maths, gradient semantics of
-their collectives included, with no FP32 ``[.., V / world]`` tensor anywhere; the
-backward is local (no collective is added).
-
-Before (one stage shown)::
-
-    z   = local.float() / t
-    m   = wait_tensor(all_reduce(z.detach().amax(-1), "max", group))
-    zs  = z - m.unsqueeze(-1)
-    s   = zs.exp().sum(-1)                       # -> all_reduce ...
-    tgt = zs.gather(-1, idx)                     # -> where(own, ..) -> all_reduce ...
-
-After::
-
-    amax  = shard_reduce("<key0>", False, local)[0]
-    m     = wait_tensor(all_reduce(amax, "max", group))
-    out   = shard_reduce("<key1>", True, local, m.unsqueeze(-1), idx)
-    s, tgt = out[0], out[1]
-
-A gather becomes ``where(arange(V) == idx, zs, 0).sum(-1)`` inside the call: the same
-value, and a backward that is pointwise (a gather's backward scatters into a zeros
-``[.., V]`` buffer).
+The pass takes only the FP32 ``[.., V / world]`` part of such a graph (the upcast,
+elementwise ops with per-row or scalar operands, and the reductions over the last dim)
+and leaves everything on ``[rows]`` (the collectives, ``log``, the loss) as written.  Each
+*stage* (reductions whose per-row operands are ready at the same time) becomes one
+:func:`shard_reduce` call, which recomputes the elementwise ops from the model-precision
+logits and writes the logits gradient in model precision: no FP32 ``[.., V / world]``
+tensor, and a local backward.  See NOTE [vocab-parallel stages].
 """
+
+# NOTE [vocab-parallel stages]
+# Megatron-style code (each rank holds the logits of its vocabulary shard, ``[.., V / world]``)
+# computes a log-softmax in stages: the local row max, an all-reduce of it, the local
+# sum of ``exp(z - max)`` and the target logit, all-reduces of those ``[rows]`` tensors,
+# then ``log`` / ``-`` on ``[rows]``.  Each stage reads the FP32 upcast of the local
+# logits; stock autograd keeps FP32 ``[.., V / world]`` tensors for the backward and
+# writes its gradient through FP32 ``[.., V / world]`` buffers.
+#
+# The pass does not need to know the collectives: it takes the FP32 ``[.., V]`` part of
+# the graph only (the upcast, elementwise ops on it with per-row or scalar operands, and
+# the reductions over the last dim that end it) and leaves everything on ``[rows]``
+# (the collectives, ``log``, the loss) as the user wrote it.  Each *stage* (the
+# reductions whose per-row operands are ready at the same time) becomes one call of
+# :func:`shard_reduce`, which recomputes the elementwise ops from the model-precision
+# logits inside its reductions and, in the backward, writes the logits gradient in model
+# precision in one pass (``torch.autograd.grad`` of the same ops on the saved
+# model-precision logits).  So the result is the user's own maths, gradient semantics of
+# their collectives included, with no FP32 ``[.., V / world]`` tensor anywhere; the
+# backward is local (no collective is added).
+#
+# Before (one stage shown)::
+#
+#     z   = local.float() / t
+#     m   = wait_tensor(all_reduce(z.detach().amax(-1), "max", group))
+#     zs  = z - m.unsqueeze(-1)
+#     s   = zs.exp().sum(-1)                       # -> all_reduce ...
+#     tgt = zs.gather(-1, idx)                     # -> where(own, ..) -> all_reduce ...
+#
+# After::
+#
+#     amax  = shard_reduce("<key0>", False, local)[0]
+#     m     = wait_tensor(all_reduce(amax, "max", group))
+#     out   = shard_reduce("<key1>", True, local, m.unsqueeze(-1), idx)
+#     s, tgt = out[0], out[1]
+#
+# A gather becomes ``where(arange(V) == idx, zs, 0).sum(-1)`` inside the call: the same
+# value, and a backward that is pointwise (a gather's backward scatters into a zeros
+# ``[.., V]`` buffer).
 
 from __future__ import annotations
 

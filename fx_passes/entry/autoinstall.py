@@ -1,21 +1,22 @@
 """The environment switch: ``CHUNKED_LOGITS=1`` turns the pass on in any Python process.
 
-``chunked_logits.pth`` (put into site-packages by ``pip install``) runs, at every
-interpreter start::
-
-    import os; os.environ.get('CHUNKED_LOGITS') and __import__('fx_passes.entry.autoinstall')
-
-so with the switch unset nothing of this package is imported.  With it set, this
-module must stay cheap too (it runs before the user's program, in every Python
-process, including ``pip`` itself): it imports no torch.  It only registers a
-post-import hook; when ``torch._inductor.config`` is first imported (that is, when
-the process first compiles with Inductor), the hook calls
+``chunked_logits.pth`` (put into site-packages by ``pip install``) imports this module at
+interpreter start when the switch is set.  It imports no torch and only registers a
+post-import hook: when ``torch._inductor.config`` is first imported, the hook calls
 :func:`fx_passes.entry.install.install_from_env`, which puts the passes into Inductor's
-``pre_grad_custom_pass`` and arranges the exit summary.
-
-The variables and their parsing are in
-:mod:`fx_passes.env`.
+``pre_grad_custom_pass`` and arranges the exit summary.  The variables and their parsing
+are in :mod:`fx_passes.env`.  See NOTE [interpreter start].
 """
+
+# NOTE [interpreter start]
+# ``chunked_logits.pth`` (put into site-packages by ``pip install``) runs, at every
+# interpreter start::
+#
+#     import os; os.environ.get('CHUNKED_LOGITS') and __import__('fx_passes.entry.autoinstall')
+#
+# so with the switch unset nothing of this package is imported.  With it set, this
+# module must stay cheap too (it runs before the user's program, in every Python
+# process, including ``pip`` itself): it imports no torch.
 
 from __future__ import annotations
 

@@ -2,20 +2,24 @@
 
     trainer = Trainer(..., callbacks=[fx_passes.SummaryCallback()])
 
-At the first log after the passes looked at a graph (the first step compiles), the
-callback adds flat numeric keys to that log, once: ``chunked_logits/regions_rewritten``,
-``chunked_logits/regions_would_rewrite``, ``chunked_logits/regions_declined``,
-``chunked_logits/near_misses``, ``chunked_logits/estimated_bytes_avoided``,
-``chunked_logits/graphs_compiled``, ``chunked_logits/pass_failed`` and one
-``chunked_logits/declined/<REASON>`` per decline reason.  They go into that entry of
-``trainer.state.log_history`` and to every callback after this one.  The Trainer calls
-callbacks in order, the ``report_to`` integrations (wandb, TensorBoard) first: for them to
-see the keys, put this callback first (``trainer.callback_handler.callbacks.insert(0,
-fx_passes.SummaryCallback())``).
-
-transformers is imported here only (``import fx_passes`` never imports it); without it,
-making a ``SummaryCallback`` raises ImportError.
+At the first log after the passes looked at a graph, the callback adds flat numeric keys
+``chunked_logits/<name>`` (the summary's counts, one ``declined/<REASON>`` per reason) to
+that log entry, once.  Callbacks before it (the ``report_to`` integrations) do not see them:
+put it first to log them there.  transformers is imported here only; without it, making a
+``SummaryCallback`` raises ImportError.  See NOTE [summary keys].
 """
+
+# NOTE [summary keys]
+# At the first log after the passes looked at a graph (the first step compiles), the
+# callback adds flat numeric keys to that log, once: ``chunked_logits/regions_rewritten``,
+# ``chunked_logits/regions_would_rewrite``, ``chunked_logits/regions_declined``,
+# ``chunked_logits/near_misses``, ``chunked_logits/estimated_bytes_avoided``,
+# ``chunked_logits/graphs_compiled``, ``chunked_logits/pass_failed`` and one
+# ``chunked_logits/declined/<REASON>`` per decline reason.  They go into that entry of
+# ``trainer.state.log_history`` and to every callback after this one.  The Trainer calls
+# callbacks in order, the ``report_to`` integrations (wandb, TensorBoard) first: for them to
+# see the keys, put this callback first (``trainer.callback_handler.callbacks.insert(0,
+# fx_passes.SummaryCallback())``).
 
 from __future__ import annotations
 

@@ -8,22 +8,26 @@
     with fx_passes.install(temperature_after_upcast=False):
         ...                                  # installed inside the block only
 
-The pass goes into ``torch._inductor.config.pre_grad_custom_pass`` in front of any
-pass already there (a user's own pass is kept, never dropped, and is put back as it
-was by ``uninstall``).  Installing twice replaces the options, it never adds a
-second copy; a graph that the ``chunked_logits`` backend already rewrote is not
-rewritten again.  ``CHUNKED_LOGITS_DISABLE=1`` turns the installed pass off at
-compile time, like the backend.
-
-While installed, Inductor's ``pre_grad_pass_timing`` is ``"early"`` (when it was
-``"default"``; torch before 2.12 has no such setting and always runs them early):
-pre-grad passes then run before the compile-cache lookup, so the cache key is the
-rewritten graph and every compile reports what it rewrote, even when the compiled
-code comes from the cache.  What each torch version lacks: :mod:`fx_passes.compat`.
-
-This module imports no more of torch than Inductor's config, so that the
-environment switch costs nothing until something is compiled.
+The pass goes into ``pre_grad_custom_pass`` in front of a user's own pass (kept; put back
+by ``uninstall``); installing twice replaces the options.  See NOTE [install].
 """
+
+# NOTE [install]
+# The pass goes into ``torch._inductor.config.pre_grad_custom_pass`` in front of any
+# pass already there (a user's own pass is kept, never dropped, and is put back as it
+# was by ``uninstall``).  Installing twice replaces the options, it never adds a
+# second copy; a graph that the ``chunked_logits`` backend already rewrote is not
+# rewritten again.  ``CHUNKED_LOGITS_DISABLE=1`` turns the installed pass off at
+# compile time, like the backend.
+#
+# While installed, Inductor's ``pre_grad_pass_timing`` is ``"early"`` (when it was
+# ``"default"``; torch before 2.12 has no such setting and always runs them early):
+# pre-grad passes then run before the compile-cache lookup, so the cache key is the
+# rewritten graph and every compile reports what it rewrote, even when the compiled
+# code comes from the cache.  What each torch version lacks: :mod:`fx_passes.compat`.
+#
+# This module imports no more of torch than Inductor's config, so that the
+# environment switch costs nothing until something is compiled.
 
 from __future__ import annotations
 

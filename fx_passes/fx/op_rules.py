@@ -1,31 +1,34 @@
 """What each op means to the derivations: the one table the faster paths consult before
-they re-derive the user's maths instead of running the user's ops (issue 32).
+they re-derive the user's maths instead of running the user's ops.
 
-Two derivations read ops instead of running them:
-
-* the **loss tail** (``match/loss_tail.py``, ``rewrite/loss_tail.py``): the scalar part
-  from the sums over the rows to the loss is read as an affine map (its factors
-  ``d loss / d sum_k`` computed from the ops, :data:`TAIL`), and the sums themselves
-  (:data:`TAIL`'s ``REDUCE_ROWS``) are accumulated over the row chunks.  The row part
-  (one value per row) runs the user's own ops on each chunk with autograd's gradient, so
-  any pointwise op is taken there as it is (:func:`tail_row_rule`);
-* the **vocabulary-block split** (``kernels/row_split.py``): a row-local body's gradient
-  computed per block of columns from per-row statistics (:data:`BLOCK`, ATen ops after
-  Inductor's decompositions).  A reduction over the row is a per-row statistic, computed
-  over whole rows by the split's stats graph; an op that reads the row's *length* (the
-  vocabulary size ``V``) as a value (a mean's ``1 / V``, a variance's ``1 / (V - c)``,
-  ``label_smoothing / V``) would read the block's width in a block: the split declines
-  (:func:`reads_row_length`), and the call keeps whole rows (same results, the logits'
-  memory).  How the torch-level ops and keyword arguments reach the split:
-  ``mean`` / ``var`` / ``std`` (``keepdim``, ``correction``), ``cross_entropy``'s
-  ``label_smoothing`` read ``V``: declined; ``softmax`` / ``log_softmax`` /
-  ``logsumexp`` and ``cross_entropy``'s ``ignore_index`` / ``weight`` /
-  ``reduction='none'`` become per-row statistics, per-column inputs and pointwise ops.
-
-An op not in the table, or a keyword argument (or value) the table does not list for
-it, declines the derivation, the op and the argument named in the reason: the region
-keeps the recompute path (or its whole rows), never a silently different answer.
+:data:`TAIL` serves the loss tail (``match/loss_tail.py``, ``rewrite/loss_tail.py``),
+:data:`BLOCK` the vocabulary-block split (``kernels/row_split.py``).  An op not in the
+table, or a keyword argument (or value) the table does not list for it, declines the
+derivation, the op and the argument named in the reason: the region keeps the recompute
+path (or its whole rows), never a silently different answer.  See NOTE [derivations].
 """
+
+# NOTE [derivations]
+# Two derivations read ops instead of running them:
+#
+# * the **loss tail** (``match/loss_tail.py``, ``rewrite/loss_tail.py``): the scalar part
+#   from the sums over the rows to the loss is read as an affine map (its factors
+#   ``d loss / d sum_k`` computed from the ops, :data:`TAIL`), and the sums themselves
+#   (:data:`TAIL`'s ``REDUCE_ROWS``) are accumulated over the row chunks.  The row part
+#   (one value per row) runs the user's own ops on each chunk with autograd's gradient, so
+#   any pointwise op is taken there as it is (:func:`tail_row_rule`);
+# * the **vocabulary-block split** (``kernels/row_split.py``): a row-local body's gradient
+#   computed per block of columns from per-row statistics (:data:`BLOCK`, ATen ops after
+#   Inductor's decompositions).  A reduction over the row is a per-row statistic, computed
+#   over whole rows by the split's stats graph; an op that reads the row's *length* (the
+#   vocabulary size ``V``) as a value (a mean's ``1 / V``, a variance's ``1 / (V - c)``,
+#   ``label_smoothing / V``) would read the block's width in a block: the split declines
+#   (:func:`reads_row_length`), and the call keeps whole rows (same results, the logits'
+#   memory).  How the torch-level ops and keyword arguments reach the split:
+#   ``mean`` / ``var`` / ``std`` (``keepdim``, ``correction``), ``cross_entropy``'s
+#   ``label_smoothing`` read ``V``: declined; ``softmax`` / ``log_softmax`` /
+#   ``logsumexp`` and ``cross_entropy``'s ``ignore_index`` / ``weight`` /
+#   ``reduction='none'`` become per-row statistics, per-column inputs and pointwise ops.
 
 from __future__ import annotations
 

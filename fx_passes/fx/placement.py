@@ -1,29 +1,37 @@
 """Where a fused op may run: the one rule every rewrite obeys.
 
-A rewrite replaces nodes that ran at several places of the graph (from the earliest
-node it absorbs, the lm_head matmul and its transforms included, to its last sink) by
-one op at one place, the *anchor*.  The op computes what those nodes computed only if
-it sees what they saw:
-
-* **the same operand versions:** no in-place op runs between the first absorbed node
-  and the last one (nor before a hoisted index node): it could change an operand, or a
-  view of one, that the original read before the change and the op reads after it.
-  Checked with :func:`first_mutation`; a region that fails is declined (``MUTATION``).
-* **the same autocast and inference-mode state:** every absorbed node and the anchor
-  run inside the same open ``autocast`` / ``inference_mode`` blocks (``STATE``).
-* **the same grad mode, as far as it shows:** a value's grad mode only decides whether
-  it requires grad.  The replacement of each result must require grad exactly when the
-  original did (Dynamo's example values record it): a result the original computed
-  under ``no_grad`` is detached, and a result that needs a gradient the op at the anchor
-  cannot give is declined (``STATE``).  :func:`check_placement` says which results to
-  detach.
-
-Grad mode and autocast switches show in a Dynamo graph as calls
-(``torch._C._set_grad_enabled``, ``_enter_autocast`` / ``_exit_autocast``,
-``_enter_inference_mode`` / ``_exit_inference_mode``); :func:`states` replays them in
-graph order.  The single-process rewrite (:mod:`fx_passes.rewrite.logits`) and the
-vocab-parallel one (:mod:`fx_passes.distributed.vocab_parallel`) both call this module.
+A rewrite replaces the nodes it absorbs by one op at one place, the *anchor*.  The op
+computes what those nodes computed only if it sees what they saw: the same operand
+versions (:func:`first_mutation`, else ``MUTATION``), the same autocast and
+inference-mode state and, as far as it shows, the same grad mode (``STATE``);
+:func:`check_placement` says which results to detach.  :func:`states` replays the graph's
+mode switches in graph order.  See NOTE [placement].
 """
+
+# NOTE [placement]
+# A rewrite replaces nodes that ran at several places of the graph (from the earliest
+# node it absorbs, the lm_head matmul and its transforms included, to its last sink) by
+# one op at one place, the *anchor*.  The op computes what those nodes computed only if
+# it sees what they saw:
+#
+# * **the same operand versions:** no in-place op runs between the first absorbed node
+#   and the last one (nor before a hoisted index node): it could change an operand, or a
+#   view of one, that the original read before the change and the op reads after it.
+#   Checked with :func:`first_mutation`; a region that fails is declined (``MUTATION``).
+# * **the same autocast and inference-mode state:** every absorbed node and the anchor
+#   run inside the same open ``autocast`` / ``inference_mode`` blocks (``STATE``).
+# * **the same grad mode, as far as it shows:** a value's grad mode only decides whether
+#   it requires grad.  The replacement of each result must require grad exactly when the
+#   original did (Dynamo's example values record it): a result the original computed
+#   under ``no_grad`` is detached, and a result that needs a gradient the op at the anchor
+#   cannot give is declined (``STATE``).  :func:`check_placement` says which results to
+#   detach.
+#
+# Grad mode and autocast switches show in a Dynamo graph as calls
+# (``torch._C._set_grad_enabled``, ``_enter_autocast`` / ``_exit_autocast``,
+# ``_enter_inference_mode`` / ``_exit_inference_mode``); :func:`states` replays them in
+# graph order.  The single-process rewrite (:mod:`fx_passes.rewrite.logits`) and the
+# vocab-parallel one (:mod:`fx_passes.distributed.vocab_parallel`) both call this module.
 
 from __future__ import annotations
 

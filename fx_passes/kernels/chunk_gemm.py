@@ -1,24 +1,12 @@
 """The logits of row chunks against one weight: ``hidden[a:b] @ weight.T (+ bias)``,
 chunk after chunk.
 
-On a CPU, oneDNN packs a GEMM's weight into its blocked layout inside every call, so a
-loop of row chunks against a ``[V, H]`` lm_head weight packs the whole weight again for
-each chunk: WD's forward logits (32 chunks of 128 rows) took 0.54 s against 0.44 s for
-one whole GEMM in a run of ``benchmarks/gemm_floor.py``.  :func:`row_chunk_logits`
-reorders it once a loop (``torch.ops.mkldnn._reorder_linear_weight``, the layout
-Inductor's freezing gives a linear's weight, for the loop's chunk rows) and runs each
-chunk as ``mkldnn._linear_pointwise``: the same GEMM with the same FP32 sums, its results
-equal to ``F.linear``'s at the rows it was reordered for (tests/test_chunk_gemm.py).  The reordered
-copy (``2 V H`` bytes in bf16) lives for the loop only; callers take it where the step
-makes a ``[V, H]`` tensor after the loop anyway (the weight's gradient), so the copy
-stands beside the loop's working set where the gradient later stands beside the
-backward's: WD's peak went from 95 to 112 MiB (its limit 136), its forward's logits from
-0.54 s to 0.40 s in one run of ``benchmarks/gemm_floor.py``.
-
-Elsewhere (a GPU, another dtype, a CPU other than x86-64 or without oneDNN's bf16
-kernels, fewer than ``MIN_CHUNKS`` chunks) each chunk is the graph's own op
-(``F.linear`` or ``hidden @ weight.T``), and so where the reorder raises (said once in
-the log).
+:func:`row_chunk_logits` returns each chunk's logits equal to ``F.linear``'s.  On an x86-64
+CPU with oneDNN's bf16 kernels, in bf16, for ``MIN_CHUNKS`` chunks or more, it reorders the
+weight once a loop (``mkldnn._reorder_linear_weight``) and runs each chunk as
+``mkldnn._linear_pointwise``; the reordered copy (``2 V H`` bytes) lives for the loop only.
+Elsewhere, or where the reorder raises (said once in the log), each chunk is the graph's
+own op.  Why, and what it costs and saves: docs/gemms.md, "The weight reordered once a loop".
 """
 
 from __future__ import annotations

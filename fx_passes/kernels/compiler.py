@@ -2,35 +2,42 @@
 (the lm_head loop's bodies, :mod:`fx_passes.kernels.bodies`; the vocab-parallel stage
 bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.graph_bodies`).
 
-* Inductor compiles the body once (``dynamic=True``, ``fullgraph=True``): fused kernels
-  that read model-precision tensors, so no FP32 ``[.., V]`` buffer exists.  It is stock
-  Inductor whatever the process installed: no ``pre_grad_custom_pass`` runs on a body
-  (:func:`fx_passes.install` puts the passes there, and a body must not be rewritten
-  by the pass that made it; a user's own pre-grad pass is for the user's graphs).
-* Each call passes detached tensors under one dispatch-key set and grad mode
-  (``compat.below_autograd_no_grad``), since Dynamo guards on all three and the loops'
-  first call and later ones can differ: each body compiles once.
-* The user's saved-tensor hooks are set aside during the call
-  (``compat.without_saved_tensors_hooks``): they are for what the user's graph saves,
-  and ``torch.func.vjp`` refuses to run under them.
-* The fall-back policy: if compiling (or running the compiled body) raises, the body
-  runs eagerly from then on (the same maths, with FP32 temporaries), said once in the log
-  and counted (``counter``); a compile failure inside a training step never ends it.
-  A body past Dynamo's recompile limit (``fullgraph=True`` makes Dynamo raise there
-  instead of running it eagerly unseen) is such a failure, named in the log and also
-  counted as ``body_recompile_limit``.
-* Never compiled inside a CUDA graph capture: a body whose first call comes while the
-  current stream captures runs eagerly for that call (counted ``body_in_capture_eager``,
-  said once); it compiles at its first call outside a capture.
-* The user's Inductor settings (``torch.compile(..., backend="chunked_logits", mode=,
-  options={"inductor": ...})``, :func:`use_user_options`) apply to the bodies made after
-  that compile, but for CUDA graphs (a body runs inside an op of the user's graph), the
-  user's custom passes and cacheable marks (for the user's graphs); a body's own settings win.
-
-The seam for tests and debugging is :func:`compiling_with`: within it, bodies are made by
-the given function instead of ``torch.compile`` (e.g. ``lambda fn, options: fn`` runs
-them eagerly), and are cached apart from the compiled ones.
+Stock Inductor compiles each body once (``dynamic=True``, ``fullgraph=True``, no pre-grad
+passes); a body that fails to compile or run runs eagerly from then on (logged once,
+counted), so a compile failure never ends a training step.  :func:`use_user_options`
+carries the user's Inductor settings; :func:`compiling_with` is the seam for tests.
+See NOTE [body compiles].
 """
+
+# NOTE [body compiles]
+# * Inductor compiles the body once (``dynamic=True``, ``fullgraph=True``): fused kernels
+#   that read model-precision tensors, so no FP32 ``[.., V]`` buffer exists.  It is stock
+#   Inductor whatever the process installed: no ``pre_grad_custom_pass`` runs on a body
+#   (:func:`fx_passes.install` puts the passes there, and a body must not be rewritten
+#   by the pass that made it; a user's own pre-grad pass is for the user's graphs).
+# * Each call passes detached tensors under one dispatch-key set and grad mode
+#   (``compat.below_autograd_no_grad``), since Dynamo guards on all three and the loops'
+#   first call and later ones can differ: each body compiles once.
+# * The user's saved-tensor hooks are set aside during the call
+#   (``compat.without_saved_tensors_hooks``): they are for what the user's graph saves,
+#   and ``torch.func.vjp`` refuses to run under them.
+# * The fall-back policy: if compiling (or running the compiled body) raises, the body
+#   runs eagerly from then on (the same maths, with FP32 temporaries), said once in the log
+#   and counted (``counter``); a compile failure inside a training step never ends it.
+#   A body past Dynamo's recompile limit (``fullgraph=True`` makes Dynamo raise there
+#   instead of running it eagerly unseen) is such a failure, named in the log and also
+#   counted as ``body_recompile_limit``.
+# * Never compiled inside a CUDA graph capture: a body whose first call comes while the
+#   current stream captures runs eagerly for that call (counted ``body_in_capture_eager``,
+#   said once); it compiles at its first call outside a capture.
+# * The user's Inductor settings (``torch.compile(..., backend="chunked_logits", mode=,
+#   options={"inductor": ...})``, :func:`use_user_options`) apply to the bodies made after
+#   that compile, but for CUDA graphs (a body runs inside an op of the user's graph), the
+#   user's custom passes and cacheable marks (for the user's graphs); a body's own settings win.
+#
+# The seam for tests and debugging is :func:`compiling_with`: within it, bodies are made by
+# the given function instead of ``torch.compile`` (e.g. ``lambda fn, options: fn`` runs
+# them eagerly), and are cached apart from the compiled ones.
 
 from __future__ import annotations
 

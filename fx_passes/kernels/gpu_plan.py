@@ -1,25 +1,28 @@
 """The lm_head backward's ``"gpu"`` plan: model-precision GEMM inputs only, FP32 sums
 through ``out_dtype`` (``tiling.backward_plan``).
 
-On a tensor-core GPU a GEMM with FP32 inputs runs many times slower than one with bf16
-inputs (H100/H200: ~67 against ~990 TFLOPS, TF32 off), so this plan never makes an FP32
-copy of an operand.  Each gradient element is still one FP32 sum rounded to model
-precision once:
-
-* ``grad_weight[block]`` (a sum over the rows) is one GEMM over all rows (K = T), which
-  accumulates in FP32 inside and rounds its output once;
-* ``grad_hidden[rows]`` (a sum over the vocabulary, which spans the blocks) is
-  accumulated across the blocks by GEMMs with an FP32 output
-  (``torch.addmm(acc, g, w_block, out_dtype=torch.float32)``) into an FP32 ``[S, H]``
-  buffer, rounded once at the end.
-
-Per step that is four ``[T, H] x [H, V]`` GEMMs with the forward's (forward, recompute,
-``grad_weight``, ``grad_hidden``) when the buffer holds all rows (``S = T``: the budget's
-half holds ``4 T H`` bytes, which a GPU's default budget does at any common T).  Past
-that, each further group of ``S`` rows takes a sweep of its own (recompute + its
-``grad_hidden``), as in the ``"blocks"`` plan.  ``tests/test_gemm_audit.py`` records the
-GEMMs; ``docs/gemms.md`` has the counts of every plan.
+Never makes an FP32 copy of an operand; each gradient element is still one FP32 sum
+rounded to model precision once.  ``tests/test_gemm_audit.py`` records the GEMMs;
+``docs/gemms.md`` has the counts of every plan.  See NOTE [gpu plan].
 """
+
+# NOTE [gpu plan]
+# On a tensor-core GPU a GEMM with FP32 inputs runs many times slower than one with bf16
+# inputs (TF32 off), so this plan never makes an FP32 copy of an operand.  Each gradient
+# element is still one FP32 sum rounded to model precision once:
+#
+# * ``grad_weight[block]`` (a sum over the rows) is one GEMM over all rows (K = T), which
+#   accumulates in FP32 inside and rounds its output once;
+# * ``grad_hidden[rows]`` (a sum over the vocabulary, which spans the blocks) is
+#   accumulated across the blocks by GEMMs with an FP32 output
+#   (``torch.addmm(acc, g, w_block, out_dtype=torch.float32)``) into an FP32 ``[S, H]``
+#   buffer, rounded once at the end.
+#
+# Per step that is four ``[T, H] x [H, V]`` GEMMs with the forward's (forward, recompute,
+# ``grad_weight``, ``grad_hidden``) when the buffer holds all rows (``S = T``: the budget's
+# half holds ``4 T H`` bytes, which a GPU's default budget does at any common T).  Past
+# that, each further group of ``S`` rows takes a sweep of its own (recompute + its
+# ``grad_hidden``), as in the ``"blocks"`` plan.
 
 from __future__ import annotations
 

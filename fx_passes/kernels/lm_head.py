@@ -1,32 +1,40 @@
 """lm_head inside the chunk: never materialise the logits when a matmul makes them.
 
-When a region's logits are ``hidden @ weight.T`` in the same graph and nothing else
-reads them (:mod:`fx_passes.match.lm_head`), the rewrite calls
-:func:`lm_head_row_stats`, which runs the custom op ``chunked_logits::lm_head_stats``:
-
-* forward: a loop over row chunks; per chunk the logits chunk is computed in model
-  precision, upcast, scaled in FP32 and reduced; only per-row results are kept.
-* backward: the logits are recomputed tile by tile and the pointwise gradient is
-  formed from the saved lse (and entropy).  Each element of ``grad_weight`` and of
-  ``grad_hidden`` is accumulated in FP32 and stored in model precision once: no FP32
-  ``[V, H]`` or ``[T, H]`` buffer exists, and nothing is accumulated in bf16.  How
-  the tiles are ordered depends on the CPU or GPU (``tiling.backward_plan``): on a CPU
-  with bf16 units, a sweep over row chunks (whole vocabulary) writes ``grad_hidden``
-  and a sweep over vocabulary blocks (all rows) writes ``grad_weight``, with
-  model-precision matmuls only; elsewhere one sweep over vocabulary blocks writes
-  ``grad_weight[block]`` and accumulates ``grad_hidden`` for a bounded group of rows
-  (on GPUs with GEMMs of model-precision inputs and an FP32 output:
-  :mod:`fx_passes.kernels.gpu_plan`).
-  A gradient nothing asks for (a frozen lm_head weight) is not computed.
-
-When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
-same loop and also writes each chunk's logits into the returned tensor; its backward
-adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
-
-Sizes come from :mod:`fx_passes.kernels.tiling`; the per-chunk bodies are compiled by
-Inductor (:mod:`fx_passes.kernels.bodies`).  The loops run in Python, which is why the op is
-opaque to the outer graph.
+When a region's logits are ``hidden @ weight.T`` in the same graph and nothing else reads
+them (:mod:`fx_passes.match.lm_head`), the rewrite calls :func:`lm_head_row_stats` (op
+``chunked_logits::lm_head_stats``; ``lm_head_stats_logits`` when the graph returns the logits
+too): a loop over row chunks that keeps only per-row results, and a backward that recomputes
+the logits tile by tile.  Each gradient element is one FP32 sum stored in model precision
+once; no FP32 ``[V, H]`` or ``[T, H]`` buffer exists.  See NOTE [lm_head loop].
 """
+
+# NOTE [lm_head loop]
+# When a region's logits are ``hidden @ weight.T`` in the same graph and nothing else
+# reads them (:mod:`fx_passes.match.lm_head`), the rewrite calls
+# :func:`lm_head_row_stats`, which runs the custom op ``chunked_logits::lm_head_stats``:
+#
+# * forward: a loop over row chunks; per chunk the logits chunk is computed in model
+#   precision, upcast, scaled in FP32 and reduced; only per-row results are kept.
+# * backward: the logits are recomputed tile by tile and the pointwise gradient is
+#   formed from the saved lse (and entropy).  Each element of ``grad_weight`` and of
+#   ``grad_hidden`` is accumulated in FP32 and stored in model precision once: no FP32
+#   ``[V, H]`` or ``[T, H]`` buffer exists, and nothing is accumulated in bf16.  How
+#   the tiles are ordered depends on the CPU or GPU (``tiling.backward_plan``): on a CPU
+#   with bf16 units, a sweep over row chunks (whole vocabulary) writes ``grad_hidden``
+#   and a sweep over vocabulary blocks (all rows) writes ``grad_weight``, with
+#   model-precision matmuls only; elsewhere one sweep over vocabulary blocks writes
+#   ``grad_weight[block]`` and accumulates ``grad_hidden`` for a bounded group of rows
+#   (on GPUs with GEMMs of model-precision inputs and an FP32 output:
+#   :mod:`fx_passes.kernels.gpu_plan`).
+#   A gradient nothing asks for (a frozen lm_head weight) is not computed.
+#
+# When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
+# same loop and also writes each chunk's logits into the returned tensor; its backward
+# adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
+#
+# Sizes come from :mod:`fx_passes.kernels.tiling`; the per-chunk bodies are compiled by
+# Inductor (:mod:`fx_passes.kernels.bodies`).  The loops run in Python, which is why the op is
+# opaque to the outer graph.
 
 from __future__ import annotations
 
@@ -223,24 +231,26 @@ def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: int, gr
             del g
 
 
+# NOTE [lm_head gradient sweeps]
+# ``grad_weight[block]`` needs every row and ``grad_hidden[rows]`` every block; each
+# is accumulated in FP32 and rounded once.  ``"two_sweeps"`` (``tiling.backward_plan``)
+# runs one sweep for each.  Otherwise the first sweep over the vocabulary blocks reads
+# all rows: it writes ``grad_weight`` and ``grad_bias`` and accumulates the first group
+# of rows' ``grad_hidden`` in an FP32 ``[S, H]`` buffer (``S`` from the budget: all
+# rows when ``4 T H`` bytes fit in half of it, so W4-sized problems take one sweep);
+# ``"gpu"`` does it with model-precision GEMM inputs (``gpu_plan.out_dtype_blocks``).
+# Each further group of ``S`` rows takes a sweep of its own, which recomputes those
+# rows' logits: at long T the backward trades that extra matmul for an accumulator
+# bounded by the budget instead of growing with T.
 def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
                   scale_is_div: bool, budget_bytes: int, transforms: str = "",
                   g_logits: Optional[torch.Tensor] = None, need_hidden: bool = True,
                   need_weight: bool = True,
                   plan: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden``, ``weight`` and ``bias`` (an empty tensor for one not
-    needed: ``need_weight`` covers the bias), with no FP32 ``[T, H]`` buffer.
-
-    ``grad_weight[block]`` needs every row and ``grad_hidden[rows]`` every block; each
-    is accumulated in FP32 and rounded once.  ``"two_sweeps"`` (``tiling.backward_plan``)
-    runs one sweep for each.  Otherwise the first sweep over the vocabulary blocks reads
-    all rows: it writes ``grad_weight`` and ``grad_bias`` and accumulates the first group
-    of rows' ``grad_hidden`` in an FP32 ``[S, H]`` buffer (``S`` from the budget: all
-    rows when ``4 T H`` bytes fit in half of it, so W4-sized problems take one sweep);
-    ``"gpu"`` does it with model-precision GEMM inputs (``gpu_plan.out_dtype_blocks``).
-    Each further group of ``S`` rows takes a sweep of its own, which recomputes those
-    rows' logits: at long T the backward trades that extra matmul for an accumulator
-    bounded by the budget instead of growing with T.
+    needed: ``need_weight`` covers the bias), with no FP32 ``[T, H]`` buffer; each element
+    accumulated in FP32 and rounded once, in the sweeps of ``plan``.  See NOTE [lm_head
+    gradient sweeps].
     """
     n, width = hidden.shape
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)

@@ -1,38 +1,46 @@
 """Gradients in the forward: the lm_head loop when the graph reduces its results to the loss.
 
-When a fused lm_head region's per-row results (lse, token log-prob, entropy) reach the
-graph's scalar loss only through row-local ops and sums / means over all rows combined
-affinely (:mod:`fx_passes.match.loss_tail`), each row's cotangent for a unit loss is known
-in the forward.  The rewrite then calls :func:`lm_head_loss`, which runs the custom op
-``chunked_logits::lm_head_loss``: per row chunk (whole vocabulary)
-
-* the logits chunk in model precision, upcast, its per-row results;
-* the tail (the user's own ops, an FX graph ``tail(lse, logprob, entropy, *rows, *whole)``
-  returning the tensors the loss sums) on the chunk, compiled with its gradient: the
-  chunk's partial sums and, for a unit loss, the per-row cotangents of the results;
-* the model-precision logits gradient of the chunk from those cotangents, then
-  ``grad_hidden[chunk] = g @ W``: one GEMM holding the whole sum over the vocabulary.
-
-``grad_weight[v]`` sums over every row, so across chunks.  Each gradient element is one
-FP32 sum rounded to model precision once; how ``grad_weight`` keeps that depends on the
-plan (``tiling.backward_plan``):
-
-* ``"gpu"`` (``torch.mm/addmm(..., out_dtype=torch.float32)``): an FP32 ``[V, H]``
-  accumulator takes each chunk's ``g.t() @ h`` (model-precision inputs); the FP32
-  gradients are kept until the backward, which scales them by the incoming gradient and
-  rounds once: 3 GEMMs, exact for any incoming gradient, no host sync.
-* ``"two_sweeps"`` (CPUs with bf16/fp16 units): ``grad_hidden`` is rounded in the forward
-  and the per-row cotangents are kept; the backward runs one vocabulary sweep over all
-  rows for ``grad_weight`` (recomputing the logits): 4 GEMMs.  Scaling a rounded gradient
-  by ``g`` would round twice, so the forward's ``grad_hidden`` is used only when that
-  scaling is exact (``g`` read with ``.item()``, free on a CPU: 1, -1, any power of two, and
-  no scaled element rounded); otherwise the backward recomputes both gradients from the
-  cotangents times ``g`` (4 GEMMs more: 6 in all).  Forced on another device, it never
-  reads ``g`` (no host sync): it always recomputes.
-
-The loss is the graph's own scalar part (``final(*reductions, *whole)``) on the sums,
-each accumulated over the chunks in FP64.
+When a fused lm_head region's per-row results reach the graph's scalar loss only through
+row-local ops and affinely combined sums / means (:mod:`fx_passes.match.loss_tail`), the
+rewrite calls :func:`lm_head_loss` (op ``chunked_logits::lm_head_loss``): per row chunk it
+computes the logits, their per-row results, the tail's partial sums and cotangents, and the
+chunk's gradients; the loss is the graph's own scalar part on the sums (accumulated in
+FP64).  Each gradient element is one FP32 sum rounded once.  See NOTE [lm_head_loss plans].
 """
+
+# NOTE [lm_head_loss plans]
+# When a fused lm_head region's per-row results (lse, token log-prob, entropy) reach the
+# graph's scalar loss only through row-local ops and sums / means over all rows combined
+# affinely (:mod:`fx_passes.match.loss_tail`), each row's cotangent for a unit loss is known
+# in the forward.  The rewrite then calls :func:`lm_head_loss`, which runs the custom op
+# ``chunked_logits::lm_head_loss``: per row chunk (whole vocabulary)
+#
+# * the logits chunk in model precision, upcast, its per-row results;
+# * the tail (the user's own ops, an FX graph ``tail(lse, logprob, entropy, *rows, *whole)``
+#   returning the tensors the loss sums) on the chunk, compiled with its gradient: the
+#   chunk's partial sums and, for a unit loss, the per-row cotangents of the results;
+# * the model-precision logits gradient of the chunk from those cotangents, then
+#   ``grad_hidden[chunk] = g @ W``: one GEMM holding the whole sum over the vocabulary.
+#
+# ``grad_weight[v]`` sums over every row, so across chunks.  Each gradient element is one
+# FP32 sum rounded to model precision once; how ``grad_weight`` keeps that depends on the
+# plan (``tiling.backward_plan``):
+#
+# * ``"gpu"`` (``torch.mm/addmm(..., out_dtype=torch.float32)``): an FP32 ``[V, H]``
+#   accumulator takes each chunk's ``g.t() @ h`` (model-precision inputs); the FP32
+#   gradients are kept until the backward, which scales them by the incoming gradient and
+#   rounds once: 3 GEMMs, exact for any incoming gradient, no host sync.
+# * ``"two_sweeps"`` (CPUs with bf16/fp16 units): ``grad_hidden`` is rounded in the forward
+#   and the per-row cotangents are kept; the backward runs one vocabulary sweep over all
+#   rows for ``grad_weight`` (recomputing the logits): 4 GEMMs.  Scaling a rounded gradient
+#   by ``g`` would round twice, so the forward's ``grad_hidden`` is used only when that
+#   scaling is exact (``g`` read with ``.item()``, free on a CPU: 1, -1, any power of two, and
+#   no scaled element rounded); otherwise the backward recomputes both gradients from the
+#   cotangents times ``g`` (4 GEMMs more: 6 in all).  Forced on another device, it never
+#   reads ``g`` (no host sync): it always recomputes.
+#
+# The loss is the graph's own scalar part (``final(*reductions, *whole)``) on the sums,
+# each accumulated over the chunks in FP64.
 
 from __future__ import annotations
 

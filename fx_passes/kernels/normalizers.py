@@ -1,18 +1,23 @@
 """``softmax`` / ``log_softmax`` from saved row statistics, with their own gradients, for a
 row-local region's backward (:mod:`fx_passes.rewrite.saved`).
 
-The forward of a region computes ``log_softmax(z)`` (a max and a sum of exponentials over
-each row, then the pointwise result); its backward, which recomputes the region's values
-to take their vector-Jacobian product, would do those reductions again.  The forward computes
-each as ATen decomposes it, keeping its two reductions (the max ``m`` and the log of the
-sum of exponentials, or the sum), one number a row each; from them the backward's values
-are pointwise and the same bit for bit: ``log_softmax(z) = (z - m) - ls``, ``softmax(z)
-= exp(z - m) / s``.  Written so, autograd would take ``m`` and ``ls`` for constants and
-lose their part of the gradient, so each is an ``autograd.Function`` whose backward is
-the op's own (``g - exp(out) * sum(g)`` for ``log_softmax``, ``out * (g - sum(g * out))``
-for ``softmax``), which ``torch.func.vjp`` and Inductor trace into the backward body's
-fused kernels.
+From the max ``m`` and the log-sum (or sum) of exponentials a forward saved, the backward's
+values are pointwise and the same bit for bit: ``log_softmax(z) = (z - m) - ls``,
+``softmax(z) = exp(z - m) / s``.  See NOTE [saved normalizers].
 """
+
+# NOTE [saved normalizers]
+# The forward of a region computes ``log_softmax(z)`` (a max and a sum of exponentials over
+# each row, then the pointwise result); its backward, which recomputes the region's values
+# to take their vector-Jacobian product, would do those reductions again.  The forward computes
+# each as ATen decomposes it, keeping its two reductions (the max ``m`` and the log of the
+# sum of exponentials, or the sum), one number a row each; from them the backward's values
+# are pointwise and the same bit for bit: ``log_softmax(z) = (z - m) - ls``, ``softmax(z)
+# = exp(z - m) / s``.  Written so, autograd would take ``m`` and ``ls`` for constants and
+# lose their part of the gradient, so each is an ``autograd.Function`` whose backward is
+# the op's own (``g - exp(out) * sum(g)`` for ``log_softmax``, ``out * (g - sum(g * out))``
+# for ``softmax``), which ``torch.func.vjp`` and Inductor trace into the backward body's
+# fused kernels.
 
 from __future__ import annotations
 

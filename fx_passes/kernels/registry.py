@@ -1,34 +1,36 @@
 """The run-time registries: what a rewrite registers while it compiles a graph and a
 custom op reads while the compiled graph runs, by a string key that the rewritten graph
 carries as a constant argument (a custom op takes tensors, numbers and strings, not
-Python objects).  Every such table of the package is here (compiled chunk bodies are cached by
-:mod:`fx_passes.kernels.compiler`, keyed by what they compile):
-
-========================  ====================================  ===================================
-registry                  registered by (compile time)          read by (run time)
-========================  ====================================  ===================================
-``GRAPH_BODIES``          ``graph_bodies.register``: a          ``graph_bodies.body`` /
-                          vocab-parallel stage's reductions,    ``backward_body`` (compile them),
-                          or a row-local region, as an FX graph ``graph_bodies.function``
-``GATHER_INDEXES``        ``shard_lm_head.gather_index_         the lm_head stage loop (which
-                          positions``                           operands are gather indexes)
-``ONE_PASS_PLANS``        ``distributed.one_pass.register``     ``shard_lm_head_stages``
-``REPLAYING_BODIES``      ``rewrite.row_local``: a region       ``row_local`` (its backward runs
-                          body that saves state -> (the key of  the replaying body on the
-                          the body replaying it, how many)      saved state)
-``EMITTED``               ``@emitted`` (import time): each      ``pipeline.with_cacheable_marks``,
-                          function a rewritten graph calls      the tests (NOTE [emitted functions])
-========================  ====================================  ===================================
-
-Lifetime: the whole process; nothing is removed (an entry is small: a graph module, a
-tuple, or a compiled function).  Keys are content hashes of what they name (a stage's
-code, a plan's steps), so the same stage in two graphs, or in two compiles of one graph,
-shares one entry, and a key means the same thing in every process.  A warm start (a new
-process whose compiled graphs come from AOTAutograd's cache) is served because Dynamo
-traces again and the pass runs again before the cache lookup: it registers the same keys
-before any op reads them.  A key read before it was registered is a bug of the pass, and
-the error says so.
+Python objects).  Every such table of the package is here (compiled chunk bodies are
+cached by :mod:`fx_passes.kernels.compiler`).  Entries live as long as the process; keys
+are content hashes, the same in every process.  See NOTE [registries].
 """
+
+# NOTE [registries]
+# ========================  ====================================  ===================================
+# registry                  registered by (compile time)          read by (run time)
+# ========================  ====================================  ===================================
+# ``GRAPH_BODIES``          ``graph_bodies.register``: a          ``graph_bodies.body`` /
+#                           vocab-parallel stage's reductions,    ``backward_body`` (compile them),
+#                           or a row-local region, as an FX graph ``graph_bodies.function``
+# ``GATHER_INDEXES``        ``shard_lm_head.gather_index_         the lm_head stage loop (which
+#                           positions``                           operands are gather indexes)
+# ``ONE_PASS_PLANS``        ``distributed.one_pass.register``     ``shard_lm_head_stages``
+# ``REPLAYING_BODIES``      ``rewrite.row_local``: a region       ``row_local`` (its backward runs
+#                           body that saves state -> (the key of  the replaying body on the
+#                           the body replaying it, how many)      saved state)
+# ``EMITTED``               ``@emitted`` (import time): each      ``pipeline.with_cacheable_marks``,
+#                           function a rewritten graph calls      the tests (NOTE [emitted functions])
+# ========================  ====================================  ===================================
+#
+# Lifetime: the whole process; nothing is removed (an entry is small: a graph module, a
+# tuple, or a compiled function).  Keys are content hashes of what they name (a stage's
+# code, a plan's steps), so the same stage in two graphs, or in two compiles of one graph,
+# shares one entry, and a key means the same thing in every process.  A warm start (a new
+# process whose compiled graphs come from AOTAutograd's cache) is served because Dynamo
+# traces again and the pass runs again before the cache lookup: it registers the same keys
+# before any op reads them.  A key read before it was registered is a bug of the pass, and
+# the error says so.
 
 from __future__ import annotations
 

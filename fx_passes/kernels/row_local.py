@@ -3,18 +3,17 @@
 A row-local region (:mod:`fx_passes.match.row_local`) is an FX graph
 ``fn(*rows, *whole) -> tuple`` of per-row results, registered in
 :data:`~fx_passes.kernels.registry.GRAPH_BODIES`.  :func:`row_local` runs it on slices of
-``rows`` (the model-precision logits and the per-row tensors, sliced along dim 0) with
-``whole`` (broadcast operands) passed to every chunk, and concatenates the per-row
-results.  Inductor compiles the body once (``dynamic=True``: every chunk size, the last
-one included, runs the same kernels), so the FP32 ``[.., V]`` values of a chunk exist
-only as that chunk's temporaries: a sort, a cumsum, a top-k mask of ``rows_per_chunk``
-rows, or nothing at all where Inductor fuses the chunk's ops into its reductions.
-
-The backward recomputes each chunk and takes the vector-Jacobian product of the same
-ops (compiled once per key and set of inputs needing a gradient), writing each row
-input's gradient in its own dtype: one rounding of the FP32 gradient, as stock
-autograd's cast backward does.
+``rows`` along dim 0 with ``whole`` passed to every chunk, and concatenates the per-row
+results.  The backward recomputes each chunk and takes the vector-Jacobian product of the
+same ops, writing each row input's gradient in its own dtype (one rounding, as stock's cast
+backward).  See NOTE [row-local chunks].
 """
+
+# NOTE [row-local chunks]
+# results.  Inductor compiles the body once (``dynamic=True``: every chunk size, the last
+# one included, runs the same kernels), so the FP32 ``[.., V]`` values of a chunk exist
+# only as that chunk's temporaries: a sort, a cumsum, a top-k mask of ``rows_per_chunk``
+# rows, or nothing at all where Inductor fuses the chunk's ops into its reductions.
 
 from __future__ import annotations
 

@@ -1,24 +1,20 @@
-"""A row-local region whose logits an lm_head matmul makes: the call runs the matmul and
-writes the logits' gradient over them.
+"""A row-local region whose logits an lm_head matmul makes: the call runs the matmul whole
+and writes the logits' gradient over them.
 
-Stock autograd keeps the model-precision logits ``hidden @ weight.T`` for the backward,
-and Inductor writes their gradient over that buffer (a donated buffer): one ``[T, V]``
-buffer in the backward.  A row-local call that reads logits made outside it cannot write
-over them (the graph may read them again), so its backward held two: the logits and
-their gradient (WD, distillation with the student's lm_head in the graph: 514 MiB against
-stock's 337).  When nothing but the region reads the matmul's result
-(:func:`fx_passes.rewrite.row_local.rewrite_row_region`), the call computes it itself,
-with the op the graph had (``F.linear`` or ``hidden @ weight.T``), keeps it for its
-backward and writes each chunk's gradient over that chunk's logits, which no later chunk
-reads.  The lm_head's gradients are then the GEMMs stock runs on the whole gradient
-(``g @ W``, ``g.T @ h``, ``g.sum(0)``): one FP32 sum rounded once per element.
-
-A second backward through the same forward (``retain_graph=True``) finds a flag the
-first one cleared and recomputes the matmul before it starts: the same op on the same
-operands.  The flag is a one-byte host tensor on every device, so reading it never waits
-for a GPU; both ops carry ``torch.Tag.cudagraph_unsafe``: Inductor's CUDA graphs
-(``mode="reduce-overhead"``) run them outside the captured partitions.
+When nothing but the region reads the matmul's result
+(:func:`fx_passes.rewrite.row_local.rewrite_row_region`), the call computes it with the op
+the graph had (``F.linear`` or ``hidden @ weight.T``), keeps it for its backward and writes
+each chunk's gradient over that chunk's logits: one ``[T, V]`` buffer in the backward, as
+stock's donated buffer; the lm_head's gradients are stock's GEMMs on the whole gradient.
+docs/how-it-works.md ("Whole") says why and what it measured.  See NOTE [retained graph].
 """
+
+# NOTE [retained graph]
+# A second backward through the same forward (``retain_graph=True``) finds a flag the first
+# one cleared and recomputes the matmul before it starts: the same op on the same operands.
+# The flag is a one-byte host tensor on every device, so reading it never waits for a GPU;
+# both ops carry ``torch.Tag.cudagraph_unsafe``: Inductor's CUDA graphs
+# (``mode="reduce-overhead"``) run them outside the captured partitions.
 
 from __future__ import annotations
 

@@ -1,27 +1,34 @@
 """A row-local region whose lm_head runs inside its chunk loop: neither the logits nor
 their gradient ever exists whole.
 
-The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the
-body on them (the region's own ops, :mod:`fx_passes.kernels.row_local`).  The backward
-needs ``grad_hidden[t]`` (a sum over the whole vocabulary) and ``grad_weight[v]`` (a sum
-over all rows), each one FP32 sum rounded once, so it runs the ``two_sweeps`` order of
-the hand-derived lm_head (:func:`fx_passes.kernels.lm_head.two_sweeps`) on a body split
-into per-row statistics and a pointwise function (:mod:`fx_passes.kernels.row_split`):
-
-1. row chunks over the whole vocabulary: the chunk's logits again, the ``stats`` graph
-   (the gradient of the chunk's logits and the per-row values its pointwise form reads),
-   then ``grad_hidden[rows] = g @ weight``: one GEMM over the whole vocabulary;
-2. vocabulary blocks over all rows: the block's logits ``hidden @ weight[block].T``, the
-   ``block`` graph (the same gradient from the per-row values), then
-   ``grad_weight[block] = g.T @ hidden`` (and the bias's sum): one GEMM over all rows.
-
-Five ``[T, H] x [H, V]`` GEMMs a step against stock's three (docs/gemms.md): the price
-of holding a chunk instead of ``[T, V]`` logits and their gradient.  Every GEMM has
-model-precision inputs.  The rewrite takes this call only where the body splits
-(``rewrite/row_local.py``); a split that fails at run time all the same (an input of
-another shape) recomputes the logits whole and runs ``row_local_head``'s backward,
-said once in the log.
+The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the body
+on them; the backward runs the ``two_sweeps`` order (:func:`fx_passes.kernels.lm_head.two_sweeps`)
+on the body split by :mod:`fx_passes.kernels.row_split`: five ``[T, H] x [H, V]`` GEMMs a
+step with model-precision inputs (docs/gemms.md).  A split that fails at run time falls
+back to ``row_local_head``'s backward, said once in the log.  See NOTE [row-local sweeps].
 """
+
+# NOTE [row-local sweeps]
+# The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the
+# body on them (the region's own ops, :mod:`fx_passes.kernels.row_local`).  The backward
+# needs ``grad_hidden[t]`` (a sum over the whole vocabulary) and ``grad_weight[v]`` (a sum
+# over all rows), each one FP32 sum rounded once, so it runs the ``two_sweeps`` order of
+# the hand-derived lm_head (:func:`fx_passes.kernels.lm_head.two_sweeps`) on a body split
+# into per-row statistics and a pointwise function (:mod:`fx_passes.kernels.row_split`):
+#
+# 1. row chunks over the whole vocabulary: the chunk's logits again, the ``stats`` graph
+#    (the gradient of the chunk's logits and the per-row values its pointwise form reads),
+#    then ``grad_hidden[rows] = g @ weight``: one GEMM over the whole vocabulary;
+# 2. vocabulary blocks over all rows: the block's logits ``hidden @ weight[block].T``, the
+#    ``block`` graph (the same gradient from the per-row values), then
+#    ``grad_weight[block] = g.T @ hidden`` (and the bias's sum): one GEMM over all rows.
+#
+# Five ``[T, H] x [H, V]`` GEMMs a step against stock's three (docs/gemms.md): the price
+# of holding a chunk instead of ``[T, V]`` logits and their gradient.  Every GEMM has
+# model-precision inputs.  The rewrite takes this call only where the body splits
+# (``rewrite/row_local.py``); a split that fails at run time all the same (an input of
+# another shape) recomputes the logits whole and runs ``row_local_head``'s backward,
+# said once in the log.
 
 from __future__ import annotations
 

@@ -2,30 +2,38 @@
 pointwise function of the logits, so the lm_head's ``grad_weight`` can be computed by
 vocabulary blocks over all rows (:mod:`fx_passes.kernels.row_local_sweeps`).
 
-A body's gradient with respect to its logits ``x`` (``[R, V]``) is, for a distillation
-loss, a label-smoothed cross-entropy or a KL term, a pointwise function of ``x``, the
-other ``[R, V]`` row inputs (a teacher's logits), per-column constants (class weights),
-per-row inputs (the incoming gradients) and a few reductions over each row (the softmax
-maxima and sums, the sums of the incoming gradient's products).  Given those per-row
-values, the gradient of any block of columns ``[:, v0:v1]`` can be computed from that
-block alone.  :func:`split_of` finds this form by tracing the product to ATen ops
-(Inductor's decompositions: ``log_softmax`` and its backward become ``amax``, ``exp``,
-``sum``, ...) with symbolic sizes, and sorts every value by its shape:
-
-* *wide* (its last dimension is the vocabulary): must come from a pointwise op (or an
-  ``expand`` / a creation op), so that it can be computed per block of columns;
-* *narrow* and computed from a wide value (a reduction over the row, and what follows
-  it): a per-row value, computed by the ``stats`` graph over whole rows and read by the
-  ``block`` graph from its ``[T, ..]`` buffer;
-* anything else (inputs, values of per-row inputs alone): recomputed in the block.
-
-``stats(*args) -> (*grads of the wanted row inputs, *per-row values)`` runs on chunks of
-whole rows; ``block(*picked args, *per-row values) -> grad of x[:, v0:v1]`` on all rows
-of one block (``Split.inputs`` says which argument each block input is and whether its
-columns are sliced).  A body with a sort, a scan, a gather or a scatter on the way to
-the gradient (top-k / top-p masks, a cross-entropy's picked logit) does not split; its
-call keeps the logits whole (``row_local_head``), with the reason in the log.
+:func:`split_of` returns ``stats(*args) -> (*grads of the wanted row inputs, *per-row
+values)``, run on chunks of whole rows, and ``block(*picked args, *per-row values) -> grad
+of x[:, v0:v1]``, run on all rows of one block (``Split.inputs``); or, for a body with a
+sort, a scan, a gather or a scatter on the way to the gradient, the reason it does not
+split.  See NOTE [row split].
 """
+
+# NOTE [row split]
+#
+# A body's gradient with respect to its logits ``x`` (``[R, V]``) is, for a distillation
+# loss, a label-smoothed cross-entropy or a KL term, a pointwise function of ``x``, the
+# other ``[R, V]`` row inputs (a teacher's logits), per-column constants (class weights),
+# per-row inputs (the incoming gradients) and a few reductions over each row (the softmax
+# maxima and sums, the sums of the incoming gradient's products).  Given those per-row
+# values, the gradient of any block of columns ``[:, v0:v1]`` can be computed from that
+# block alone.  :func:`split_of` finds this form by tracing the product to ATen ops
+# (Inductor's decompositions: ``log_softmax`` and its backward become ``amax``, ``exp``,
+# ``sum``, ...) with symbolic sizes, and sorts every value by its shape:
+#
+# * *wide* (its last dimension is the vocabulary): must come from a pointwise op (or an
+#   ``expand`` / a creation op), so that it can be computed per block of columns;
+# * *narrow* and computed from a wide value (a reduction over the row, and what follows
+#   it): a per-row value, computed by the ``stats`` graph over whole rows and read by the
+#   ``block`` graph from its ``[T, ..]`` buffer;
+# * anything else (inputs, values of per-row inputs alone): recomputed in the block.
+#
+# ``stats(*args) -> (*grads of the wanted row inputs, *per-row values)`` runs on chunks of
+# whole rows; ``block(*picked args, *per-row values) -> grad of x[:, v0:v1]`` on all rows
+# of one block (``Split.inputs`` says which argument each block input is and whether its
+# columns are sliced).  A body with a sort, a scan, a gather or a scatter on the way to
+# the gradient (top-k / top-p masks, a cross-entropy's picked logit) does not split; its
+# call keeps the logits whole (``row_local_head``), with the reason in the log.
 
 from __future__ import annotations
 

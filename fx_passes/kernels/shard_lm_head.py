@@ -1,28 +1,31 @@
-"""The lm_head inside a vocab-parallel region: no rank holds its logits shard whole.
+"""The lm_head inside a vocab-parallel region, so no rank holds its logits shard whole.
 
-When the shard a vocab-parallel region reads (:mod:`fx_passes.distributed.vocab_parallel`) is
-``hidden @ weight_shard.T`` in the same graph, and nothing else reads it, each stage calls
-:func:`shard_lm_head` on ``hidden`` and the weight shard instead of
-:func:`~fx_passes.distributed.vocab_parallel.shard_reduce` on the logits:
+:func:`shard_lm_head` takes ``hidden`` and the weight shard of a stage whose shard is
+``hidden @ weight_shard.T`` read by nothing else, and returns what
+:func:`~fx_passes.distributed.vocab_parallel.shard_reduce` would on the logits: the stage's
+reductions, computed per row chunk on model-precision logits.  The backward (one stage at
+most) is local, as stock's, and rounds each gradient element once.
+``fx_passes.distributed.vocab_parallel._fusable_lm_head`` says whether a region qualifies.
 
-* forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are
-  computed in model precision and the stage's reductions (its compiled body,
-  :mod:`fx_passes.kernels.graph_bodies`) run on them.  Called per stage, each stage computes
-  its chunks again (a stage's per-row operands, the all-reduced max, exist only after the
-  previous stage); :mod:`fx_passes.distributed.one_pass` runs all stages in one such loop when
-  the code between them is per row.
-* backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
-  gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
-  model precision, and :func:`fx_passes.kernels.lm_head.two_sweeps` runs the tiles: row chunks
-  over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
-  write ``grad_weight[block]``, one model-precision matmul each, so every element is one
-  FP32 sum rounded once.  The backward stays local, as stock's: no collective.
-
-A block of columns runs the stage's ops on those columns only, so a stage that needs a
-gradient may end in sums and gathers (each a sum over columns) and no other reduction;
-the gather's index is shifted by the block's first column.  :func:`plan` says whether a
-region qualifies, and why not.
+See NOTE [shard lm_head loops].
 """
+
+# NOTE [shard lm_head loops]
+# * forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are computed
+#   in model precision and the stage's reductions (its compiled body,
+#   fx_passes.kernels.graph_bodies) run on them.  Called per stage, each stage computes its
+#   chunks again (a stage's per-row operands, the all-reduced max, exist only after the
+#   previous stage); fx_passes.distributed.one_pass runs all stages in one such loop when
+#   the code between them is per row.
+# * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
+#   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
+#   model precision, and fx_passes.kernels.lm_head.two_sweeps runs the tiles: row chunks
+#   over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
+#   write ``grad_weight[block]``, one model-precision matmul each, so every element is one
+#   FP32 sum rounded once.  No collective.
+# A block of columns runs the stage's ops on those columns only, so a stage that needs a
+# gradient may end in sums and gathers (each a sum over columns) and no other reduction;
+# the gather's index is shifted by the block's first column.
 
 from __future__ import annotations
 

@@ -157,38 +157,40 @@ def _say_no_out_dtype(device_type: str) -> None:
              "lacks: the backward runs 'blocks'", device_type, torch.__version__)
 
 
+# NOTE [lm_head backward plans]
+# Each gradient element is one sum (``grad_hidden[t]`` over the vocabulary,
+# ``grad_weight[v]`` over the rows), accumulated in FP32 and rounded to the model dtype
+# once, as stock's matmuls do.  A model-precision matmul rounds its own output, so a
+# sum that spans several matmul calls must run on FP32 copies, unless each sum fits in
+# one call:
+#
+# * ``"two_sweeps"`` (CPUs that multiply ``dtype`` in hardware, AVX-512 BF16 / AMX):
+#   model-precision matmuls only, each holding a whole sum: row chunks over the whole
+#   vocabulary write ``grad_hidden``, vocabulary blocks over all rows write
+#   ``grad_weight``.  The logits are recomputed once in each sweep.
+# * ``"fp32_tiles"`` (other CPUs): one sweep over vocabulary blocks x row tiles on FP32
+#   copies of the model-precision operands (the same maths: exact products, FP32
+#   accumulation, one rounding), ``grad_hidden`` accumulated in FP32 for a bounded
+#   group of rows at a time.  FP32 GEMM is the faster kernel there (a CPU without bf16
+#   units runs a bf16 GEMM through conversions).
+# * ``"gpu"`` (CUDA, XPU: where this torch has ``aten::mm.dtype`` for the device):
+#   vocabulary blocks over all rows, model-precision inputs only: per block the logits
+#   are recomputed, ``grad_weight[block]`` is one GEMM (its sum over the rows inside
+#   it), and ``grad_hidden`` is accumulated across the blocks by GEMMs with an FP32
+#   output (``out_dtype``) into an FP32 buffer for a bounded group of rows, rounded
+#   once.  Four ``[T, H] x [H, V]`` GEMMs a step with the forward's, when the group
+#   holds all rows (``kernels/gpu_plan.py``).
+# * ``"blocks"`` (GPUs whose torch has no ``mm.dtype``): as ``"gpu"``, but the FP32
+#   accumulation of ``grad_hidden`` runs on FP32 copies of the gradient and the
+#   weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).
+
+
 def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") -> str:
-    """How the lm_head backward computes ``grad_hidden`` and ``grad_weight``.
-
-    Each gradient element is one sum (``grad_hidden[t]`` over the vocabulary,
-    ``grad_weight[v]`` over the rows), accumulated in FP32 and rounded to the model dtype
-    once, as stock's matmuls do.  A model-precision matmul rounds its own output, so a
-    sum that spans several matmul calls must run on FP32 copies, unless each sum fits in
-    one call:
-
-    * ``"two_sweeps"`` (CPUs that multiply ``dtype`` in hardware, AVX-512 BF16 / AMX):
-      model-precision matmuls only, each holding a whole sum: row chunks over the whole
-      vocabulary write ``grad_hidden``, vocabulary blocks over all rows write
-      ``grad_weight``.  The logits are recomputed once in each sweep.
-    * ``"fp32_tiles"`` (other CPUs): one sweep over vocabulary blocks x row tiles on FP32
-      copies of the model-precision operands (the same maths: exact products, FP32
-      accumulation, one rounding), ``grad_hidden`` accumulated in FP32 for a bounded
-      group of rows at a time.  FP32 GEMM is the faster kernel there (measured: the
-      backward of W4 about 1.5x faster; a bf16 GEMM of W4's size about 6x slower than
-      FP32 with AVX2 only).
-    * ``"gpu"`` (CUDA, XPU: where this torch has ``aten::mm.dtype`` for the device):
-      vocabulary blocks over all rows, model-precision inputs only: per block the logits
-      are recomputed, ``grad_weight[block]`` is one GEMM (its sum over the rows inside
-      it), and ``grad_hidden`` is accumulated across the blocks by GEMMs with an FP32
-      output (``out_dtype``) into an FP32 buffer for a bounded group of rows, rounded
-      once.  Four ``[T, H] x [H, V]`` GEMMs a step with the forward's, when the group
-      holds all rows (``kernels/gpu_plan.py``).
-    * ``"blocks"`` (GPUs whose torch has no ``mm.dtype``): as ``"gpu"``, but the FP32
-      accumulation of ``grad_hidden`` runs on FP32 copies of the gradient and the
-      weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).
-
-    ``"gpu"`` forced where the device has no ``mm.dtype`` kernel runs ``"blocks"`` (logged).
-    Choosing ``"gpu"`` runs the device's one-time ``addmm`` probe (``compat.probe_addmm_into``).
+    """The lm_head backward's plan for ``device`` and ``dtype``: one of ``config.LM_HEAD_PLANS``
+    but "auto" (``plan`` forces one).  Every plan rounds each gradient element once, from
+    one FP32 sum.  "gpu" where the device lacks ``mm.dtype`` runs "blocks" (logged);
+    choosing "gpu" runs the device's one-time ``addmm`` probe (``compat.probe_addmm_into``).
+    See NOTE [lm_head backward plans].
     """
     if plan == "gpu" and not compat.gemm_out_dtype(device.type):
         _say_no_out_dtype(device.type)

@@ -3,20 +3,25 @@
 A region's logits are ``hidden @ weight.T`` (``linear`` / ``matmul``, with or without
 bias) when this module says so: then the rewrite calls
 :func:`fx_passes.kernels.lm_head.lm_head_row_stats` on ``hidden`` and the logits never exist.
-
-Between the matmul and the upcast some model families transform the logits in
-model precision: Gemma2 softcaps them (``tanh(x / c) * c``), Granite divides them by
-``logits_scaling``, Cohere multiplies them by ``logit_scale``.  Such a chain of
-divisions and multiplications by constants and ``tanh`` is carried into the chunk
-loop (``LMHead.transforms``, applied per chunk exactly as the model rounds them); any
-other op there keeps the matmul whole, and the reason names the op.
-
-When the graph also returns the logits (Hugging Face models do), the loop writes them
-as a fourth result (``LMHead.returned``): the lm_head still fuses when the graph output
-is their only reader besides the region, and the region reads every row of them.  The
-backward then adds the returned logits' gradient per tile instead of forming the
-region's whole ``[T, V]`` gradient.
+A chain of constant scalings and ``tanh`` between the matmul and the upcast is carried into
+the loop (``LMHead.transforms``); logits the graph also returns are written by the loop
+(``LMHead.returned``); anything else keeps the matmul whole, the reason naming the op.
+See NOTE [lm_head transforms].
 """
+
+# NOTE [lm_head transforms]
+# Between the matmul and the upcast some model families transform the logits in
+# model precision: Gemma2 softcaps them (``tanh(x / c) * c``), Granite divides them by
+# ``logits_scaling``, Cohere multiplies them by ``logit_scale``.  Such a chain of
+# divisions and multiplications by constants and ``tanh`` is carried into the chunk
+# loop (``LMHead.transforms``, applied per chunk exactly as the model rounds them); any
+# other op there keeps the matmul whole, and the reason names the op.
+#
+# When the graph also returns the logits (Hugging Face models do), the loop writes them
+# as a fourth result (``LMHead.returned``): the lm_head still fuses when the graph output
+# is their only reader besides the region, and the region reads every row of them.  The
+# backward then adds the returned logits' gradient per tile instead of forming the
+# region's whole ``[T, V]`` gradient.
 
 from __future__ import annotations
 

@@ -1,26 +1,33 @@
 """The loss tail of a fused lm_head region: from its per-row results to the graph's scalar loss.
 
-A rewritten lm_head region is one call ``stats = lm_head_row_stats(hidden, weight, ...)``
-whose items ``stats[0..2]`` (lse, token log-prob, entropy per row) the rest of the graph
-reads.  When everything that reads them leads to the scalar loss the graph returns, and
-only so, each row's cotangent for a unit loss is known in the forward
-(:mod:`fx_passes.kernels.lm_head_loss`).  The tail is taken when every node that depends
-on the region is one of:
-
-* *row* nodes: pointwise ops (ATen's ``pointwise`` tag, :func:`match.row_local.op_name`),
-  conversions, ``detach`` / ``clone``, and views that keep one value per row in order
-  (``view`` / ``reshape`` / ``flatten`` / ``unsqueeze`` / ``squeeze``), whose every tensor
-  operand is a row node, a per-row tensor of the same shape that does not depend on the
-  region and needs no gradient (advantages, old log-probs, masks), or a 0-d tensor / number;
-* *reductions*: ``x.sum()`` / ``x.mean()`` of a floating row node over all its elements;
-* *scalar* nodes: the reductions combined affinely with values that do not depend on the
-  region (``+``, ``-``, negation, ``*`` by such a value, ``/`` by one: a masked mean's
-  ``/ mask.sum()``, an entropy bonus ``- c * ent.mean()``), ending in the loss.
-
-The loss must be a 0-d floating tensor that requires grad and leaves the graph, and no
-other node of the tail (nor the stats) may be read outside it.  Anything else is
-:class:`NoTail`: the region keeps the recompute path.
+The tail is taken when every node that depends on the region's call (its lse, token log-prob
+and entropy per row) leads to the scalar loss the graph returns through row nodes, sums /
+means over all rows, and an affine scalar part; then each row's cotangent for a unit loss is
+known in the forward (:mod:`fx_passes.kernels.lm_head_loss`).  Anything else is
+:class:`NoTail`: the region keeps the recompute path.  See NOTE [loss tail nodes].
 """
+
+# NOTE [loss tail nodes]
+# A rewritten lm_head region is one call ``stats = lm_head_row_stats(hidden, weight, ...)``
+# whose items ``stats[0..2]`` (lse, token log-prob, entropy per row) the rest of the graph
+# reads.  When everything that reads them leads to the scalar loss the graph returns, and
+# only so, each row's cotangent for a unit loss is known in the forward
+# (:mod:`fx_passes.kernels.lm_head_loss`).  The tail is taken when every node that depends
+# on the region is one of:
+#
+# * *row* nodes: pointwise ops (ATen's ``pointwise`` tag, :func:`match.row_local.op_name`),
+#   conversions, ``detach`` / ``clone``, and views that keep one value per row in order
+#   (``view`` / ``reshape`` / ``flatten`` / ``unsqueeze`` / ``squeeze``), whose every tensor
+#   operand is a row node, a per-row tensor of the same shape that does not depend on the
+#   region and needs no gradient (advantages, old log-probs, masks), or a 0-d tensor / number;
+# * *reductions*: ``x.sum()`` / ``x.mean()`` of a floating row node over all its elements;
+# * *scalar* nodes: the reductions combined affinely with values that do not depend on the
+#   region (``+``, ``-``, negation, ``*`` by such a value, ``/`` by one: a masked mean's
+#   ``/ mask.sum()``, an entropy bonus ``- c * ent.mean()``), ending in the loss.
+#
+# The loss must be a 0-d floating tensor that requires grad and leaves the graph, and no
+# other node of the tail (nor the stats) may be read outside it.  Anything else is
+# :class:`NoTail`: the region keeps the recompute path.
 
 from __future__ import annotations
 

@@ -1,33 +1,35 @@
 """Row-local regions: any loss on the logits whose ops act on each row on its own.
 
-The hand-derived path (:mod:`fx_passes.match.logits`) knows four shapes of region (token
-log-prob, entropy, cross-entropy, their mixes) and gives them a cheap closed-form
-backward.  What it declines for an op it does not know goes through here: the region
-is found by *row-locality*, not by a list of patterns, and runs as the user's own ops
-over chunks of rows (:mod:`fx_passes.kernels.row_local`).
-
-Rows are the indices of dim 0 of the logits.  A region starts at FP32 upcasts of
-model-precision logits ``[rows, .., V]`` and takes in every op that reads one of its
-tensors and acts on each row on its own:
-
-* pointwise ops (ATen's own ``pointwise`` tag, random ones excepted), conversions,
-  ``detach`` / ``clone``, ``zeros_like`` / ``full_like`` ... (which read only the
-  shape), with operands that are region tensors, per-row tensors (dim 0 of size rows,
-  as many dims as the result) or broadcast ones (no dim 0 of size rows: scalars,
-  ``[V]`` vectors, 0-d tensors);
-* reductions, softmaxes, scans, sorts and ``topk`` along dims other than 0;
-  ``gather`` / ``scatter`` / ``take_along_dim`` along them, with per-row indices;
-* indexing that keeps dim 0 whole (``x[:, :k]``, ``x[..., -1, None]``), ``unsqueeze``
-  / ``squeeze`` of other dims, the items of a sort's / top-k's tuple;
-* ``cross_entropy`` / ``nll_loss`` (class weights, label smoothing, ``ignore_index``) and
-  ``kl_div``: per row inside the region; a ``mean`` / ``sum`` / ``batchmean`` over rows
-  is done outside (a *terminal*).
-
-It also takes in, backwards, the FP32 ``[rows, .., V]`` tensors its ops read that are
-computed from another upcast by row-local ops (a teacher's log-probs).  It ends where
-its tensors are read by an op that is not row-local: such a tensor must be a per-row
-result (no last dim V), or the region is declined naming that op (``NOT_ROW_LOCAL``).
+What the hand-derived path (:mod:`fx_passes.match.logits`) declines for an op it does not
+know goes through here: the region is found by *row-locality* (rows are the indices of dim
+0 of the logits), not by a list of patterns, and runs as the user's own ops over chunks of
+rows (:mod:`fx_passes.kernels.row_local`).  A region whose tensors reach an op that is not
+row-local other than as per-row results is declined naming that op (``NOT_ROW_LOCAL``).
+See NOTE [row-locality].
 """
+
+# NOTE [row-locality]
+# Rows are the indices of dim 0 of the logits.  A region starts at FP32 upcasts of
+# model-precision logits ``[rows, .., V]`` and takes in every op that reads one of its
+# tensors and acts on each row on its own:
+#
+# * pointwise ops (ATen's own ``pointwise`` tag, random ones excepted), conversions,
+#   ``detach`` / ``clone``, ``zeros_like`` / ``full_like`` ... (which read only the
+#   shape), with operands that are region tensors, per-row tensors (dim 0 of size rows,
+#   as many dims as the result) or broadcast ones (no dim 0 of size rows: scalars,
+#   ``[V]`` vectors, 0-d tensors);
+# * reductions, softmaxes, scans, sorts and ``topk`` along dims other than 0;
+#   ``gather`` / ``scatter`` / ``take_along_dim`` along them, with per-row indices;
+# * indexing that keeps dim 0 whole (``x[:, :k]``, ``x[..., -1, None]``), ``unsqueeze``
+#   / ``squeeze`` of other dims, the items of a sort's / top-k's tuple;
+# * ``cross_entropy`` / ``nll_loss`` (class weights, label smoothing, ``ignore_index``) and
+#   ``kl_div``: per row inside the region; a ``mean`` / ``sum`` / ``batchmean`` over rows
+#   is done outside (a *terminal*).
+#
+# It also takes in, backwards, the FP32 ``[rows, .., V]`` tensors its ops read that are
+# computed from another upcast by row-local ops (a teacher's log-probs).  It ends where
+# its tensors are read by an op that is not row-local: such a tensor must be a per-row
+# result (no last dim V), or the region is declined naming that op (``NOT_ROW_LOCAL``).
 
 from __future__ import annotations
 

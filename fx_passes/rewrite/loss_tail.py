@@ -13,13 +13,18 @@ After::
     neg = lm_head_loss(hidden, weight, None, tokens, None, True, False, ..., 'two_sweeps',
                        '<tail key>', '<final key>', 'mean:float32', True, True, 1, advantages)
 
-The tail (:mod:`fx_passes.match.loss_tail`) becomes two FX graphs registered in
-``GRAPH_BODIES``: the row part ``tail(lse, logprob, entropy, *rows, *whole)`` returning
-the tensors the loss sums (views are identities there: every tensor is the flat rows of
-a chunk), and the scalar part ``final(*reductions, *whole)`` giving the loss.  The call
-runs where the loss was (``fx/placement.check_placement``: no in-place change between the
-region's call and the loss, the same autocast blocks, one grad mode).
+The tail (:mod:`fx_passes.match.loss_tail`) becomes two FX graphs in ``GRAPH_BODIES`` (the
+row part ``tail``, the scalar part ``final``); the call runs where the loss was
+(``fx/placement.check_placement``).  See NOTE [loss tail graphs].
 """
+
+# NOTE [loss tail graphs]
+# The tail (:mod:`fx_passes.match.loss_tail`) becomes two FX graphs registered in
+# ``GRAPH_BODIES``: the row part ``tail(lse, logprob, entropy, *rows, *whole)`` returning
+# the tensors the loss sums (views are identities there: every tensor is the flat rows of
+# a chunk), and the scalar part ``final(*reductions, *whole)`` giving the loss.  The call
+# runs where the loss was (``fx/placement.check_placement``: no in-place change between the
+# region's call and the loss, the same autocast blocks, one grad mode).
 
 from __future__ import annotations
 

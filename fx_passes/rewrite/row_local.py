@@ -13,15 +13,19 @@ After::
     out    = row_local("<key>", budget, 2, logits, tokens, t_as_tensor)
     picked = out[0]
 
-The region's own nodes become the body registered under ``<key>`` (copied as they are,
-a node computed without grad detached, a loss that reduces over rows computed per row),
-so the results are the user's maths on the same FP32 values; only the loop over rows
-and, for a reduction over rows (``F.cross_entropy(..., reduction="mean")``), the order
-of its sum differ.  The call goes right after the region's last node (or before the
-first reader of a result, if one comes earlier), which must come after every input the
-region reads, and is checked like every fused op
-(:func:`fx_passes.fx.placement.check_placement`).
+The region's own nodes become the body registered under ``<key>``: the user's maths on the
+same FP32 values.  See NOTE [row-local body].
 """
+
+# NOTE [row-local body]
+# The region's own nodes become the body registered under ``<key>`` (copied as they are,
+# a node computed without grad detached, a loss that reduces over rows computed per row),
+# so the results are the user's maths on the same FP32 values; only the loop over rows
+# and, for a reduction over rows (``F.cross_entropy(..., reduction="mean")``), the order
+# of its sum differ.  The call goes right after the region's last node (or before the
+# first reader of a result, if one comes earlier), which must come after every input the
+# region reads, and is checked like every fused op
+# (:func:`fx_passes.fx.placement.check_placement`).
 
 from __future__ import annotations
 

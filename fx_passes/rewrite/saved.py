@@ -2,30 +2,35 @@
 not redo the forward's most expensive work: the boolean masks of its sorts, and the
 normalisers of its softmaxes.
 
-The backward recomputes the region's values chunk by chunk to take their
-vector-Jacobian product.  Two kinds of node cost far more to recompute than to save:
-
-* **masks**.  In a top-k / top-p region the gradient flows through ``masked_fill`` /
-  ``where`` only; the ops that decide *which* entries are kept (``topk``'s threshold, the
-  ``sort`` / ``cumsum`` / ``scatter`` of top-p) end in boolean ``[rows, .., V]`` masks
-  that no gradient goes through.  A boolean node of the body shaped like one of its row
-  inputs, read by a node that is not boolean (the boundary of the mask-making ops), and
-  made with at least one sort, top-k or scan (:data:`REORDERING`) is saved, packed eight
-  to a byte (:func:`fx_passes.kernels.bitmask.pack_bits`: ``V / 8`` bytes a row).  A mask
-  made by pointwise ops and reductions alone (min-p's) is cheaper to recompute.
-* **normalisers**.  A ``softmax`` / ``log_softmax`` over a row is two reductions (a max,
-  a sum of exponentials) before its pointwise result; the saving body computes it as
-  ATen decomposes it and also returns the two reductions (one number a row each, from
-  the same fused loop), and the backward computes the values pointwise from them, bit
-  for bit the forward's, with the op's own gradient (:mod:`fx_passes.kernels.normalizers`).
-
-The *saving* body is the region's body that also returns what is saved; the
-*replaying* body takes it as extra per-row inputs and reads it in place of the nodes
-that made it, which dead-code elimination then drops: its vector-Jacobian product is
-the cheap half of the maths, as stock autograd's backward is.  What the backward reads
-is the forward's own (a recomputed sort could break ties otherwise; it does not today,
-but saving removes the question).
+The *saving* body is the region's body that also returns what is saved (masks bit-packed,
+``V / 8`` bytes a row; two numbers a row per softmax); the *replaying* body takes it as
+extra per-row inputs in place of the nodes that made it.  See NOTE [saved state].
 """
+
+# NOTE [saved state]
+# The backward recomputes the region's values chunk by chunk to take their
+# vector-Jacobian product.  Two kinds of node cost far more to recompute than to save:
+#
+# * **masks**.  In a top-k / top-p region the gradient flows through ``masked_fill`` /
+#   ``where`` only; the ops that decide *which* entries are kept (``topk``'s threshold, the
+#   ``sort`` / ``cumsum`` / ``scatter`` of top-p) end in boolean ``[rows, .., V]`` masks
+#   that no gradient goes through.  A boolean node of the body shaped like one of its row
+#   inputs, read by a node that is not boolean (the boundary of the mask-making ops), and
+#   made with at least one sort, top-k or scan (:data:`REORDERING`) is saved, packed eight
+#   to a byte (:func:`fx_passes.kernels.bitmask.pack_bits`: ``V / 8`` bytes a row).  A mask
+#   made by pointwise ops and reductions alone (min-p's) is cheaper to recompute.
+# * **normalisers**.  A ``softmax`` / ``log_softmax`` over a row is two reductions (a max,
+#   a sum of exponentials) before its pointwise result; the saving body computes it as
+#   ATen decomposes it and also returns the two reductions (one number a row each, from
+#   the same fused loop), and the backward computes the values pointwise from them, bit
+#   for bit the forward's, with the op's own gradient (:mod:`fx_passes.kernels.normalizers`).
+#
+# The *saving* body is the region's body that also returns what is saved; the
+# *replaying* body takes it as extra per-row inputs and reads it in place of the nodes
+# that made it, which dead-code elimination then drops: its vector-Jacobian product is
+# the cheap half of the maths, as stock autograd's backward is.  What the backward reads
+# is the forward's own (a recomputed sort could break ties otherwise; it does not today,
+# but saving removes the question).
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which matrix multiplications a step runs: the GEMM audit of issue 22.
+"""Which matrix multiplications a step runs: the GEMM audit.
 
 ``recording()`` is a dispatch mode that records every matmul that reaches ATen (eager
 code, the chunk loops' Python, and the extern kernels Inductor's wrappers call): its

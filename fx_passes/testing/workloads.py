@@ -1,4 +1,4 @@
-"""The workloads of the issues (W1-W5, W4L, WV, WD, WP, U1-U3), shared by the tests and the benchmarks.
+"""The benchmark workloads (W1-W5, W4L, WV, WD, WP, U1-U3), shared by the tests and the benchmarks.
 
 Each workload is a plain function of tensors plus a factory for its inputs, so a
 test can run it at toy size and a benchmark at full size with the same code.
@@ -59,7 +59,7 @@ def wv_lm_head_cross_entropy(hidden, weight, labels):
 
 def wd_distillation(hidden, weight, teacher_logits):
     """Training: distillation, forward KL(teacher || student) per token, mean over tokens;
-    the student's lm_head in the graph, the teacher's bf16 logits given (issue 21)."""
+    the student's lm_head in the graph, the teacher's bf16 logits given."""
     s = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
     t = torch.log_softmax(teacher_logits.float(), dim=-1)
     return (t.exp() * (t - s)).sum(-1).mean()
@@ -70,7 +70,7 @@ TOP_K, TOP_P = 50, 0.9
 
 def wp_top_p_policy_loss(logits, tokens, advantages):
     """Training: policy-gradient loss on log-probs over the sampler's support: temperature,
-    then top-k, then top-p, renormalised over the kept tokens (issue 21)."""
+    then top-k, then top-p, renormalised over the kept tokens."""
     z = logits.float() / TEMPERATURE
     kth = z.topk(TOP_K, dim=-1).values[..., -1, None]
     z = z.masked_fill(z < kth, float("-inf"))
@@ -157,7 +157,7 @@ class Workload:
     fn: Callable
     train: bool
     make: Callable  # (T, V, dtype, seed) -> tuple of inputs
-    full_size: tuple[int, int]  # (T, V) of the issue's benchmark
+    full_size: tuple[int, int]  # (T, V) of the full-size benchmark
     grad_inputs: tuple[int, ...] = ()  # positions of inputs that get gradients
     upgrade: bool = False  # rewritten only with Config(upgrade_low_precision=True)
 
@@ -227,7 +227,7 @@ def _make_weighted_ce(T, V, dtype=torch.bfloat16, seed=0):
 
 
 def _make_batched_scoring(T, V, dtype=torch.bfloat16, seed=0, B=4):
-    """[B, T/B, V] logits (T = 4096 gives the issue's [4, 1024, 32000])."""
+    """[B, T/B, V] logits (T = 4096 gives [4, 1024, 32000])."""
     g = torch.Generator().manual_seed(seed)
     S = max(T // B, 1)
     x = (torch.randn(B, S, V, generator=g) * 3).to(dtype)
@@ -248,9 +248,9 @@ WORKLOADS = {
     "W5": Workload("W5", w5_cross_entropy, True, _make_ce, (4096, 32768), (0,)),
 }
 
-# Benchmarked besides W1-W5: W4 at long T (issue 3), the upgrade workloads (issue 6), the
-# large vocabulary of the GPU check (issue 13: Qwen3-0.6B's lm_head, H 1024, V 151936) and
-# the row-local losses (issue 21: distillation, top-p log-probs).
+# Benchmarked besides W1-W5: W4 at long T, the upgrade workloads, the large vocabulary of
+# the GPU check (Qwen3-0.6B's lm_head, H 1024, V 151936) and the row-local losses
+# (distillation, top-p log-probs).
 EXTRA_WORKLOADS = {
     "W4L": Workload("W4L", w4_lm_head_loss, True, _make_lm_head, (16384, 32768), (0, 1)),
     "WV": Workload("WV", wv_lm_head_cross_entropy, True, _make_lm_head_ce, (4096, 151936), (0, 1)),
