@@ -292,6 +292,7 @@ def profiled(step: Callable, device: torch.device) -> dict:
     flops = {"prof_tflop": sum(e.flops or 0 for e in events) / 1e12}  # (the profiler's count: mm, addmm, bmm)
     if device.type == "cuda":
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)  # (record_function ranges on the GPU)
                    and not e.name.startswith(("Memcpy", "Memset"))]
         gemm_us = sum(e.time_range.elapsed_us() for e in kernels if GEMM_KERNEL.search(e.name))
         return {"kernels": len(kernels), "gemm_ms": gemm_us / 1e3, "syncs": syncs, **flops}
