@@ -12,7 +12,7 @@ kernels and GEMM TFLOPS (profiler), max error vs FP64, host syncs
 (``set_sync_debug_mode("error")`` and the profiler's sync ops), CUDA-graph replays, and
 the cost model's prediction beside it.  ``gpu_check.json`` and ``gpu_check.md`` in
 ``--out`` are rewritten after every case; a case that fails or is killed is recorded and
-the rest go on; the overall budget (460 s) ends the run.  See docs/gpu.md.
+the rest go on; the overall budget (440 s) ends the run.  See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from fx_passes.env import without_ours  # noqa: E402
 # (case, T, V, H, guard s) on a GPU.  benchmarks/gpu_case.py's CASES say what each is.
 FULL_V, FULL_H = 151936, 4096
 PLAN = (
-    ("W4L", 8192, FULL_V, FULL_H, 60),
-    ("WV", 8192, FULL_V, FULL_H, 60),
+    ("W4L", 8192, FULL_V, FULL_H, 55),
+    ("WV", 8192, FULL_V, FULL_H, 55),
     ("W4L-tok", 8192, FULL_V, FULL_H, 45),
     ("WV-tok", 8192, FULL_V, FULL_H, 45),
     ("RO", 8192, FULL_V, FULL_H, 35),
@@ -83,10 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the gpu plan forced")
     p.add_argument("--cases", default=",".join(CASE_NAMES), help="comma list (default: all)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run (default 460; dry run 280)")
+                   help="seconds for the whole run (default 440; dry run 280)")
     p.add_argument("--case-guard", type=float, default=None,
-                   help="seconds per case (default: the plan's, 25-60 s)")
-    p.add_argument("--tests-guard", type=float, default=70, help="seconds for the GPU tests (default 70)")
+                   help="seconds per case (default: the plan's, 25-55 s)")
+    p.add_argument("--tests-guard", type=float, default=60, help="seconds for the GPU tests (default 60)")
     p.add_argument("--steps", type=int, default=None, help="timing rounds (default 10; dry run 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; dry run 1)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.cases) - set(CASE_NAMES))
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASE_NAMES)}")
-    args.budget = args.budget if args.budget is not None else (280 if args.dry_run else 460)
+    args.budget = args.budget if args.budget is not None else (280 if args.dry_run else 440)
     args.steps = args.steps or (2 if args.dry_run else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
     return args
