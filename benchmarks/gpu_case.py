@@ -1,72 +1,214 @@
-"""One workload of the GPU check (benchmarks/gpu_check.py), in a process of its own.
+"""One case of the GPU check (benchmarks/gpu_check.py), in a process of its own.
 
-    python benchmarks/gpu_case.py W3:2048:32768 --out bench_out/gpu --device cuda --guard 80
+    python benchmarks/gpu_case.py W4L:8192:151936:4096 --out bench_out/gpu --device cuda --guard 60
 
-Compiles every mode on one set of inputs, then measures each mode's peak memory and
-error against FP64, then times the modes interleaved (A, B, C, A, B, C ...), and
-writes what it has to ``<out>/cases/<workload>.json`` after every phase.  On the GPU
-the parent starts one process per workload, so that it can kill a case at its time
-guard and still keep what the case wrote, and so that each case starts with a fresh
-CUDA allocator; the dry run puts all workloads in one process (importing torch and
-Inductor again for each would cost more than its tiny cases).
+A case is a workload variant at one size (``CASES``: the lm_head losses in the graph and
+per token, distillation, top-p, a vocab-parallel step on one rank, ``reduce-overhead``)
+and its modes: stock Inductor first, then ours with each lm_head plan a GPU runs.  The
+phases, each mode in turn and the guard checked between steps: compile (the first
+step), warm-up, peak memory and error vs FP64, one step under
+``torch.cuda.set_sync_debug_mode("error")``, one under the profiler (kernels, GEMM
+time, host-sync ops), then timing rounds with the modes interleaved, and last one step
+recording the GEMMs' FLOPs (a dispatch mode).  ``<out>/cases/<case>.json`` is rewritten after every phase.
 
-Without CUDA (the dry run) the same steps run on the CPU with stand-ins:
-``VmHWM`` (benchmarks/memory.py) for ``torch.cuda.max_memory_allocated`` and
-``time.perf_counter`` for CUDA events.
+Without CUDA (the dry run) the same phases run on the CPU with stand-ins: ``VmHWM``
+for ``max_memory_allocated``, ``perf_counter`` for CUDA events, profiler ops for
+kernels; the ``gpu`` plan runs on the test-only ``out_dtype`` kernels
+(``fx_passes.testing.gemms.cpu_out_dtype_kernels``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import pathlib
+import re
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from typing import Optional
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import baselines, memory  # noqa: E402
-from benchmarks.cases import (  # noqa: E402
-    Case,
-    ensure_backend,
-    errors,
-    limit_bytes,
-    make_case,
-    make_inputs,
-    pass_report,
-    reference,
-    snapshot,
-)
+from benchmarks import memory  # noqa: E402
+from benchmarks.cases import Case, _fresh, ensure_backend, errors, pass_report, reference, snapshot  # noqa: E402
 from benchmarks.gpu_report import write_json  # noqa: E402
-from fx_passes.testing.codegen import full_fp32_buffers  # noqa: E402
-from fx_passes.testing.workloads import ALL_WORKLOADS, on_device  # noqa: E402
+from fx_passes.testing import gemms  # noqa: E402
+from fx_passes.testing.workloads import ALL_WORKLOADS, Workload, _make_lm_head, _make_lm_head_ce  # noqa: E402
 
 STOCK = "inductor"
-COMPILED = (STOCK, "chunked_logits", "chunked_logits_dyn")
-CODE_WORKLOADS = ("W1", "W3", "W4")  # their generated code is saved and checked (issue 13)
-LM_HEAD_OP = "torch.ops.chunked_logits.lm_head_stats"  # what a fused outer graph calls
+GPU_PLANS = ("gpu", "blocks", "two_sweeps")  # the lm_head plans a GPU runs (Config.lm_head_plan)
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero")
+GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|triton_tem|matmul", re.I)
+CPU_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_linear_pointwise")
+COMPILE_SHARE = 0.6  # no mode starts compiling past this share of the guard: the rest measures
+DRY_OPTIONS = {"chunk_budget_mib": 0.1}  # the dry run: two row chunks and vocabulary blocks
+DRY_ALL_PLANS = "W4L"  # the dry run runs every plan on this case, the gpu plan on the others
 
 
-def modes_for(name: str) -> list[str]:
-    """Stock Inductor, ours static and dynamic, then the baselines that compute the workload."""
-    return [*COMPILED, *baselines.applies_to(name)]
+# --- the workload variants ------------------------------------------------------------
+
+def lm_head_logprob(hidden, weight, tokens):
+    """W4's per-token log-probs: the graph returns them, the loss is computed outside."""
+    logp = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def lm_head_ce_per_token(hidden, weight, labels):
+    """WV's per-token cross-entropy (``reduction="none"``)."""
+    return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100, reduction="none")
+
+
+def policy_loss_outside(hidden, weight, tokens, advantages, inner=lm_head_logprob):
+    """W4's loss from a per-token graph ``inner`` (the loss is eager, outside it)."""
+    return -(inner(hidden, weight, tokens) * advantages).mean()
+
+
+def ce_outside(hidden, weight, labels, inner=lm_head_ce_per_token):
+    """WV's mean cross-entropy from a per-token graph ``inner``."""
+    return inner(hidden, weight, labels).sum() / (labels != -100).sum()
+
+
+def vocab_parallel_loss(hidden, weight, tokens, advantages):
+    """A policy loss written the Megatron way on this rank's shard (here the whole
+    vocabulary: one rank), collectives on per-row tensors (examples/vocab_parallel_step.py)."""
+    from examples.vocab_parallel_step import token_stats
+    return -(token_stats(hidden @ weight.t(), tokens, 0, "logprob") * advantages).mean()
+
+
+def lm_head_inputs(T: int, V: int, H: int, device: torch.device, labels: bool = False) -> tuple:
+    """W4's inputs (hidden, weight, tokens, advantages), or WV's (hidden, weight, labels with
+    10% ignored), drawn on ``device`` (at V 151936, H 4096 the CPU's generator takes seconds):
+    the workloads' distributions (fx_passes/testing/workloads.py), not their numbers."""
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(T, H, generator=g, device=device).bfloat16().requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g, device=device) / H**0.5).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, V, (T,), generator=g, device=device)
+    if labels:
+        tokens[torch.rand(T, generator=g, device=device) < 0.1] = -100
+        return hidden, weight, tokens
+    return hidden, weight, tokens, torch.randn(T, generator=g, device=device)
+
+
+def distillation_inputs(T: int, V: int, H: int, device: torch.device) -> tuple:
+    """WD's: the student's lm_head inputs, the teacher's bf16 logits near the student's."""
+    hidden, weight, _, _ = lm_head_inputs(T, V, H, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    noise = torch.randn(T, V, generator=g, device=device)
+    return hidden, weight, (hidden.detach().float() @ weight.detach().float().T + noise).bfloat16()
+
+
+def top_p_inputs(T: int, V: int, device: torch.device) -> tuple:
+    """WP's: logits, each row's most likely token (every filter keeps it), advantages."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(T, V, generator=g, device=device) * 3).bfloat16().requires_grad_(True)
+    return x, x.detach().float().argmax(dim=-1), torch.randn(T, generator=g, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseDef:
+    """A case: its workload (inputs, reference), the function a mode compiles, its modes,
+    and its cost-model row ((loss, loss in graph) or None where the model has none)."""
+
+    workload: Workload
+    modes: tuple[str, ...]
+    inner: Optional[Callable] = None  # compiled instead of the workload's fn (per token)
+    model: Optional[tuple[str, bool]] = None
+    group: bool = False  # needs a one-rank process group
+
+
+_W4L, _WV = ALL_WORKLOADS["W4L"], ALL_WORKLOADS["WV"]
+LM_MODES = (STOCK, *(f"ours:{p}" for p in GPU_PLANS))
+CASES = {
+    "W4L": CaseDef(_W4L, LM_MODES, model=("logprob", True)),
+    "WV": CaseDef(_WV, LM_MODES, model=("ce", True)),
+    "W4L-tok": CaseDef(Workload("W4L-tok", policy_loss_outside, True, _make_lm_head, _W4L.full_size, (0, 1)),
+                       LM_MODES, inner=lm_head_logprob, model=("logprob", False)),
+    "WV-tok": CaseDef(Workload("WV-tok", ce_outside, True, _make_lm_head_ce, _WV.full_size, (0, 1)),
+                      LM_MODES, inner=lm_head_ce_per_token, model=("ce", False)),
+    "RO": CaseDef(_WV, ("inductor:ro", "ours:ro")),
+    "WD": CaseDef(ALL_WORKLOADS["WD"], (STOCK, "ours")),
+    "WP": CaseDef(ALL_WORKLOADS["WP"], (STOCK, "ours")),
+    "VP": CaseDef(Workload("VP", vocab_parallel_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
+                  (STOCK, "ours"), group=True),
+}
+
+
+def modes_of(key: str, dry_run: bool) -> tuple[str, ...]:
+    """The case's modes; in the dry run the other plans only on ``DRY_ALL_PLANS`` (they
+    differ in the backward only: a compile each, most of the dry run's time)."""
+    modes = CASES[key].modes
+    if dry_run and key != DRY_ALL_PLANS:
+        return tuple(m for m in modes if m.partition(":")[2] not in GPU_PLANS[1:])
+    return modes
+
+
+def make_inputs(key: str, T: int, V: int, H: int, device: torch.device) -> tuple:
+    name = CASES[key].workload.name
+    if name == "WD":
+        return distillation_inputs(T, V, H, device)
+    if name == "WP":
+        return top_p_inputs(T, V, device)
+    return lm_head_inputs(T, V, H, device, labels=name in ("WV", "WV-tok"))
+
+
+def compile_mode(fn: Callable, mode: str, dry_run: bool) -> Callable:
+    """``inductor`` / ``ours`` (auto plan) / ``ours:<plan>``, ``:ro`` for
+    ``mode="reduce-overhead"`` (which takes no options: the auto plan).  The dry run
+    forces the ``gpu`` plan where a mode leaves it to the device, and a small budget
+    (for ``ours:ro`` through ``options["inductor"]``, the settings ``mode=`` gives)."""
+    base, _, variant = mode.partition(":")
+    f = _fresh(fn)
+    backend = STOCK if base == STOCK else "chunked_logits"
+    if variant == "ro" and not (dry_run and backend != STOCK):
+        return torch.compile(f, backend=backend, mode="reduce-overhead")
+    if variant == "ro":  # what mode= does (entry/backend.py settings), with the gpu plan forced
+        ro = torch._inductor.list_mode_options("reduce-overhead")
+        options = {**DRY_OPTIONS, "lm_head_plan": "gpu", "inductor": ro}
+        return torch.compile(f, backend=backend, options=options)
+    if backend == STOCK:
+        return torch.compile(f, backend=STOCK)
+    options = {**DRY_OPTIONS, "lm_head_plan": "gpu"} if dry_run else {}
+    if variant:
+        options["lm_head_plan"] = variant
+    return torch.compile(f, backend=backend, options=options or None)
+
+
+class RoCase(Case):
+    """A ``reduce-overhead`` step: a new step begins for the CUDA-graph trees each time."""
+
+    def step(self):
+        torch.compiler.cudagraph_mark_step_begin()
+        return super().step()
+
+
+def build_case(key: str, mode: str, T: int, V: int, inputs: tuple, dry_run: bool) -> Case:
+    d = CASES[key]
+    compiled = compile_mode(d.inner or d.workload.fn, mode, dry_run)
+    fn = functools.partial(d.workload.fn, inner=compiled) if d.inner else compiled
+    cls = RoCase if mode.endswith(":ro") else Case
+    return cls(key, mode, T, V, d.workload, fn, inputs)
 
 
 class Deadline:
     """The case's time guard: phases check it between steps and skip what is left."""
 
     def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
+        self.start, self.seconds = time.monotonic(), seconds
 
-    def passed(self) -> bool:
-        return time.monotonic() > self.end
+    def passed(self, share: float = 1.0) -> bool:
+        """Past ``share`` of the guard."""
+        return time.monotonic() > self.start + share * self.seconds
 
 
 # --- measuring: CUDA, or the CPU stand-ins of the dry run ---------------------------
@@ -101,156 +243,260 @@ def step_seconds(step: Callable, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def graph_replays():
+    """Counts ``torch.cuda.CUDAGraph.replay`` calls inside the block (``[n]``): the
+    CUDA-graph trees of ``reduce-overhead`` replay through it."""
+    n = [0]
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    if cls is None or not torch.cuda.is_available():
+        yield n
+        return
+    original = cls.replay
+
+    def replay(self, *args, **kwargs):
+        n[0] += 1
+        return original(self, *args, **kwargs)
+    with mock.patch.object(cls, "replay", replay):
+        yield n
+
+
+def sync_checked(step: Callable, device: torch.device) -> str:
+    """``"ok"``, or the error of a step run under ``set_sync_debug_mode("error")`` (a
+    host sync raises there); on the CPU ``"n/a (CPU)"``: the profiler's ops say it."""
+    if device.type != "cuda":
+        return "n/a (CPU)"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return "ok"
+    except RuntimeError as e:
+        return "SYNC: " + str(e).strip().splitlines()[0][:160]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+def profiled(step: Callable, device: torch.device) -> dict:
+    """Kernels launched, GEMM kernel time (ms) and host-sync ops of one step.  On the CPU
+    the stand-ins: ATen ops called, the GEMM ops' CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, with_flops=True) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    syncs = sorted({e.name for e in events if e.name in SYNC_OPS})
+    flops = {"prof_tflop": sum(e.flops or 0 for e in events) / 1e12}  # (the profiler's count: mm, addmm, bmm)
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)  # (record_function ranges on the GPU)
+                   and not e.name.startswith(("Memcpy", "Memset"))]
+        gemm_us = sum(e.time_range.elapsed_us() for e in kernels if GEMM_KERNEL.search(e.name))
+        return {"kernels": len(kernels), "gemm_ms": gemm_us / 1e3, "syncs": syncs, **flops}
+    ops = [e for e in events if e.name.startswith("aten::")]
+    gemm_us = sum(e.cpu_time_total for e in ops if e.name in CPU_GEMM_OPS)
+    return {"kernels": len(ops), "gemm_ms": gemm_us / 1e3, "syncs": syncs, **flops}
+
+
+def gemm_flops(step: Callable) -> float:
+    """The FLOPs of the matmuls one step runs (``fx_passes.testing.gemms.recording``;
+    a CUDA-graph replay runs none through ATen: 0, and the profiler's count is used)."""
+    with gemms.recording() as rec:
+        step()
+    return float(sum(g.flops for g in rec))
+
+
 # --- the phases ---------------------------------------------------------------------
 
-def build_cases(name: str, T: int, V: int, device: torch.device, result: dict) -> dict[str, Case]:
-    """A Case per mode on one shared set of inputs; baselines that cannot run get a
-    row saying why (and a line on stdout)."""
-    inputs = on_device(make_inputs(name, T, V), device)
-    cases = {}
-    result["rows"] = {mode: {} for mode in modes_for(name)}
-    for mode in modes_for(name):
-        if mode in COMPILED:
-            cases[mode] = make_case(name, mode, T, V, inputs)
-            continue
-        why = baselines.unavailable(mode, device)
-        if why:
-            result["rows"][mode] = {"skipped": why}
-            print(f"{name}: {mode} skipped: {why}", flush=True)
-            continue
-        fn = baselines.baseline_fn(mode, name)
-        cases[mode] = Case(name, mode, T, V, ALL_WORKLOADS[name], fn, inputs)
-    return cases
-
-
-def check_code(case: Case, codes: list[str], out_dir: pathlib.Path) -> dict:
-    """Save the generated code of one compile and look for FP32 [T, V] buffers.
-
-    With the lm_head fused, only the outer graphs (those that call the op) are
-    checked: the loop bodies are compiled with dynamic shapes for one row chunk or
-    vocabulary block, so their chunk-sized FP32 buffers have symbolic sizes.
-    """
-    code_dir = out_dir / "code"
-    code_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    for i, code in enumerate(codes):
-        path = code_dir / f"{case.name}_{case.mode}_{i}.py"
-        path.write_text(code)
-        files.append(str(path.relative_to(out_dir)))
-    outer = [c for c in codes if LM_HEAD_OP in c]
-    checked = outer if (case.mode != STOCK and outer) else codes
-    return {"files": files, "checked_files": len(checked),
-            "flagged": [list(d) for d in full_fp32_buffers(checked, case.T, case.V)]}
-
-
-@contextlib.contextmanager
-def generated_code():
-    """Collects the code Inductor generates (or loads from its cache) inside the block.
-
-    The hook ``torch._inductor.utils.run_and_get_code`` uses, without the
-    ``torch._dynamo.reset()`` it starts with: that reset would throw away the modes
-    compiled before, and compiling them again costs as much as the check itself on a
-    cold CPU cache.
-    """
-    from torch._inductor.graph import GraphLowering
-    codes: list[str] = []
-    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-        yield codes
-
-
-def compile_phase(cases: dict, result: dict, out_dir: pathlib.Path, deadline: Deadline) -> None:
-    """The first step of every mode, which compiles it; for W1, W3 and W4 with the
-    generated code saved and checked."""
+def _each(cases: dict, result: dict, deadline: Deadline, phase: str, share: float = 1.0):
+    """The modes in turn while ``share`` of the guard lasts (a line names those skipped)."""
     for mode in list(cases):
-        if deadline.passed():
-            _note(result, f"time guard reached: {mode} not compiled, nor measured")
-            del cases[mode]
-            continue
-        case, before, t0 = cases[mode], snapshot(), time.monotonic()
-        row = result["rows"][mode]
+        if deadline.passed(share):
+            _note(result, f"time guard reached: {phase} of {mode} and later modes skipped")
+            if phase == "compile":  # (not compiled: not measured either)
+                for later in list(cases)[list(cases).index(mode):]:
+                    del cases[later]
+            return
+        yield mode, cases[mode], result["rows"][mode]
+
+
+def _failed(cases: dict, mode: str, row: dict, phase: str, e: BaseException) -> None:
+    row["error"] = f"{phase}: {type(e).__name__}: {e}"[:300]
+    print(f"{mode} failed in {phase}: {row['error']}\n{traceback.format_exc()[-1500:]}", flush=True)
+    del cases[mode]
+
+
+def compile_phase(cases, result, deadline, args) -> None:
+    from torch._dynamo.utils import counters
+    for mode, case, row in _each(cases, result, deadline, "compile", COMPILE_SHARE):
+        before, t0 = snapshot(), time.monotonic()
+        cg = dict(counters["inductor"])
         try:
-            with generated_code() as codes:
-                case.step()
-            case.clear_grads()
-        except Exception as e:  # noqa: BLE001  (a mode that fails is reported, the others go on)
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-            print(f"{case.name}: {mode} failed: {row['error']}", flush=True)
-            del cases[mode]
-            continue
-        row["compile_s"] = time.monotonic() - t0
-        row.update(pass_report(mode, before))
-        if case.name in CODE_WORKLOADS and mode in COMPILED:
-            result["codegen"][mode] = check_code(case, codes, out_dir)
-
-
-def warm_phase(cases: dict, warmup: int) -> None:
-    for _ in range(warmup):
-        for case in cases.values():
             case.step()
             case.clear_grads()
+        except Exception as e:  # noqa: BLE001  (a mode that fails is reported, the others go on)
+            _failed(cases, mode, row, "compile", e)
+            continue
+        row["compile_s"] = time.monotonic() - t0
+        row.update(pass_report("chunked_logits" if mode.startswith("ours") else STOCK, before))
+        if mode.endswith(":ro"):
+            row["cudagraph"] = {k: v - cg.get(k, 0) for k, v in counters["inductor"].items()
+                                if k.startswith("cudagraph") and v - cg.get(k, 0)}
 
 
-def memory_phase(cases: dict, result: dict, device: torch.device, deadline: Deadline) -> None:
-    """Per mode: the peak of one step above what is allocated before it (inputs, and
-    the FP64 reference, which is computed once for all modes), and its errors."""
-    ref = reference(next(iter(cases.values())))
-    for mode, case in cases.items():
-        if deadline.passed():
-            _note(result, f"time guard reached: memory of {mode} and later modes skipped")
-            break
-        (outputs, grads), peak = peak_bytes(case.step, device)
-        row = result["rows"][mode]
-        row["peak_mib"] = peak / memory.MIB
-        row.update(errors(case, outputs, grads, ref))
-        del outputs, grads
+def warm_phase(cases, result, deadline, args) -> None:
+    for _ in range(args.warmup):
+        for mode, case, row in _each(cases, result, deadline, "warm-up"):
+            try:
+                case.step()
+                case.clear_grads()
+            except Exception as e:  # noqa: BLE001
+                _failed(cases, mode, row, "warm-up", e)
+
+
+def memory_phase(cases, result, deadline, args) -> None:
+    """Per mode: the peak of one step above what is allocated before it, its errors
+    vs the FP64 reference (computed once for all modes)."""
+    if not cases:
+        return
+    device = torch.device(args.device)
+    try:
+        ref = reference(next(iter(cases.values())))
+    except Exception as e:  # noqa: BLE001 (e.g. FP64 out of memory: the peaks are still measured)
+        ref = None
+        _note(result, f"FP64 reference failed, errors not measured: {type(e).__name__}: {e}"[:300])
+    for mode, case, row in _each(cases, result, deadline, "memory"):
+        try:
+            (outputs, grads), peak = peak_bytes(case.step, device)
+            row["peak_mib"] = peak / memory.MIB
+            if ref is not None:
+                row.update(errors(case, outputs, grads, ref))
+            del outputs, grads
+        except Exception as e:  # noqa: BLE001
+            _failed(cases, mode, row, "memory", e)
+        case.clear_grads()
+    del ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def inspect_phase(cases, result, deadline, args) -> None:
+    """Per mode: a step under the sync debug mode, and a profiled one."""
+    device = torch.device(args.device)
+    for mode, case, row in _each(cases, result, deadline, "sync/profile"):
+        checks = {"sync_mode": lambda: {"sync_mode": sync_checked(case.step, device)},
+                  "profile": lambda: profiled(case.step, device)}
+        _checks(case, row, checks)
+
+
+def flops_phase(cases, result, deadline, args) -> None:
+    """Per mode: a step recording its GEMMs (a dispatch mode: last, after the timing,
+    since a chunk body that recompiles under it and fails runs eagerly from then on),
+    then GEMM FLOPs over the profiled GEMM time."""
+    for mode, case, row in _each(cases, result, deadline, "GEMM recording"):
+        _checks(case, row, {"gemm_tflop": lambda: {"gemm_tflop": gemm_flops(case.step) / 1e12}})
+        tflop = row.get("gemm_tflop") or row.get("prof_tflop")  # (the recording, or the profiler's)
+        if tflop and row.get("gemm_ms"):
+            row["gemm_tflops"] = tflop / (row["gemm_ms"] / 1e3)
+
+
+def _checks(case: Case, row: dict, checks: dict) -> None:
+    """Each check's fields into ``row``; one that fails is a line there, the mode goes on."""
+    for what, check in checks.items():
+        try:
+            row.update(check())
+        except Exception as e:  # noqa: BLE001
+            row.setdefault("check_errors", []).append(f"{what}: {type(e).__name__}: {e}"[:200])
         case.clear_grads()
 
 
-def time_phase(cases: dict, result: dict, device: torch.device, steps: int, deadline: Deadline) -> None:
-    """Rounds of one step per mode; the guard may cut the rounds short (at least one)."""
+def time_phase(cases, result, deadline, args) -> None:
+    """Rounds of one step per mode (interleaved); the guard may cut the rounds short."""
+    device = torch.device(args.device)
     times: dict[str, list[float]] = {m: [] for m in cases}
-    for i in range(steps):
+    replays = {m: 0 for m in cases}
+    for i in range(args.steps):
         if i and deadline.passed():
-            _note(result, f"time guard reached: {i} of {steps} timing rounds")
+            _note(result, f"time guard reached: {i} of {args.steps} timing rounds")
             break
         for mode, case in cases.items():
-            times[mode].append(step_seconds(case.step, device))
+            with graph_replays() as n:
+                times[mode].append(step_seconds(case.step, device))
+            replays[mode] += n[0]
             case.clear_grads()
-    stock = statistics.median(times[STOCK]) if times.get(STOCK) else None
+    stock = next((statistics.median(ts) for m, ts in times.items() if m.startswith(STOCK) and ts), None)
     for mode, ts in times.items():
+        if not ts:
+            continue
         med = statistics.median(ts)
-        result["rows"][mode].update(t_median_ms=1e3 * med, t_min_ms=1e3 * min(ts), n_time_steps=len(ts),
-                                    t_ratio_vs_stock=med / stock if stock else None)
+        row = result["rows"][mode]
+        row.update(t_median_ms=1e3 * med, t_min_ms=1e3 * min(ts), n_time_steps=len(ts),
+                   t_ratio_vs_stock=med / stock if stock else None)
+        if mode.endswith(":ro"):
+            row["replays"] = replays[mode]
 
 
 def _note(result: dict, line: str) -> None:
     """A line in the case's notes and on stdout (what was skipped, and why)."""
     result["notes"].append(line)
-    print(f"{result['workload']}: {line}", flush=True)
+    print(f"{result['case']}: {line}", flush=True)
+
+
+def predicted(key: str, mode: str, T: int, V: int, H: int) -> Optional[dict]:
+    """The cost model's H200 step time (ms) of this row and its ratio to stock's, or
+    None where the model has no such row (benchmarks/cost_model.py)."""
+    model = CASES[key].model
+    if model is None:
+        return None
+    from benchmarks import cost_model as cm
+    loss, in_graph = model
+    dev = cm.DEVICES[-1]
+    base = cm.step_time(cm.stock(T, H, V, loss), dev)
+    if mode == STOCK:
+        return {"ms": 1e3 * base, "ratio": 1.0, "device": dev.name}
+    plan = mode.partition(":")[2] or "gpu"
+    ks = cm.ours(T, H, V, plan, in_graph and plan in cm.GIF, cm.device_budget(dev))
+    ours = cm.step_time(ks, dev)
+    return {"ms": 1e3 * ours, "ratio": ours / base, "device": dev.name}
 
 
 # --- the process --------------------------------------------------------------------
 
-def run_case(name: str, T: int, V: int, args) -> dict:
-    """Every phase of one workload under its own guard; its JSON is rewritten after each."""
+PHASES = (("compile", compile_phase), ("warm-up", warm_phase), ("memory", memory_phase),
+          ("sync/profile", inspect_phase), ("timing", time_phase), ("GEMM recording", flops_phase))
+
+
+def run_case(key: str, T: int, V: int, H: int, args) -> dict:
+    """Every phase of one case under its own guard; its JSON is rewritten after each."""
     t0, device, deadline = time.monotonic(), torch.device(args.device), Deadline(args.guard)
-    result = {"workload": name, "T": T, "V": V, "device": str(device),
-              "limit_mib": limit_bytes(name, T, V) / memory.MIB, "rows": {}, "codegen": {}, "notes": []}
-    out_dir = pathlib.Path(args.out)
-    path = out_dir / "cases" / f"{name}.json"
+    d = CASES[key]
+    result = {"case": key, "workload": d.workload.name, "T": T, "V": V, "H": H, "device": str(device),
+              "rows": {m: {} for m in modes_of(key, args.dry_run)}, "notes": []}
+    path = pathlib.Path(args.out) / "cases" / f"{key}_{T}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    cases = build_cases(name, T, V, device, result)
-    phases = [("compile", lambda: compile_phase(cases, result, out_dir, deadline)),
-              ("warm-up", lambda: warm_phase(cases, args.warmup)),
-              ("memory", lambda: memory_phase(cases, result, device, deadline)),
-              ("timing", lambda: time_phase(cases, result, device, args.steps, deadline))]
-    for phase, run in phases:
+    for mode in result["rows"]:
+        try:
+            result["rows"][mode]["predicted"] = predicted(key, mode, T, V, H)
+        except Exception as e:  # noqa: BLE001 (a model that fails is a line, not the end of the case)
+            result["rows"][mode]["predicted"] = None
+            _note(result, f"no prediction for {mode}: {type(e).__name__}: {e}"[:200])
+    write_json(path, result)
+    try:
+        inputs = make_inputs(key, T, V, H, device)
+        cases = {m: build_case(key, m, T, V, inputs, args.dry_run) for m in result["rows"]}
+    except Exception as e:  # noqa: BLE001
+        _note(result, f"inputs failed: {type(e).__name__}: {e}"[:300])
+        cases = {}
+    for phase, run in PHASES:
         if not cases:
             break
         if deadline.passed():
             _note(result, f"time guard ({args.guard:.0f} s) reached: {phase} and later phases skipped")
             break
-        run()
+        run(cases, result, deadline, args)
         result["seconds"] = time.monotonic() - t0
         write_json(path, result)
     result["seconds"] = time.monotonic() - t0
@@ -258,22 +504,41 @@ def run_case(name: str, T: int, V: int, args) -> dict:
     return result
 
 
-def _spec(text: str) -> tuple[str, int, int]:
-    """``W3:2048:32768`` -> ("W3", 2048, 32768)."""
-    name, T, V = text.split(":")
-    if name not in ALL_WORKLOADS:
-        raise argparse.ArgumentTypeError(f"unknown workload {name!r}; choose from {', '.join(ALL_WORKLOADS)}")
-    return name, int(T), int(V)
+@contextlib.contextmanager
+def one_rank_group(device: torch.device):
+    """A one-rank process group (NCCL on CUDA, gloo on the CPU) for the vocab-parallel case."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def spec(text: str) -> tuple[str, int, int, int, Optional[float]]:
+    """``W4L:8192:151936:4096[:55]`` -> ("W4L", 8192, 151936, 4096, 55.0): its guard in
+    seconds last (None: ``--guard``)."""
+    key, T, V, H, *guard = text.split(":")
+    if key not in CASES:
+        raise argparse.ArgumentTypeError(f"unknown case {key!r}; choose from {', '.join(CASES)}")
+    return key, int(T), int(V), int(H), float(guard[0]) if guard else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cases", nargs="+", type=_spec, metavar="NAME:T:V", help="workloads, run in this order")
+    p.add_argument("cases", nargs="+", type=spec, metavar="CASE:T:V:H[:GUARD]", help="cases, in this order")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--dry-run", action="store_true", help="force the gpu plan (CPU out_dtype kernels)")
     p.add_argument("--steps", type=int, default=10, help="timing rounds")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps after the compiling one")
-    p.add_argument("--guard", type=float, default=80, help="seconds per workload before its remaining "
+    p.add_argument("--guard", type=float, default=60, help="seconds per case before its remaining "
                    "phases are skipped")
     return p.parse_args(argv)
 
@@ -281,8 +546,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ensure_backend()
-    for name, T, V in args.cases:
-        run_case(name, T, V, args)
+    device = torch.device(args.device)
+    with contextlib.ExitStack() as stack:
+        if device.type == "cpu":
+            stack.enter_context(gemms.cpu_out_dtype_kernels())
+        if any(CASES[key].group for key, *_ in args.cases):
+            stack.enter_context(one_rank_group(device))
+        for key, T, V, H, guard in args.cases:
+            guard = args.guard if guard is None else guard
+            run_case(key, T, V, H, argparse.Namespace(**{**vars(args), "guard": guard}))
 
 
 if __name__ == "__main__":

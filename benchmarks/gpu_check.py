@@ -1,16 +1,18 @@
-"""The GPU check of issue 13: the Triton path of chunked_logits on one CUDA GPU, in minutes.
+"""The GPU check: chunked_logits on one CUDA GPU at a large model's lm_head, in one run of 8 minutes.
 
     python benchmarks/gpu_check.py --out bench_out/gpu      # on a machine with one CUDA GPU
-    python benchmarks/gpu_check.py --dry-run                # the same plumbing on the CPU, tiny sizes
+    python benchmarks/gpu_check.py --dry-run                # the same code paths on the CPU, tiny sizes
 
-Runs the tests marked ``gpu``, then per workload (W1-W5 at the miles PR's shapes, and
-WV: Qwen3-0.6B's lm_head, V 151936) stock Inductor, chunked_logits static and
-``dynamic=True``, and Liger's / Cut Cross-Entropy's fused linear cross-entropy where
-they apply and import: peak memory above the inputs, step time vs stock (CUDA events,
-interleaved), max error vs FP64.  Saves and checks the generated code of W1, W3 and
-W4.  Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.  Each workload
-runs under a time guard (in its own process on the GPU), inside an overall budget
-(the defaults fit in 8 minutes).  See docs/gpu.md.
+Runs the tests marked ``gpu`` under a guard, then the cases of ``PLAN`` (H 4096, V 151936),
+most decisive first, each in its own process (benchmarks/gpu_case.py) under its time
+guard: the lm_head loss in the graph and per token (W4L, WV) for stock Inductor and ours
+with each lm_head plan a GPU runs, a ``reduce-overhead`` step, WD, WP and a vocab-parallel
+step on one rank.  Per step: peak memory, time vs stock (interleaved medians, CUDA events),
+kernels and GEMM TFLOPS (profiler), max error vs FP64, host syncs
+(``set_sync_debug_mode("error")`` and the profiler's sync ops), CUDA-graph replays, and
+the cost model's prediction beside it.  ``gpu_check.json`` and ``gpu_check.md`` in
+``--out`` are rewritten after every case; a case that fails or is killed is recorded and
+the rest go on; the overall budget (440 s) ends the run.  See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shlex
 import signal
 import subprocess
@@ -34,43 +37,65 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks import gpu_report  # noqa: E402
-from benchmarks.cases import sizes  # noqa: E402
 from benchmarks.memory import MALLOC_ENV  # noqa: E402
 from benchmarks.run import source_version  # noqa: E402
 from fx_passes.env import without_ours  # noqa: E402
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "WV")
-# The dry run's sizes: tests/test_codegen.py's [256, 4096], so that in a whole test run
-# Inductor's cache already holds most of the graphs (compiling them is most of the time).
-DRY_T, DRY_V = 256, 4096
-DRY_V_WV = 151936 // 32  # WV keeps a larger vocabulary that is no power of two
-GRACE_S = 30  # a child past its guard finishes the step it is in; killed after this
-MIN_CASE_S = 20  # less budget left than this: the remaining workloads are skipped
+# The cases, in the order they run (the most decisive first; the budget cuts the tail):
+# (case, T, V, H, guard s) on a GPU.  benchmarks/gpu_case.py's CASES say what each is.
+FULL_V, FULL_H = 151936, 4096
+PLAN = (
+    ("W4L", 8192, FULL_V, FULL_H, 55),
+    ("WV", 8192, FULL_V, FULL_H, 55),
+    ("W4L-tok", 8192, FULL_V, FULL_H, 45),
+    ("WV-tok", 8192, FULL_V, FULL_H, 45),
+    ("RO", 8192, FULL_V, FULL_H, 35),
+    ("WD", 4096, FULL_V, FULL_H, 30),
+    ("WP", 4096, FULL_V, 0, 25),
+    ("VP", 8192, FULL_V, FULL_H, 30),
+    ("W4L", 16384, FULL_V, FULL_H, 40),
+    ("WV", 16384, FULL_V, FULL_H, 40),
+)
+CASE_NAMES = tuple(dict.fromkeys(c[0] for c in PLAN))
+# The dry run's sizes: tiny, a vocabulary that is no power of two; T 16384's repeat is
+# left out (the same code at another size).
+DRY_T, DRY_V, DRY_H = 64, 600, 64
+GRACE_S = 20  # a child past its guard finishes the step it is in; killed after this
+MIN_CASE_S = 15  # less budget left than this: the remaining cases are skipped
 
 
-def case_sizes(name: str, dry_run: bool) -> tuple[int, int]:
-    """(T, V) of workload ``name``: the issue's sizes (fx_passes/testing/workloads.py), or the dry run's."""
-    if not dry_run:
-        return sizes(name)
-    return DRY_T, DRY_V_WV if name == "WV" else DRY_V
+def planned(args) -> list[tuple[str, int, int, int, float]]:
+    """(case, T, V, H, guard) of each case to run: the plan's, or the dry run's sizes."""
+    rows = [c for c in PLAN if c[0] in args.cases]
+    if not args.dry_run:
+        return rows
+    seen, out = set(), []
+    for key, _, _, H, guard in rows:
+        if key not in seen:
+            seen.add(key)
+            out.append((key, DRY_T, DRY_V, DRY_H if H else 0, guard))
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_out/gpu", help="output folder (default bench_out/gpu)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the plumbing")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")
-    p.add_argument("--budget", type=float, default=450, help="seconds for the whole run (default 450)")
-    p.add_argument("--case-guard", type=float, default=80, help="seconds per workload (default 80)")
-    p.add_argument("--tests-guard", type=float, default=120, help="seconds for the GPU tests (default 120)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the gpu plan forced")
+    p.add_argument("--cases", default=",".join(CASE_NAMES), help="comma list (default: all)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run (default 440; dry run 280)")
+    p.add_argument("--case-guard", type=float, default=None,
+                   help="seconds per case (default: the plan's, 25-55 s)")
+    p.add_argument("--tests-guard", type=float, default=60, help="seconds for the GPU tests (default 60)")
     p.add_argument("--steps", type=int, default=None, help="timing rounds (default 10; dry run 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; dry run 1)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
     args = p.parse_args(argv)
-    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    args.cases = [w.strip() for w in args.cases.split(",") if w.strip()]
+    unknown = sorted(set(args.cases) - set(CASE_NAMES))
     if unknown:
-        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+        p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASE_NAMES)}")
+    args.budget = args.budget if args.budget is not None else (280 if args.dry_run else 440)
     args.steps = args.steps or (2 if args.dry_run else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
     return args
@@ -116,95 +141,122 @@ def run_child(cmd: list[str], timeout: float, env: dict) -> tuple[int | None, st
 
 
 def run_tests(args, out: pathlib.Path, env: dict, end: float) -> dict:
-    """``pytest -m gpu tests/test_gpu.py`` in a child; its log goes to gpu_tests.log."""
+    """``pytest -m gpu tests/test_gpu.py`` in a child under its guard; its log goes to
+    gpu_tests.log, and a killed run still reports the tests it finished."""
     if args.skip_tests:
         return {"summary": "not run (--skip-tests)"}
     if importlib.util.find_spec("pytest") is None:
         return {"summary": "not run: pytest is not importable here (pip install --no-deps a pytest wheel)"}
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"]
     guard = max(1.0, min(args.tests_guard, end - time.monotonic()))
     rc, log = run_child(cmd, guard, env)
     (out / "gpu_tests.log").write_text(log)
-    summary = _last_line(log).strip("= ") if rc is not None else f"killed at the {guard:.0f} s guard"
-    return {"summary": summary, "exit": rc, "seconds": time.monotonic() - t0, "log": "gpu_tests.log"}
+    outcomes = outcomes_of(log)
+    if rc is None:
+        done = ", ".join(f"{n} {k.lower()}" for k, n in outcomes.items() if n) or "none finished"
+        summary = f"killed at the {guard:.0f} s guard ({done})"
+    else:
+        summary = _last_line(log).strip("= ")
+    return {"summary": summary, "exit": rc, "seconds": time.monotonic() - t0, "outcomes": outcomes,
+            "failed": re.findall(r"(\S+::\S+) FAILED", log), "log": "gpu_tests.log"}
+
+
+def outcomes_of(log: str) -> dict:
+    """How many tests of a ``pytest -v`` log (whole or cut short) passed, failed ..."""
+    return {k: len(re.findall(rf"::\S+ {k}\b", log)) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
 
 
 def _last_line(log: str) -> str:
     return next((ln for ln in reversed(log.strip().splitlines()) if ln.strip()), "(no output)")
 
 
-def run_group(args, group: list[str], guard: float, out: pathlib.Path, env: dict) -> list[dict]:
-    """Workloads ``group`` in one child (benchmarks/gpu_case.py), each under ``guard``;
-    what each wrote, even if the child was killed."""
-    shapes = {name: case_sizes(name, args.dry_run) for name in group}
-    specs = [f"{name}:{T}:{V}" for name, (T, V) in shapes.items()]
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_case.py"), *specs, "--out", str(out),
-           "--device", "cpu" if args.dry_run else "cuda", "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--guard", f"{guard:.0f}"]
-    paths = [out / "cases" / f"{name}.json" for name in group]
+def case_file(out: pathlib.Path, key: str, T: int) -> pathlib.Path:
+    return out / "cases" / f"{key}_{T}.json"
+
+
+def run_group(args, group: list[tuple], out: pathlib.Path, env: dict, end: float) -> list[dict]:
+    """Cases ``group`` in one child (benchmarks/gpu_case.py), each under its guard (cut
+    to the budget left); what each wrote, even if the child was killed."""
+    paths = [case_file(out, key, T) for key, T, *_ in group]
     for path in paths:
         path.unlink(missing_ok=True)
-    timeout = guard * len(group) + GRACE_S
+    left = end - time.monotonic()
+    guards = [args.case_guard or guard for *_, guard in group]
+    if sum(guards) + GRACE_S > left:  # the guards shrunk in proportion to fit what is left
+        guards = [max(1.0, g * (left - GRACE_S) / sum(guards)) for g in guards]
+    specs = [f"{key}:{T}:{V}:{H}:{g:.0f}" for (key, T, V, H, _), g in zip(group, guards)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_case.py"), *specs, "--out", str(out),
+           "--device", "cpu" if args.dry_run else "cuda", "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    timeout = min(sum(guards) + GRACE_S, max(1.0, left))
     rc, log = run_child(cmd, timeout, env)
-    (out / "cases" / f"{'_'.join(group)}.log").write_text(log)
+    (out / "cases" / f"{'_'.join(s.replace(':', '-') for s in specs)}.log").write_text(log)
     why = f"exited {rc}: {_last_line(log)[:200]}" if rc else f"was killed {timeout:.0f} s after its start"
     results = []
-    for name, path in zip(group, paths):
-        T, V = shapes[name]
-        result = json.loads(path.read_text()) if path.exists() else {"workload": name, "T": T, "V": V,
-                                                                      "rows": {}, "notes": []}
+    for (key, T, V, H, _), path in zip(group, paths):
+        result = json.loads(path.read_text()) if path.exists() else {
+            "case": key, "workload": key, "T": T, "V": V, "H": H, "rows": {}, "notes": []}
         if rc != 0:
-            result["notes"].append(f"the process {why}; kept what this workload had written")
+            result["notes"].append(f"the process {why}; kept what this case had written")
         results.append(result)
     return results
 
 
 def print_case(result: dict) -> None:
-    """A few lines per workload while the run goes on (the full table comes at the end)."""
+    """A few lines per case while the run goes on (the table is rewritten after each)."""
     fmt = gpu_report.fmt
-    print(f"{result['workload']} [{result['T']} x {result['V']}] ({fmt(result.get('seconds'), '.0f')} s)",
-          flush=True)
+    print(f"{result['case']} [T {result['T']}, V {result['V']}, H {result['H']}] "
+          f"({fmt(result.get('seconds'), '.0f')} s)", flush=True)
     for mode, r in result.get("rows", {}).items():
-        if "peak_mib" in r:
-            print(f"  {mode:<19} peak {r['peak_mib']:9.1f} MiB  "
-                  f"vs stock {fmt(r.get('t_ratio_vs_stock'), '.3f'):>6}  "
-                  f"err out {fmt(r.get('out_err'), '.1e')} grad {fmt(r.get('grad_err'), '.1e')}", flush=True)
+        pred = (r.get("predicted") or {}).get("ratio")
+        print(f"  {mode:<16} peak {fmt(r.get('peak_mib'), '9.1f')} MiB  vs stock "
+              f"{fmt(r.get('t_ratio_vs_stock'), '.3f'):>6} (predicted {fmt(pred, '.2f')})  "
+              f"kernels {fmt(r.get('kernels'), 'd')}  sync {r.get('sync_mode', '-')}  "
+              f"err out {fmt(r.get('out_err'), '.1e')} grad {fmt(r.get('grad_err'), '.1e')}"
+              + (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
     for line in result["notes"]:
         print(f"  note: {line}", flush=True)
 
 
-def groups(args) -> list[list[str]]:
-    """One process per workload on the GPU; one for all of them in the dry run, where
-    importing torch and Inductor in each process would cost more than the tiny cases."""
-    return [args.workloads] if args.dry_run else [[name] for name in args.workloads]
+def groups(args) -> list[list[tuple]]:
+    """One process per case on the GPU (a fresh allocator; a kill takes one case); one
+    for all of them in the dry run, where importing torch and Inductor for each would
+    cost more than the tiny cases."""
+    cases = planned(args)
+    return [cases] if args.dry_run else [[c] for c in cases]
 
 
-def run_workloads(args, out: pathlib.Path, env: dict, end: float) -> tuple[list[dict], list[str]]:
-    """Each workload under its time guard, as long as the budget lasts."""
+def write_summary(args, out: pathlib.Path, meta: dict, tests: dict, cases: list[dict],
+                  skipped: list[str]) -> str:
+    """gpu_check.json and gpu_check.md from what has run so far (after every case)."""
+    rows = gpu_report.flat_rows(cases)
+    notes = skipped + [f"{c['case']} (T {c['T']}): {line}" for c in cases for line in c["notes"]]
+    summary = {"meta": meta, "tests": tests, "rows": rows, "cases": cases, "notes": notes,
+               "complete": False}
+    gpu_report.write_json(out / "gpu_check.json", summary)
+    page = gpu_report.markdown(summary)
+    (out / "gpu_check.md").write_text(page)
+    return page
+
+
+def run_cases(args, out: pathlib.Path, env: dict, end: float, report) -> tuple[list[dict], list[str]]:
+    """Each case under its time guard, as long as the budget lasts; ``report(cases,
+    skipped)`` after each."""
     results, skipped, todo = [], [], groups(args)
     for i, group in enumerate(todo):
-        left = end - time.monotonic()
-        if left < MIN_CASE_S * len(group) + GRACE_S:
-            rest = [name for g in todo[i:] for name in g]
+        if end - time.monotonic() < MIN_CASE_S * len(group) + GRACE_S:
+            rest = [f"{key} (T {T})" for g in todo[i:] for key, T, *_ in g]
             skipped.append(f"budget ({args.budget:.0f} s) spent: {', '.join(rest)} skipped")
             print(skipped[-1], flush=True)
             break
-        guard = min(args.case_guard, (left - GRACE_S) / len(group))
-        for result in run_group(args, group, guard, out, env):
+        for result in run_group(args, group, out, env, end):
             print_case(result)
             results.append(result)
+        report(results, skipped)
     return results, skipped
-
-
-def predicted() -> str:
-    """The cost model's H100 / H200 table (``benchmarks/cost_model.py``), or one line
-    saying why there is none: a checkout whose plans or sizes differ must not stop the check."""
-    try:
-        from benchmarks import cost_model
-        return cost_model.report()
-    except Exception as e:  # noqa: BLE001 (any failure of the model is reported, not raised)
-        return f"(no prediction: the cost model failed: {type(e).__name__}: {str(e)[:200]})"
 
 
 def main(argv=None) -> int:
@@ -212,7 +264,8 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device here: run with --dry-run to check the plumbing on the CPU", file=sys.stderr)
         return 2
-    end = time.monotonic() + args.budget
+    t0 = time.monotonic()
+    end = t0 + args.budget
     out = pathlib.Path(args.out)
     (out / "cases").mkdir(parents=True, exist_ok=True)
     meta = versions(args.dry_run)
@@ -221,17 +274,18 @@ def main(argv=None) -> int:
     env = child_env(args.dry_run)
     tests = run_tests(args, out, env, end)
     print(f"GPU tests: {tests['summary']}", flush=True)
-    cases, notes = run_workloads(args, out, env, end)
-    notes += [f"{c['workload']}: {line}" for c in cases for line in c["notes"]]
-    rows = gpu_report.flat_rows(cases)
-    notes += [f"{r['workload']}: {r['mode']} skipped: {r['skipped']}" for r in rows if "skipped" in r]
-    summary = {"meta": meta, "tests": tests, "rows": rows, "cases": cases,
-               "targets": gpu_report.targets(rows), "notes": notes, "prediction": predicted()}
+    write_summary(args, out, meta, tests, [], [])
+
+    def report(cases, skipped):
+        write_summary(args, out, meta, tests, cases, skipped)
+    cases, skipped = run_cases(args, out, env, end, report)
+    meta["seconds"] = time.monotonic() - t0
+    page = write_summary(args, out, meta, tests, cases, skipped)
+    summary = json.loads((out / "gpu_check.json").read_text())
+    summary["complete"] = True
     gpu_report.write_json(out / "gpu_check.json", summary)
-    page = gpu_report.markdown(summary)
-    (out / "gpu_check.md").write_text(page)
     print(page, flush=True)
-    print(f"written: {out / 'gpu_check.json'}, {out / 'gpu_check.md'}, generated code in {out / 'code'}")
+    print(f"written: {out / 'gpu_check.json'}, {out / 'gpu_check.md'} ({meta['seconds']:.0f} s)")
     return 0
 
 
