@@ -134,18 +134,21 @@ def test_devices_are_frozen_and_stated():
         assert dev.flops[cm.BF16] == 989e12 and dev.flops[cm.FP32] == 67e12
 
 
-def test_gpu_check_prints_the_table_or_why_not(monkeypatch):
-    from benchmarks import gpu_check, gpu_report
-    text = gpu_check.predicted()
-    assert text.startswith("Predicted") and "| WV | gpu |" in text
-    monkeypatch.setattr(cm, "report", lambda: (_ for _ in ()).throw(KeyError("gpu")))
-    assert gpu_check.predicted().startswith("(no prediction: the cost model failed: KeyError")
-    summary = {"meta": {"date": "d", "device": "H200", "torch": "2.11", "triton": "3", "source": "s",
-                        "command": "c", "dry_run": False},
-               "tests": {"summary": "ok"}, "rows": [], "cases": [], "targets": [], "notes": [],
-               "prediction": text}
-    page = gpu_report.markdown(summary)
-    assert "## Predicted by the cost model (not measured here)" in page and text in page
+def test_gpu_check_rows_carry_the_prediction_or_none(monkeypatch):
+    from benchmarks import gpu_case, gpu_report
+    T, V, H = 8192, 151936, 4096
+    ours, stock = gpu_case.predicted("WV", "ours:gpu", T, V, H), gpu_case.predicted("WV", "inductor", T, V, H)
+    assert stock["ratio"] == 1.0 and stock["device"] == ours["device"] == cm.DEVICES[-1].name
+    assert ours["ratio"] == pytest.approx(ours["ms"] / stock["ms"]) and 0 < ours["ratio"] != 1.0
+    assert gpu_case.predicted("VP", "ours", T, V, H) is None  # the model has no vocab-parallel row
+    row = {"case": "WV", "mode": "ours:gpu", "T": T, "V": V, "H": H, "predicted": ours}
+    assert f"{ours['ms']:.2f} ms, {ours['ratio']:.2f}x" in gpu_report.markdown(
+        {"meta": {"date": "d", "device": "H200", "torch": "2.11", "triton": "3", "source": "s",
+                  "command": "c", "dry_run": False},
+         "tests": {"summary": "ok"}, "rows": [row], "cases": [], "targets": [], "notes": []})
+    monkeypatch.setattr(cm, "step_time", lambda *a: (_ for _ in ()).throw(KeyError("gpu")))
+    with pytest.raises(KeyError):  # run_case catches it: the row's prediction is None, with a note
+        gpu_case.predicted("WV", "ours:gpu", T, V, H)
 
 
 def test_first_touch_counts_only_buffers_a_cpu_maps_fresh():
