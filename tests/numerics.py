@@ -54,9 +54,10 @@ def reference(fn, inputs, grad_pos):
     return outs, grads
 
 
-def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol):
+def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol, mean_ratio=1.1):
     """Each (outputs, gradients) of ours is no further from FP64 than stock's, plus the
-    per-dtype tolerance; gradients land in the model dtype."""
+    per-dtype tolerance; gradients land in the model dtype; each gradient's mean error at
+    most ``mean_ratio`` times stock's."""
     for got, st, r in zip(ours[0], stock[0], ref[0]):
         assert got.dtype == st.dtype and got.shape == st.shape
         # Outputs are O(1) log-probs or reductions of them: a loss that averages to 0.1
@@ -69,4 +70,4 @@ def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol):
         assert max_err(got, r) <= max_err(st, r) + grad_rtol * scale
         # The max is dominated by the final rounding to the model dtype, which both
         # paths share; a small systematic error shows in the mean instead.
-        assert mean_err(got, r) <= 1.1 * mean_err(st, r) + 1e-9
+        assert mean_err(got, r) <= mean_ratio * mean_err(st, r) + 1e-9

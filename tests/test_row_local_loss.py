@@ -62,7 +62,7 @@ def test_an_incoming_gradient_other_than_one(name, scale):
     _compare(name, scale)
 
 
-def _compare(name, scale, **options):
+def _compare(name, scale, mean_ratio=1.1, **options):
     fn, inputs, grad_pos = sweeps.case(name)
     f64 = [t.double() if t.is_floating_point() else t for t in inputs]
     ref = _run(fn, f64, grad_pos, scale, up=torch.float64)
@@ -72,26 +72,34 @@ def _compare(name, scale, **options):
     counters.clear()
     ours = _run(torch.compile(fn, backend="chunked_logits", options=options), inputs, grad_pos, scale)
     assert chunked_counters().get("gradients_in_forward") == 1, chunked_counters()
-    assert_no_less_accurate(ours, stock, ref, torch.bfloat16, 2e-6, 2**-8)
+    assert_no_less_accurate(ours, stock, ref, torch.bfloat16, 2e-6, 2**-8, mean_ratio)
 
 
-@pytest.mark.parametrize("scale", [-1.0, 0.3])
+# (g, the mean error ours may have over stock's).  For g not a power of two the two round
+# the logits' gradient at different scales (ours for the unit loss, then times g; stock
+# g times it): one rounding each, but where g puts the values within their binades moves
+# the mean error: over 16 seeds smoothed CE up to 1.15 times stock's, the KLs 1.11
+# (``python -m tests.gradient_scaling``, docs/gpu.md "Host syncs")
+GPU_SCALES = [(-1.0, 1.1), (0.3, 1.2)]
+
+
+@pytest.mark.parametrize("scale,mean_ratio", GPU_SCALES)
 @pytest.mark.parametrize("name", ["forward_kl", "kl_div_linear", "smoothed_ce"])
-def test_the_gpu_plan_on_this_cpu(name, scale):
+def test_the_gpu_plan_on_this_cpu(name, scale, mean_ratio):
     """``lm_head_plan="gpu"`` (CUDA / XPU; here with the test-only CPU kernels of
     ``mm(..., out_dtype=)``): ``grad_weight`` and the bias's gradient summed over the row
-    chunks in FP32 in the forward, every gradient scaled and rounded once in the
-    backward (-1); any other incoming gradient than a power of two runs both sweeps
-    (0.3)."""
+    chunks in FP32 in the forward, every gradient scaled by the incoming gradient on the
+    device (no host read) and rounded once in the backward, whatever it is."""
     with cpu_out_dtype_kernels():
-        _compare(name, scale, lm_head_plan="gpu")
+        _compare(name, scale, mean_ratio, lm_head_plan="gpu")
 
 
 def test_the_gpu_plan_runs_three_gemms_with_model_precision_inputs():
     """The profiler's GEMMs (the test kernels' own FP32 matmuls inside them left out):
-    three; the recorded ``out_dtype`` GEMMs (``g @ W`` and ``grad_weight``'s sums) have
-    bf16 inputs, none FP32."""
+    three, for an incoming gradient of -1 or 0.3; the recorded ``out_dtype`` GEMMs (``g @ W``
+    and ``grad_weight``'s sums) have bf16 inputs, none FP32."""
     assert _gemms("kl_div_linear", lm_head_plan="gpu") == pytest.approx(3)
+    assert _gemms("kl_div_linear", 0.3, lm_head_plan="gpu") == pytest.approx(3)  # (any g: no recompute)
     fn, inputs, grad_pos = sweeps.case("kl_div_linear")
     with cpu_out_dtype_kernels(), recording() as gemms:
         run(torch.compile(fn, backend="chunked_logits", options={"lm_head_plan": "gpu"}), inputs, grad_pos)
@@ -198,17 +206,20 @@ def test_four_gemms_with_model_precision_inputs(name):
     assert _gemms(name, gradients_in_forward=False) == 5
 
 
-def _gemms(name, **options) -> float:
+def _gemms(name, scale=None, **options) -> float:
+    """Full ``[T, H] x [H, V]`` GEMMs of a profiled step (incoming gradient ``scale``:
+    ``numerics.run``'s -1 when None)."""
     from torch.profiler import profile
 
     fn, inputs, grad_pos = sweeps.case(name)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(fn, backend="chunked_logits", options=options)
+    step = run if scale is None else lambda *a: _run(*a, scale)
     with cpu_out_dtype_kernels():
-        run(compiled, inputs, grad_pos)
+        step(compiled, inputs, grad_pos)
         with profile(record_shapes=True) as prof:
-            run(compiled, inputs, grad_pos)
+            step(compiled, inputs, grad_pos)
     taken = options.get("gradients_in_forward", True)
     assert chunked_counters().get("gradients_in_forward", 0) == int(taken), chunked_counters()
     names = ("aten::mm", "aten::addmm")

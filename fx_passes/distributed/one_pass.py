@@ -42,12 +42,13 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from .. import compat
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
 from ..kernels import graph_bodies
 from ..kernels.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
-from ..kernels.tiling import even_splits, resolve_budget, sweep_sizes
+from ..kernels.tiling import CPU_BUDGET, even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
 from .regions import needs_grad
 
@@ -279,25 +280,53 @@ def _run(plan: _Plan, x: torch.Tensor, externals: list[torch.Tensor], body) -> l
     return [vals[r] for r in plan.outputs]
 
 
-def _splits(plan: _Plan, hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
-    """The row chunks, the same on every rank of the glue's groups: each rank's budget
-    gives its own count (vocabulary shards may differ in width: 1000 and 1400 columns),
-    the largest is taken, so every rank runs the same collectives on the same rows, each
-    within its budget.  Reading the agreed count back is a host sync per call
-    (docs/gpu.md, "Host syncs")."""
-    n = hidden.shape[0]
-    rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), n, weight.shape[0])
+# (plan, groups, their objects' ids, this rank's width and budget) -> (the agreed width
+# and budget, the group objects: held, so their ids are not reused while the entry lives)
+_AGREED: dict[tuple, tuple[tuple[int, int], tuple]] = {}
+
+
+def _agreed(name: str, groups: tuple[str, ...], width: int, budget: int,
+            device: torch.device) -> tuple[int, int]:
+    """(the largest shard width, the smallest budget) over the ranks of ``groups``: an
+    all-reduce and a host read in plan ``name``'s first call on these group objects with
+    this width and budget (the warm-up step), a dict look-up after.  Every rank must miss
+    together: two plans of one name on the same groups whose widths are equal on one rank
+    and not on another would not (not expected: the name hashes the plan's code)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    objects = tuple(_resolve_process_group(g) for g in groups)
+    key = (name, groups, tuple(map(id, objects)), width, budget)
+    if key not in _AGREED:
+        if compat._capturing(device.type):
+            raise RuntimeError("chunked_logits: the vocab-parallel one-pass loop agrees on its row chunks "
+                               "with the other ranks in its first call: run a step before capturing a graph")
+        collectives, mine = torch.ops._c10d_functional, torch.tensor([width, -budget], device=device)
+        for group in groups:
+            mine = collectives.wait_tensor(collectives.all_reduce(mine, "max", group))
+        most, least = mine.tolist()
+        _AGREED[key] = ((most, -least), objects)
+    return _AGREED[key][0]
+
+
+def _splits(name: str, hidden, weight, budget_bytes: int) -> list[tuple[int, int]]:
+    """The row chunks, the same on every rank of plan ``name``'s groups: vocabulary shards
+    may differ in width (1000 and 1400 columns), so each rank chunks as the widest shard
+    with the smallest budget would (the count grows with the width, shrinks with the
+    budget: each rank within its budget).  Those two are agreed once (:func:`_agreed`);
+    the rows are the same on every rank, so later calls agree with no collective and no
+    host read (docs/gpu.md, "Host syncs")."""
+    n, width = hidden.shape[0], weight.shape[0]
+    budget = resolve_budget(budget_bytes, hidden.device) or CPU_BUDGET
+    groups = ONE_PASS_PLANS[name].groups
+    if groups:
+        width, budget = _agreed(name, groups, width, budget, hidden.device)
+    rows, _ = sweep_sizes(budget, n, width)
     count = len(even_splits(n, rows))
-    collectives = torch.ops._c10d_functional
-    for group in plan.groups:
-        got = collectives.all_reduce(hidden.new_tensor([count], dtype=torch.int64), "max", group)
-        count = int(collectives.wait_tensor(got).item())
-    return even_splits(n, -(-n // max(1, count)))
+    return even_splits(n, -(-n // count))
 
 
 def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     plan = ONE_PASS_PLANS[name]
-    outs = row_chunks(hidden, weight, externals, _splits(plan, hidden, weight, budget_bytes),
+    outs = row_chunks(hidden, weight, externals, _splits(name, hidden, weight, budget_bytes),
                       lambda x, *chunk: _run(plan, x, list(chunk), graph_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 

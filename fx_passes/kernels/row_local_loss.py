@@ -27,12 +27,12 @@ sum rounded once).
 On GPUs (plan ``"gpu"``: ``torch.mm/addmm(..., out_dtype=torch.float32)``) the forward
 also sums ``grad_weight`` and the bias's gradient over the row chunks, in FP32 buffers
 (``4 V H`` bytes) filled by GEMMs with model-precision inputs, and keeps ``grad_hidden``
-in FP32; the backward scales each and rounds it once, in blocks the budget holds: three
-GEMMs a step, stock's count, no vocabulary sweep.  An incoming gradient that is not a
-power of two runs both sweeps here too (rounding the logits' gradient for a unit loss
-and scaling the sum after would round differently from stock: a larger mean error).
-That test reads ``g`` on the host: a sync per step on a GPU (docs/gpu.md, "Host syncs");
-the forward's ``done`` is not read on a GPU.
+in FP32; the backward scales each by the incoming gradient on the device, whatever it
+is (``g`` is not read: no host sync), and rounds it once, in blocks the budget holds:
+three GEMMs a step, stock's count, no vocabulary sweep.  The logits' gradient is rounded
+for a unit loss (stock rounds it scaled): one rounding each, as close to FP64 as stock's
+over seeds (docs/gpu.md, "Host syncs").  The forward's ``done`` is not read on a GPU;
+the CPU plan reads it and ``g`` on a CPU only (host memory).
 """
 
 from __future__ import annotations
@@ -181,24 +181,21 @@ def _row_local_loss_backward(g: torch.Tensor, key: str, rows: list[torch.Tensor]
     h = flat(hidden)
     n, dev = h.shape[0], h.device
     reductions = reductions_of(kinds)
-    # the test of g: a host sync on a GPU (docs/gpu.md, "Host syncs": scaling the FP32 sums
-    # by any g fails tests/test_row_local_loss.py's accuracy bound at g = 0.3)
-    scale = g.item()
-    if plan == "gpu" and power_of_two(scale) and isinstance(_split(key, rows, whole, index, h, weight,
-                                                                     len(reductions)), Split):
-        # each FP32 sum scaled exactly, rounded once; ``done`` is not read (the forward
-        # split the same body: ``_split`` is a function of the key and the shapes)
+    if plan == "gpu" and isinstance(_split(key, rows, whole, index, h, weight, len(reductions)), Split):
+        # each FP32 sum times g on the device, rounded once (g not read: no host sync);
+        # ``done`` is not read (the forward split the same body: ``_split`` is a function
+        # of the key and the shapes)
         pairs = zip(needs, (grad_hidden, grad_weight, grad_bias), (hidden, weight, bias))
         heads = [_rounded(t, g, like, budget_bytes) for need, t, like in pairs if need and like is not None]
         if needs[0]:
             heads[0] = heads[0].view(hidden.shape)
         return heads
     weights = row_weights(final_key, kinds, whole[len(whole) - n_final:], n, dev)
-    # the CPU plan's ``done`` (a host value on a CPU); on another device both sweeps
-    host = dev.type == "cpu"
+    # the CPU plan's ``done`` and ``g`` (host values on a CPU); on another device both sweeps
+    host = dev.type == "cpu" and g.device.type == "cpu"
     split = _split(key, rows, whole, index, h, weight, len(reductions)) if host and int(done) else None
     if isinstance(split, Split):
-        heads = _from_the_forward(split, key, rows, whole, weights, reductions, grad_hidden, packed, scale,
+        heads = _from_the_forward(split, key, rows, whole, weights, reductions, grad_hidden, packed, g.item(),
                                   budget_bytes, index, h, weight, bias, how, needs)
         if heads is not None:
             if needs[0]:
