@@ -51,6 +51,12 @@ class Config:
             know: a top-k / top-p mask, a distillation loss, label smoothing) runs as
             its own ops over chunks of rows when every op acts on each row on its own
             (``match/row_local.py``); False leaves such regions as they are.
+        leave_to_stock: a row-local region on logits the graph is given whose every op
+            stock Inductor fuses into its row reductions (softmaxes, sums, ``+ - * /``,
+            ``exp`` / ``log``, ``kl_div``, a cross-entropy of class indices with weights
+            or label smoothing: ``match/worth.py``) is left to stock, which holds no FP32
+            ``[T, V]`` tensor there either and is faster; the summary says so.  False
+            rewrites it too.
         row_local_sweeps: a row-local region whose logits an lm_head matmul in the graph
             makes (read by nothing else) runs that matmul chunk by chunk when the body's
             gradient is a pointwise function of the logits given a few per-row values
@@ -100,6 +106,7 @@ class Config:
     chunk_budget_mib: Optional[float] = None
     lm_head_plan: str = "auto"
     row_local: bool = True
+    leave_to_stock: bool = True
     row_local_sweeps: bool = True
     save_masks: bool = True
     save_normalizers: bool = True
