@@ -26,8 +26,8 @@ from ..reporting.public import summary
 __all__ = ["SummaryCallback", "flat_summary"]
 
 PREFIX = "chunked_logits/"
-_NUMBERS = ("regions_rewritten", "regions_would_rewrite", "regions_declined", "estimated_bytes_avoided",
-            "graphs_compiled", "pass_failed")
+_NUMBERS = ("regions_rewritten", "regions_would_rewrite", "regions_left_to_stock", "regions_declined",
+            "estimated_bytes_avoided", "graphs_compiled", "pass_failed")
 
 try:
     from transformers import TrainerCallback as _Base
