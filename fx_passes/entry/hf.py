@@ -4,7 +4,8 @@
 
 At the first log after the passes looked at a graph (the first step compiles), the
 callback adds flat numeric keys to that log, once: ``chunked_logits/regions_rewritten``,
-``chunked_logits/regions_would_rewrite``, ``chunked_logits/regions_declined``,
+``chunked_logits/regions_would_rewrite``, ``chunked_logits/regions_left_to_stock``,
+``chunked_logits/regions_declined``,
 ``chunked_logits/near_misses``, ``chunked_logits/estimated_bytes_avoided``,
 ``chunked_logits/graphs_compiled``, ``chunked_logits/pass_failed`` and one
 ``chunked_logits/declined/<REASON>`` per decline reason.  They go into that entry of
