@@ -104,9 +104,9 @@ class Config:
     upgrade_low_precision: bool = False
     fuse_lm_head: bool = True
     chunk_budget_mib: Optional[float] = None
+    leave_to_stock: bool = True
     lm_head_plan: str = "auto"
     row_local: bool = True
-    leave_to_stock: bool = True
     row_local_sweeps: bool = True
     save_masks: bool = True
     save_normalizers: bool = True
