@@ -9,10 +9,9 @@ backward, saving only the model-precision input and a few numbers a row: convers
 means and ``logsumexp`` over the row, ``kl_div`` of log-probability targets and
 ``cross_entropy`` / ``nll_loss`` of class indices (weights and label smoothing included).
 There the chunk loop only costs time, so such a region is left to stock with the reason
-logged (:data:`LEFT_TO_STOCK`).  Anything else (a gather, a mask,
-a sort, a top-k, a scan, ``logaddexp`` ...) may make stock keep a ``[rows, V]`` tensor,
-and the region is rewritten.  ``tests/test_worth.py`` checks this verdict against the
-code stock Inductor generates.
+logged (:data:`LEFT_TO_STOCK`).  Anything else (a gather, a mask, a sort, a top-k, a scan,
+``logaddexp`` ...) may make stock keep a ``[rows, V]`` tensor, and the region is rewritten.
+``tests/test_worth.py`` checks this verdict against the code stock Inductor generates.
 """
 
 from __future__ import annotations
