@@ -52,7 +52,7 @@ class Config:
             its own ops over chunks of rows when every op acts on each row on its own
             (``match/row_local.py``); False leaves such regions as they are.
         leave_to_stock: a row-local region on logits the graph is given whose every op
-            stock Inductor fuses into its row reductions (softmaxes, sums, ``+ - * /``,
+            stock Inductor fuses into its row reductions (``log_softmax``, sums, ``+ - * /``,
             ``exp`` / ``log``, ``kl_div``, a cross-entropy of class indices with weights
             or label smoothing: ``match/worth.py``) is left to stock, which holds no FP32
             ``[T, V]`` tensor there either and is faster; the summary says so.  False

@@ -31,13 +31,19 @@ def _stock_holds_rows_by_vocab(codes: list[str], rows: int, vocab: int, n_grads:
     return [b for b in big if b[1] != "torch.bfloat16"] + bf16[n_grads:]
 
 
+def _softmax_entropy(x):
+    return -(x.float().softmax(-1) * x.float().log_softmax(-1)).sum(-1).mean()
+
+
 # left to stock: KL with log-prob targets, label smoothing and class weights, a z-loss,
 # flattened [B, S, V] logits; rewritten: a KL of probabilities (xlogy: stock saves an
-# FP32 [T, V] tensor), a JSD (logaddexp: two [T, V] masks)
+# FP32 [T, V] tensor), a JSD (logaddexp: two [T, V] masks), an entropy through a softmax
 @pytest.mark.parametrize("name", ["forward_kl", "ce_smoothing_z_loss", "kl_div_flattened", "kl_div_probs",
-                                  "jsd"])
+                                  "jsd", "softmax_entropy"])
 def test_verdict_agrees_with_stock_inductors_code(name):
-    fn, inputs, grad_pos = rl.inputs(name, torch.bfloat16)
+    fn, inputs, grad_pos = rl.inputs(name if name != "softmax_entropy" else "forward_kl", torch.bfloat16)
+    if name == "softmax_entropy":  # (a softmax: stock writes its exponentials to an FP32 [T, V] buffer)
+        fn, inputs = _softmax_entropy, inputs[:1]
     rewrite_graphs(fn, *inputs)
     left = chunked_counters().get("left_to_stock", 0)
     assert left + chunked_counters().get("row_local", 0) == 1, chunked_counters()

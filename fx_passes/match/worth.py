@@ -5,12 +5,12 @@ The row-local engine pays by not holding FP32 ``[rows, .., V]`` tensors.  Stock 
 holds none either for a region that reads only logits the graph is given (no lm_head
 matmul to fuse) and whose every op it fuses into its row reductions, forward and
 backward, saving only the model-precision input and a few numbers a row: conversions,
-``+ - * /``, ``neg`` / ``exp`` / ``log`` / a power by a number, views, softmaxes, sums,
-means and ``logsumexp`` over the row, ``kl_div`` of log-probability targets and
+``+ - * /``, ``neg`` / ``exp`` / ``log`` / a power by a number, views, ``log_softmax``,
+sums, means and ``logsumexp`` over the row, ``kl_div`` of log-probability targets and
 ``cross_entropy`` / ``nll_loss`` of class indices (weights and label smoothing included).
 There the chunk loop only costs time, so such a region is left to stock with the reason
 logged (:data:`LEFT_TO_STOCK`).  Anything else (a gather, a mask, a sort, a top-k, a scan,
-``logaddexp`` ...) may make stock keep a ``[rows, V]`` tensor, and the region is rewritten.
+``logaddexp``, a ``softmax`` ...) may make stock keep a ``[rows, V]`` tensor, and the region is rewritten.
 ``tests/test_worth.py`` checks this verdict against the code stock Inductor generates.
 """
 
@@ -31,10 +31,11 @@ LEFT_TO_STOCK = ("stock Inductor holds no FP32 [rows, V] tensor here (it fuses e
                  "reductions)")
 
 # ops stock Inductor fuses into its row reductions with nothing [rows, V] saved for the backward
+# (not ``softmax``: stock writes its exponentials to an FP32 [rows, V] buffer, forward and backward)
 FUSED_BY_STOCK = frozenset({
     "float", "to", "type_as", "detach", "clone", "contiguous", "view", "reshape", "flatten",
     "add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "pow",
-    "softmax", "log_softmax", "logsumexp", "sum", "mean", "kl_div", "cross_entropy", "nll_loss",
+    "log_softmax", "logsumexp", "sum", "mean", "kl_div", "cross_entropy", "nll_loss",
 })
 
 
