@@ -36,6 +36,9 @@ class Config:
             the device's (``kernels.tiling.device_budget``; docs/gpu.md).
         row_local: run a region the hand-derived path declines as its own ops over chunks
             of rows when every op acts on each row on its own (``match/row_local.py``).
+        leave_to_stock: a row-local region on given logits whose every op stock Inductor
+            fuses into its row reductions (``match/worth.py``) is left to stock, which holds
+            no FP32 ``[T, V]`` tensor there either and is faster; False rewrites it too.
         row_local_sweeps: a row-local region whose lm_head matmul the call runs runs it
             chunk by chunk when the body's gradient splits (``kernels/row_split.py``);
             False runs it whole (stock's memory and GEMMs).
@@ -58,6 +61,7 @@ class Config:
     upgrade_low_precision: bool = False
     fuse_lm_head: bool = True
     chunk_budget_mib: Optional[float] = None
+    leave_to_stock: bool = True
     lm_head_plan: str = "auto"
     row_local: bool = True
     row_local_sweeps: bool = True

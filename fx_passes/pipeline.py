@@ -33,9 +33,18 @@ from .match.region import Role
 from .match.region import where as _where
 from .match.row_local import find_row_region
 from .match.upcast import upcast_ancestor, upcast_behind, upcast_input
+from .match.worth import left_to_stock
 from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome
-from .reporting.report import COUNTER, Decline, Reason, log, record_decline, record_rewrite
+from .reporting.report import (
+    COUNTER,
+    Decline,
+    Reason,
+    log,
+    record_decline,
+    record_left_to_stock,
+    record_rewrite,
+)
 from .reporting.session import session
 from .rewrite.logits import fp32_bytes, rewrite_region
 from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
@@ -146,6 +155,12 @@ def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken
     try:
         region = find_row_region(graph, seed)
         where, what, nbytes = _where(seed), region.describe(), sum(fp32_bytes(s) for s in region.seeds)
+        why = left_to_stock(region) if config.leave_to_stock else None
+        if why is not None:  # (can, but should not: one region, one outcome)
+            declined.difference_update((node, seed))
+            taken.update(region.nodes)
+            record_left_to_stock(where, what, why, config.report_only or not config.rewrite)
+            return
         if config.report_only or not config.rewrite:
             record_rewrite(where, what, nbytes, report_only=True)
             return
@@ -182,7 +197,7 @@ def run_passes(graph: Graph, config: Config) -> None:
     """Apply the passes to ``graph`` in place.  Raises on internal errors."""
     session.start_run()
     shard_upcasts = _shard_regions(graph, config)
-    taken: set[Node] = set()  # nodes of row-local regions rewritten
+    taken: set[Node] = set()  # nodes of row-local regions rewritten or left to stock
     declined: set[Node] = set()  # roots and upcasts of regions declined
     candidates = find_regions(graph, config)
     if not candidates and not shard_upcasts:

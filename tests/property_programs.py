@@ -231,13 +231,14 @@ class Case:
         n, v = self.rows_of_z(), self.vocab
         budget = {"default": None, "one_row": 4 * v, "two_rows": 8 * v, "all_rows": 4 * v * n,
                   "more_rows": 4 * v * (n + 3), "one_col": 8 * n}[self.chunk]
+        # (the engine, also on regions stock Inductor runs as well: match/worth.py, tests/test_worth.py)
         if budget is None:
-            return Config(row_local=self.row_local)
-        return Config(chunk_budget_mib=(budget + 0.5) / 2**20, row_local=self.row_local)
+            return Config(row_local=self.row_local, leave_to_stock=False)
+        return Config(chunk_budget_mib=(budget + 0.5) / 2**20, row_local=self.row_local, leave_to_stock=False)
 
     def options(self) -> dict[str, Any]:
         chunk = {} if self.chunk == "default" else {"chunk_budget_mib": self.config().chunk_budget_mib}
-        return {**chunk, "row_local": self.row_local}
+        return {**chunk, "row_local": self.row_local, "leave_to_stock": False}
 
     @property
     def heads(self) -> tuple[str, ...]:

@@ -234,7 +234,10 @@ CASES = ["topk", "topk_topp", "minp", "topp_policy", "forward_kl", "reverse_kl",
 
 
 def check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=False, **options):
-    """Rewritten (counters) and no less accurate than stock against FP64; the counters."""
+    """Rewritten (counters) and no less accurate than stock against FP64; the counters.
+    The engine is what these cases test: it runs even where stock would be left the region
+    (``leave_to_stock=False``, ``match/worth.py``; ``tests/test_worth.py`` tests that step)."""
+    options.setdefault("leave_to_stock", False)
     ref = reference(fn, inputs, grad_pos)
     torch._dynamo.reset()
     stock = run(torch.compile(fn, backend="inductor", dynamic=dynamic), inputs, grad_pos)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import fx_passes
-from tests.enabling_cases import FAMILIES, run_case
+from tests.enabling_cases import ENGINE, FAMILIES, run_case
 from tests.helpers import clean_env, last_json
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def test_in_process(way, family, grad):
     if way == "backend":
         assert_clean(run_case(family, grad, "chunked_logits"))
         return
-    with fx_passes.install():
+    with fx_passes.install(**ENGINE):
         assert_clean(run_case(family, grad, "inductor"))
 
 
@@ -55,10 +55,11 @@ def _child(command: list[str], **env: str) -> list[dict]:
 @pytest.mark.parametrize("way", ["launcher", "environment"])
 def test_fresh_process(way):
     if way == "launcher":
-        results = _child([str(BIN / "chunked-logits"), "run", "--summary", "never", "--", "-m",
-                          "tests.enabling_cases"])
+        results = _child([str(BIN / "chunked-logits"), "run", "--summary", "never", "--no-leave-to-stock",
+                          "--", "-m", "tests.enabling_cases"])
     else:
-        results = _child([sys.executable, "-m", "tests.enabling_cases"], CHUNKED_LOGITS="1")
+        results = _child([sys.executable, "-m", "tests.enabling_cases"], CHUNKED_LOGITS="1",
+                         CHUNKED_LOGITS_OPTIONS="leave_to_stock=0")
     assert [(r["family"], r["grad"]) for r in results] == CASES
     for result in results:
         assert_clean(result)

@@ -28,7 +28,8 @@ def test_callback_logs_the_summary_once():
     logs = {"loss": 0.5}
     callback.on_log(None, state, control, logs=logs)
     want = {"chunked_logits/regions_rewritten": 1, "chunked_logits/regions_would_rewrite": 0,
-            "chunked_logits/regions_declined": 0, "chunked_logits/estimated_bytes_avoided": 4 * 4 * 32,
+            "chunked_logits/regions_left_to_stock": 0, "chunked_logits/regions_declined": 0,
+            "chunked_logits/estimated_bytes_avoided": 4 * 4 * 32,
             "chunked_logits/graphs_compiled": 1, "chunked_logits/pass_failed": 0,
             "chunked_logits/near_misses": 0}
     assert logs == {"loss": 0.5, **want}

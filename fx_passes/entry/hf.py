@@ -12,7 +12,8 @@ put it first to log them there.  transformers is imported here only; without it,
 # NOTE [summary keys]
 # At the first log after the passes looked at a graph (the first step compiles), the
 # callback adds flat numeric keys to that log, once: ``chunked_logits/regions_rewritten``,
-# ``chunked_logits/regions_would_rewrite``, ``chunked_logits/regions_declined``,
+# ``chunked_logits/regions_would_rewrite``, ``chunked_logits/regions_left_to_stock``,
+# ``chunked_logits/regions_declined``,
 # ``chunked_logits/near_misses``, ``chunked_logits/estimated_bytes_avoided``,
 # ``chunked_logits/graphs_compiled``, ``chunked_logits/pass_failed`` and one
 # ``chunked_logits/declined/<REASON>`` per decline reason.  They go into that entry of
@@ -30,8 +31,8 @@ from ..reporting.public import summary
 __all__ = ["SummaryCallback", "flat_summary"]
 
 PREFIX = "chunked_logits/"
-_NUMBERS = ("regions_rewritten", "regions_would_rewrite", "regions_declined", "estimated_bytes_avoided",
-            "graphs_compiled", "pass_failed")
+_NUMBERS = ("regions_rewritten", "regions_would_rewrite", "regions_left_to_stock", "regions_declined",
+            "estimated_bytes_avoided", "graphs_compiled", "pass_failed")
 
 try:
     from transformers import TrainerCallback as _Base

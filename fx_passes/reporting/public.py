@@ -29,16 +29,18 @@ def from_data(data: dict[str, Any]) -> dict[str, Any]:
     declined, by_reason = of("declined"), {}
     for r in declined:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
-    rewritten, would = of("rewritten"), of("would_rewrite")
+    rewritten, would, stock = of("rewritten"), of("would_rewrite"), of("left_to_stock")
     return {
         "regions_rewritten": len(rewritten),
         "regions_would_rewrite": len(would),
+        "regions_left_to_stock": len(stock),
         "regions_declined": len(declined),
         "declined_by_reason": by_reason,
         "near_misses": [{"where": r["where"], "message": r["what"]} for r in of("near_miss")],
         "estimated_bytes_avoided": sum(r["bytes_avoided"] for r in rewritten),
         "rewritten": rewritten,
         "would_rewrite": would,
+        "left_to_stock": stock,
         "declined": declined,
         "graphs_compiled": data["graphs_seen"],
         "pass_failed": data["counters"].get("pass_failed", 0),
@@ -54,6 +56,7 @@ def summary() -> dict[str, Any]:
     Counted per source region, not per compile (the module docstring).  Keys:
 
     * ``regions_rewritten``, ``regions_would_rewrite`` (``report_only``),
+      ``regions_left_to_stock`` (rewritable, but stock runs them as well: ``match/worth.py``),
       ``regions_declined``: counts of regions;
     * ``declined_by_reason``: ``{Reason name: regions}``;
     * ``near_misses``: ``[{"where", "message"}]``, hints naming what to change;
@@ -61,7 +64,8 @@ def summary() -> dict[str, Any]:
       ``[.., V]`` tensor stock Inductor would keep (0 where it keeps none either: a
       cross-entropy on given logits) plus the model-precision logits of a fused lm_head;
       0 for a region of symbolic size;
-    * ``rewritten`` / ``would_rewrite``: ``[{"where", "what", "bytes_avoided", "compiles"}]``;
+    * ``rewritten`` / ``would_rewrite`` / ``left_to_stock`` (its ``what`` ends with why):
+      ``[{"where", "what", "bytes_avoided", "compiles"}]``;
       ``declined``: the same plus ``"reason"``;
     * ``graphs_compiled``: graphs the passes looked at; ``pass_failed``: graphs compiled
       unchanged after an error inside the pass;

@@ -1,7 +1,7 @@
 """What the passes rewrote, what they declined and why: counters, logs, a summary.
 
 Counters live in ``torch._dynamo.utils.counters["chunked_logits"]``:
-``rewritten``, ``declined``, ``near_miss``, ``div_by_one_removed``, ``pass_failed``, one
+``rewritten``, ``declined``, ``left_to_stock``, ``near_miss``, ``div_by_one_removed``, ``pass_failed``, one
 ``declined:<reason>`` per reason, and the lm_head / vocab-parallel ones
 (docs/how-it-works.md, section 7); each event also goes to ``session.session`` (for
 the exit summary).  Logs go to the ``fx_passes`` logger: ``TORCH_LOGS="fx_passes"`` shows each rewrite and
@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from .session import Event, session
 
 __all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline",
-           "record_near_miss"]
+           "record_left_to_stock", "record_near_miss"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -75,6 +75,15 @@ def record_decline(where: str, decline: Decline) -> None:
     counters[COUNTER][f"declined:{decline.reason.name}"] += 1
     session.record(Event("declined", where, str(decline), reason=decline.reason))
     log.info("chunked_logits: declined region at %s: %s", where, decline)
+
+
+def record_left_to_stock(where: str, what: str, why: str, report_only: bool) -> None:
+    """A region the pass can rewrite but leaves to stock Inductor, which runs it as well
+    (``why``: :mod:`fx_passes.match.worth`): not a failure, so not a decline."""
+    counters[COUNTER]["left_to_stock"] += 1
+    session.record(Event("left_to_stock", where, f"{what}: {why}"))
+    log.log(logging.WARNING if report_only else logging.INFO,
+            "chunked_logits: left %s at %s to stock Inductor: %s", what, where, why)
 
 
 def record_near_miss(where: str, message: str) -> None:

@@ -19,7 +19,7 @@ __all__ = ["Event", "Session", "session"]
 
 @dataclasses.dataclass
 class Event:
-    kind: str  # "rewritten" | "declined" | "would_rewrite" | "near_miss"
+    kind: str  # "rewritten" | "declined" | "would_rewrite" | "left_to_stock" | "near_miss"
     where: str
     what: str
     fp32_bytes_avoided: int = 0

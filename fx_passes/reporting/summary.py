@@ -162,11 +162,13 @@ def format_text(data: dict[str, Any]) -> str:
     found = regions(data["events"])
     kinds = [r["kind"] for r in found]
     n_rw, n_would = kinds.count("rewritten"), kinds.count("would_rewrite")
-    n_dec, n_near = kinds.count("declined"), kinds.count("near_miss")
+    n_dec, n_near, n_stock = kinds.count("declined"), kinds.count("near_miss"), kinds.count("left_to_stock")
     avoided = sum(r["bytes_avoided"] for r in found if r["kind"] == "rewritten")
     parts = [f"{n_rw} region{'s' if n_rw != 1 else ''} rewritten"]
     if n_would:
         parts.append(f"{n_would} would be rewritten (report_only)")
+    if n_stock:
+        parts.append(f"{n_stock} left to stock Inductor")
     parts.append(f"{n_dec} declined")
     if n_near:
         parts.append(f"{n_near} near miss{'es' if n_near != 1 else ''}")
@@ -179,10 +181,10 @@ def format_text(data: dict[str, Any]) -> str:
     else:
         lines.append(f"{head}: no graph was compiled with Inductor in this process; nothing rewritten")
     label = {"rewritten": "rewritten", "would_rewrite": "would rewrite", "declined": "declined",
-             "near_miss": "near miss"}
+             "near_miss": "near miss", "left_to_stock": "left to stock"}
     for r in found:
         kind, times = r["kind"], f" (x{r['compiles']} compiles)" if r["compiles"] > 1 else ""
-        if kind in ("declined", "near_miss"):
+        if kind in ("declined", "near_miss", "left_to_stock"):
             lines.append(f"  {label[kind]:<13} at {_short(r['where'])}{times}")
             lines.append(f"  {'':<13} {r['what']}")
         else:
