@@ -116,9 +116,6 @@ def test_package_has_no_import_cycle():
 # blocks in the code, measurements into docs/ (with their command), history nowhere.
 DOCSTRING_LINES = 20
 ISSUE_REFERENCE = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
-# being edited concurrently; to be cut
-DOCSTRING_EXEMPT = {"kernels/row_local_loss.py", "distributed/one_pass.py", "match/__init__.py",
-                    "reporting/report.py", "reporting/outcome.py", "reporting/public.py"}
 
 
 def docstring_problems(path: pathlib.Path) -> list[str]:
@@ -149,6 +146,4 @@ def test_docstring_problems_are_caught(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_docstrings_state_the_contract(path):
-    if path.relative_to(PACKAGE).as_posix() in DOCSTRING_EXEMPT:
-        pytest.skip("being edited concurrently; to be cut")
     assert docstring_problems(path) == []

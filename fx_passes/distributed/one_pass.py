@@ -1,36 +1,34 @@
 """A fused vocab-parallel region's stages in one pass over the rows: each row chunk's
 logits are computed once in the forward, not once per stage.
 
-With the lm_head fused (:mod:`fx_passes.kernels.shard_lm_head`) each stage of a region
-(:mod:`fx_passes.distributed.vocab_parallel`) computes every row chunk's logits again, because its
-per-row operands (the all-reduced max) exist only after the previous stage has seen all
-rows.  But rows are independent: the code *between* the stages (the *glue*: an
-all-reduce of the row max, ``wait_tensor``, ``unsqueeze``) is per row.  So one loop over
-row chunks can compute a chunk's logits once and run on them stage 0, the glue on the
-chunk's rows (its collectives included, on ``[rows]`` tensors as before), stage 1, ...
-One GEMM in the forward instead of one per stage, the same values: every op is the
-user's, on the same elements (a collective on a chunk of rows reduces the same numbers).
-
-Before (two stages, each a :func:`~fx_passes.kernels.shard_lm_head.shard_lm_head` call)::
-
-    amax = shard_lm_head("<key0>", False, budget, h, w)[0]
-    m    = wait_tensor(all_reduce(amax, "max", group)).unsqueeze(-1)
-    out  = shard_lm_head("<key1>", True, budget, h, w, m, idx)
-
-After::
-
-    out = shard_lm_head_stages("<plan>", True, budget, h, w, idx)   # the glue runs inside
-    s, tgt = out[1], out[2]                                         # out[3]: m, saved
-
-Only glue that is per row and needs no gradient moves into the loop: elementwise ops,
-views that keep the rows, and all-reduces, each on ``[T]`` or ``[T, 1]``, nothing
-mutated between the first stage and the last.  Anything else (an in-place
-``dist.all_reduce`` is a ``copy_``) keeps one call per stage, as before; the log says why.
-The collectives run once per row chunk, on every rank alike (the chunks depend only on
-shapes every rank shares).  The backward is the stage with a gradient's, unchanged
-(:func:`fx_passes.kernels.shard_lm_head` ``_backward_loops``), with its glue operands saved from
-the forward.
+Contract: ``shard_lm_head_stages(plan, train, budget, h, w, *operands)`` returns what the
+per-stage :func:`~fx_passes.kernels.shard_lm_head.shard_lm_head` calls and the *glue*
+between them (all-reduces of per-row values, ``wait_tensor``, views that keep the rows)
+returned, with the same values: every op is the user's, on the same elements.  Only glue
+that is per row and needs no gradient moves into the loop; anything else (an in-place
+``dist.all_reduce`` is a ``copy_``) keeps one call per stage, and the log says why.  The
+collectives run once per row chunk on every rank alike: ranks agree on the chunk count
+once per shape (:func:`_agreed`).  The backward is the stage with a
+gradient's, unchanged, with its glue operands saved from the forward.  See NOTE [one
+pass over the rows] for the before/after graphs.
 """
+
+# NOTE [one pass over the rows]
+# With the lm_head fused each stage of a region (fx_passes.distributed.vocab_parallel)
+# computes every row chunk's logits again, because its per-row operands (the all-reduced
+# max) exist only after the previous stage has seen all rows.  But the glue between the
+# stages is per row, so one loop over row chunks computes a chunk's logits once and runs
+# stage 0, the glue on the chunk's rows (its collectives on [rows] tensors), stage 1, ...
+# One GEMM in the forward instead of one per stage.  Before (two stages):
+#
+#     amax = shard_lm_head("<key0>", False, budget, h, w)[0]
+#     m    = wait_tensor(all_reduce(amax, "max", group)).unsqueeze(-1)
+#     out  = shard_lm_head("<key1>", True, budget, h, w, m, idx)
+#
+# After:
+#
+#     out = shard_lm_head_stages("<plan>", True, budget, h, w, idx)   # the glue runs inside
+#     s, tgt = out[1], out[2]                                         # out[3]: m, saved
 
 from __future__ import annotations
 

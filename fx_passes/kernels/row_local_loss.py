@@ -1,39 +1,28 @@
 """Gradients in the forward for a row-local region whose lm_head runs chunk by chunk,
 when the graph reduces its per-row results to the scalar loss it returns.
 
-The rewrite (:func:`fx_passes.rewrite.loss_tail.rewrite_row_loss_tail`) joins the
-region's body and the loss's row part (:mod:`fx_passes.match.loss_tail`) into one body
-``key``: ``(*rows, *tail rows, *whole, *tail whole) -> (the tensors the loss sums)``.
-Its cotangents for a unit loss are constants (``d loss / d sum_k``, from the loss's
-scalar part, which is affine in the sums), so the forward can run the body's gradient
-too.  Per row chunk over the whole vocabulary:
-
-* the logits ``hidden[rows] @ weight.T`` (the one GEMM the forward has anyway);
-* the split body's ``stats`` graph (:mod:`fx_passes.kernels.row_split`, with the body's
-  results): the chunk's sums, the gradient of its logits and the per-row values a
-  vocabulary block's gradient reads;
-* ``grad_hidden[rows] = g @ weight``: one GEMM over the whole vocabulary.
-
-The backward then runs only the vocabulary sweep of
-:mod:`fx_passes.kernels.row_local_sweeps` (the block's logits, its gradient from the
-per-row values, ``grad_weight[block] = g.T @ hidden``): four ``[T, H] x [H, V]`` GEMMs a
-step instead of five.  The forward's ``grad_hidden`` is rounded to model precision for a
-unit loss, so the backward uses it only where scaling it by the incoming gradient rounds
-nothing (:func:`fx_passes.kernels.lm_head_loss.scaled_exactly`: 1, a power of two);
-otherwise, and if the body does not split at run time after all, it runs both sweeps
-with the scaled cotangents (``row_local_sweeps``' backward: each gradient still one FP32
-sum rounded once).
-
-On GPUs (plan ``"gpu"``: ``torch.mm/addmm(..., out_dtype=torch.float32)``) the forward
-also sums ``grad_weight`` and the bias's gradient over the row chunks, in FP32 buffers
-(``4 V H`` bytes) filled by GEMMs with model-precision inputs, and keeps ``grad_hidden``
-in FP32; the backward scales each by the incoming gradient on the device, whatever it
-is (``g`` is not read: no host sync), and rounds it once, in blocks the budget holds:
-three GEMMs a step, stock's count, no vocabulary sweep.  The logits' gradient is rounded
-for a unit loss (stock rounds it scaled): one rounding each, as close to FP64 as stock's
-over seeds (docs/gpu.md, "Host syncs").  The forward's ``done`` is not read on a GPU;
-the CPU plan reads it and ``g`` on a CPU only (host memory).
+Contract: the rewrite (:func:`fx_passes.rewrite.loss_tail.rewrite_row_loss_tail`) joins
+the region's body and the loss's row part (:mod:`fx_passes.match.loss_tail`) into one body
+``key``; its cotangents for a unit loss are constants, so the forward also runs the body's
+gradient, per row chunk: the logits GEMM, the split body's ``stats`` graph
+(:mod:`fx_passes.kernels.row_split`) and ``grad_hidden[rows] = g @ weight``.  The backward
+runs the vocabulary sweep of :mod:`fx_passes.kernels.row_local_sweeps` only: four
+``[T, H] x [H, V]`` GEMMs a step instead of five.  Results are those of the body's own
+gradient, each gradient one FP32 sum rounded once: where scaling by the incoming gradient
+would round again (not 1 or a power of two), or the body does not split at run time,
+the backward runs both sweeps with the scaled cotangents.  On plan ``"gpu"`` see NOTE
+[gpu plan: gradients in the forward].
 """
+
+# NOTE [gpu plan: gradients in the forward]
+# On GPUs (torch.mm/addmm(..., out_dtype=torch.float32)) the forward also sums grad_weight
+# and the bias's gradient over the row chunks in FP32 buffers (4 V H bytes) and keeps
+# grad_hidden in FP32; the backward scales each by the incoming gradient on the device,
+# whatever it is (g is not read: no host sync), and rounds once, in blocks the budget
+# holds: three GEMMs a step, stock's count, no vocabulary sweep.  The logits' gradient is
+# rounded for a unit loss (stock rounds it scaled): one rounding each, as close to FP64 as
+# stock's over seeds (docs/gpu.md, "Host syncs").  The forward's `done` is not read on a
+# GPU; the CPU plan reads it and g on a CPU only (host memory).
 
 from __future__ import annotations
 
