@@ -14,16 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Node
 
-from ..fx.graph_ops import (
-    canon,
-    get_arg,
-    is_fp32,
-    is_low_precision,
-    is_scalar,
-    last_dim,
-    meta,
-    tensor_input,
-)
+from ..fx.graph_ops import canon, get_arg, is_fp32, is_low_precision, is_scalar, last_dim, meta, tensor_input
 from ..reporting.report import Decline, Reason, log
 
 __all__ = ["ROW_VIEWS", "HEADS", "upcast_input", "upcast_behind", "is_row_view", "scalar_operand",
