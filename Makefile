@@ -34,17 +34,22 @@ ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_up
 # default thread count: the batch-invariance tests need Inductor's parallel reductions.
 WORKERS := -n 2
 
-# The AVX2 part of `make test`: what an AVX2-only CPU runs by default (plan fp32_tiles):
-# the ISA-sensitive tests but the examples (fresh processes, ~7 min) and the two_sweeps
-# plan forced (bf16 GEMMs, the plan of CPUs with bf16 units); `make test-avx2` runs all.
-AVX2_CI_TESTS := $(filter-out tests/test_examples.py,$(ISA_TESTS))
+# The AVX2 part of `make test`: what an AVX2-only CPU runs by default, where its code or
+# kernels differ from this CPU's: numerics against stock, the lm_head plan it picks
+# (fp32_tiles; the forced two_sweeps / blocks / gpu plans are this CPU's business), the
+# loss-in-graph paths, generated code, batch invariance.  `make test-avx2` runs every
+# ISA-sensitive test (about 12 more minutes): examples, declines, the upgrade, the
+# row-local sweeps and saved-for-backward tests, every plan.
+AVX2_CI_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_codegen.py \
+	tests/test_batch_invariance.py tests/test_loss_in_graph.py tests/test_row_local_loss.py
+AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan
 
 # Lint, the whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs
 # them (x86-64 only: elsewhere there is no AVX2 to emulate).
 test: lint
 	$(BIN)/python -m pytest -q $(WORKERS)
 ifeq ($(shell uname -m),x86_64)
-	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(AVX2_CI_TESTS) -k "not trl and not two_sweeps"
+	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(AVX2_CI_TESTS) -k "$(AVX2_CI_SELECT)"
 endif
 
 test-avx2: setup
