@@ -8,7 +8,9 @@ tests/test_lm_head.py, tests/test_codegen.py) with inputs moved to the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -141,3 +143,54 @@ def test_checker_flags_stock_triton_code():
     here means the checker cannot read the CUDA wrapper code, or that stock no longer
     writes the buffer on GPUs and the check needs another control."""
     assert (str(T), str(V)) in full_fp32_buffers(_codes("W3", "inductor", False), T, V)
+
+
+def _score(hidden, weight, tok, adv, up=F32):
+    """A scoring step (no grad): the sampled tokens' log-probs through the lm_head."""
+    return logprob(hidden @ weight.T, tok, up=up)
+
+
+@contextlib.contextmanager
+def _replays():
+    """``[n]``: the ``torch.cuda.CUDAGraph.replay`` calls inside the block (the CUDA-graph
+    trees of ``mode="reduce-overhead"`` replay through it)."""
+    n, original = [0], torch.cuda.CUDAGraph.replay
+
+    def replay(self, *args, **kwargs):
+        n[0] += 1
+        return original(self, *args, **kwargs)
+    with mock.patch.object(torch.cuda.CUDAGraph, "replay", replay):
+        yield n
+
+
+@pytest.mark.parametrize("name,fn,grad_pos", [("train", lm_logprob_entropy, (0, 1)), ("score", _score, ())],
+                         ids=["train", "score"])
+def test_reduce_overhead_steps_replay_and_stay_accurate(name, fn, grad_pos):
+    """``mode="reduce-overhead"``: a training step (the lm_head loss in the graph: the GPU
+    plan's gradients in the forward) and a scoring step (no grad) are rewritten, captured
+    and replayed (our ops are capture-safe or Inductor partitions around the unsafe ones),
+    and each replayed step is as accurate as stock's against FP64."""
+    inputs = on_device(_lm_head_inputs(), CUDA)
+    ref_outs, ref_grads = _reference(fn, inputs, grad_pos)
+    results = {}
+    for backend in ("inductor", "chunked_logits"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend=backend, mode="reduce-overhead")
+        steps = []
+        with _replays() as n:
+            for _ in range(4):  # warm-up, record, then replays
+                torch.compiler.cudagraph_mark_step_begin()
+                outs, grads = run(compiled, inputs, grad_pos)
+                steps.append(([o.clone() for o in outs], [g.clone() for g in grads]))
+        torch.cuda.synchronize()
+        results[backend] = steps, n[0], dict(counters["chunked_logits"])
+    (stock_steps, stock_replays, _), (steps, replays, ours) = results["inductor"], results["chunked_logits"]
+    assert ours.get("rewritten", 0) >= 1 and "pass_failed" not in ours, ours
+    assert stock_replays > 0 and replays > 0, (stock_replays, replays)
+    (stock_outs, stock_grads) = stock_steps[-1]
+    for outs, grads in steps[1:]:  # every step after the warm-up, the replays included
+        for got, st, r in zip(outs, stock_outs, ref_outs, strict=True):
+            assert max_err(got, r) <= 1.25 * max_err(st, r) + 2e-6 * max(r.abs().max().item(), 1.0)
+        for got, st, r in zip(grads, stock_grads, ref_grads, strict=True):
+            assert max_err(got, r) <= 1.25 * max_err(st, r) + 2**-8 * r.abs().max().item()
