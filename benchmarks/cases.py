@@ -43,6 +43,7 @@ MODES = {
     "autochunk": "stock Inductor with auto_chunker.enable=True",
     "chunked_logits": 'torch.compile(backend="chunked_logits")',
     "chunked_logits_dyn": 'torch.compile(backend="chunked_logits", dynamic=True)',
+    "chunked_logits_all_rows": 'torch.compile(backend="chunked_logits", options={"skip_masked_rows": False})',
     "chunked_logits_up": 'torch.compile(backend="chunked_logits", options={"upgrade_low_precision": True})',
     "chunked_logits_up_dyn": "the same with dynamic=True",
     **baselines.PEERS,  # torch_lce, torch_lce_compiled: WV only
@@ -58,12 +59,13 @@ def default_modes(name: str) -> list[str]:
     """
     if ALL_WORKLOADS[name].upgrade:
         return ["eager", "inductor", "chunked_logits", "chunked_logits_up", "chunked_logits_up_dyn"]
-    ours = [m for m in MODES if not m.startswith("chunked_logits_up") and m not in baselines.PEERS]
+    ours = [m for m in MODES if not m.startswith("chunked_logits_up") and m not in baselines.PEERS
+            and m != "chunked_logits_all_rows"]
     return ours + baselines.peers_for(name)
 
 
 STOCK = "inductor"
-LM_HEAD_WORKLOADS = ("W4", "W4L", "WV", "WD")  # the lm_head matmul is in the graph
+LM_HEAD_WORKLOADS = ("W4", "W4L", "W4C", "W4M", "WV", "WD")  # the lm_head matmul is in the graph
 LM_HEAD_HIDDEN = 1024  # H of W4 (workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
@@ -117,6 +119,8 @@ def compile_mode(fn: Callable, mode: str) -> Callable:
         return torch.compile(f, backend="chunked_logits")
     if mode == "chunked_logits_dyn":
         return torch.compile(f, backend="chunked_logits", dynamic=True)
+    if mode == "chunked_logits_all_rows":  # (every row computed, as before rows that count: issue 36)
+        return torch.compile(f, backend="chunked_logits", options={"skip_masked_rows": False})
     if mode == "chunked_logits_up":
         return torch.compile(f, backend="chunked_logits", options=UPGRADE_OPTIONS)
     if mode == "chunked_logits_up_dyn":

@@ -292,6 +292,47 @@ def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
     return [Kernel("gradient buffers", fresh=fresh(size * T * H) + fresh(size * V * H))]
 
 
+# A device sync's price (the one host read of ``kernels/rows.select``): the GPU drains its
+# queue, then idles while the op's Python prologue runs before the next kernel.  An
+# assumption (tens to hundreds of microseconds), not measured: docs/gpu.md.
+SYNC_S = 100e-6
+
+
+def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float) -> list[Kernel]:
+    """``lm_head_loss`` with ``fraction`` of the rows left out of the loss (section 5c of
+    docs/how-it-works.md): the logits' bound (a read of ``[T, H]`` and ``[V, H]``), the
+    gather of the kept rows, the loop on them (their count rounded up to the granule), the
+    scatter of ``grad_hidden``, and the one host read."""
+    n = min(T, -(-round(T * (1 - fraction)) // tiling.granule(T)) * tiling.granule(T))
+    size = 4 if plan == "gpu" else 2
+    ks = [elementwise("bound: |h| per row, max |W|", 2 * (T + V) * H),
+          elementwise("gather kept rows", 2 * n * H, 2 * n * H)]  # (the host read: SYNC_S)
+    ks += GIF[plan](budget, n, H, V) if n else []
+    ks += [elementwise("scatter grad_hidden (zeros + kept rows)", size * n * H, size * T * H)]
+    return ks + _outputs(T, H, V, size)
+
+
+MASKED_TARGET = (0.5, 0.6)  # issue 36: at half the rows masked, the loss in the graph at most 0.6x stock
+
+
+def masked_table(fractions: list[float], dev: Optional[Device] = None) -> str:
+    """Ours / stock, cross-entropy with the lm_head in the graph (``gpu`` plan, the
+    device's budget) at T 16384, H 4096, V 151936 on ``dev`` (the H200), by the share of
+    rows the loss leaves out (stock computes every row)."""
+    dev = dev or DEVICES[-1]
+    T, H, V = BUDGET_SHAPE
+    base, budget = step_time(stock(T, H, V, "ce"), dev), device_budget(dev)
+    every = step_time(ours(T, H, V, "gpu", True, budget), dev) / base
+    lines = [f"{dev.name}, T {T}, H {H}, V {V}, plan gpu, loss in graph, ours / stock (every row: "
+             f"{every:.2f}x; a host read priced {SYNC_S * 1e6:.0f} us):", "",
+             "| rows masked | ours / stock | full GEMMs (stock 3) |", "| --- | --- | --- |"]
+    for f in fractions:
+        ks = masked(T, H, V, "gpu", budget, f)
+        ratio = (step_time(ks, dev) + SYNC_S) / base
+        lines.append(f"| {f:.0%} | {ratio:.2f}x | {full_gemms(ks, T, H, V):.2f} |")
+    return "\n".join(lines)
+
+
 def device_budget(dev: Device) -> int:
     """The lm_head loop's budget on ``dev`` when none is configured (``tiling.device_budget``)."""
     fn = getattr(tiling, "device_budget", None)
@@ -450,7 +491,12 @@ def main(argv=None) -> int:
     p.add_argument("--what-if", action="store_true", help="the gpu plan's loss path without its overheads")
     p.add_argument("--budgets", nargs="*", type=float, default=None, metavar="MIB",
                    help="ratios at the default chunk budget and these (default 1024 512 256 128 32), H200")
+    p.add_argument("--masked", nargs="*", type=float, default=None, metavar="FRACTION",
+                   help="ratios by the share of rows the loss leaves out (default 0 0.25 0.5 0.75), H200")
     args = p.parse_args(argv)
+    if args.masked is not None:
+        print(masked_table(args.masked or [0.0, 0.25, 0.5, 0.75]))
+        return 0
     if args.budgets is not None:
         print(budget_table(args.budgets or None))
         return 0

@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default=None,
                    help="comma list of T values, each its own set of cases (default: the workload's T)")
     p.add_argument("--vocab", type=int, default=0, help="V instead of the workload's (before --scale)")
+    p.add_argument("--mask", type=float, default=0.5,
+                   help="share of the rows the masked workloads (W4C, W4M) leave out of the loss")
+    p.add_argument("--mask-style", default="prompt", choices=("prompt", "padding"),
+                   help="which rows of each sequence they leave out: the first (prompt) or the last")
     p.add_argument("--csv", default="bench_out/results.csv", help="where to write the CSV")
     p.add_argument("--plot", action="store_true",
                    help="also write memory and step time against T as a PNG next to the CSV (matplotlib)")
@@ -239,6 +243,8 @@ def child_result(args) -> dict:
 
 
 def child_main(args) -> None:
+    from fx_passes.testing.workloads import set_mask
+    set_mask(args.mask, args.mask_style)
     print(RESULT_TAG + json.dumps(child_result(args)), flush=True)
 
 
@@ -265,6 +271,7 @@ def child_argv(args, extra: list[str], rows: int | None = None) -> list[str]:
     """The command line of a child: the parent's settings, the case's T, then ``extra``."""
     return ["--scale", str(args.scale), "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--threads", str(args.threads), "--vocab", str(args.vocab),
+            "--mask", str(args.mask), "--mask-style", args.mask_style,
             *(["--rows", str(rows)] if rows else []), *extra]
 
 

@@ -51,6 +51,9 @@ class Config:
         gradients_in_forward: when a fused region's results reach the scalar loss only
             through row-local ops and sums / means (``match/loss_tail.py``), compute
             gradients in the forward's chunk loop (docs/how-it-works.md section 5b).
+        skip_masked_rows: there, run the chunk loop (GEMMs included) only on the rows whose
+            value and gradient the loss does not zero by a mask or ``ignore_index``
+            (``match/row_mask.py``; one host read a step; docs/how-it-works.md section 5c).
     """
 
     rewrite: bool = True
@@ -68,6 +71,7 @@ class Config:
     save_masks: bool = True
     save_normalizers: bool = True
     gradients_in_forward: bool = True
+    skip_masked_rows: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

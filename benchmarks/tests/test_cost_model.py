@@ -174,3 +174,21 @@ def test_a_plan_this_checkout_cannot_size_is_one_row_saying_so(monkeypatch):
 def test_what_ifs_name_both_lm_head_workloads():
     text = cm.what_ifs()
     assert text.count("\n* ") == 2 and "* W4: loss in graph as built" in text and "at 32 MiB" in text
+
+
+def test_masked_rows_scale_the_gemms_and_meet_the_target():
+    """Issue 36's cost-model target: at half the rows masked the loss in the graph is at
+    most 0.6x stock on the H200; the GEMMs scale with the kept rows, nothing masked costs
+    no more than the unmasked loop plus the bound, the gather and the host read."""
+    T, H, V = cm.BUDGET_SHAPE
+    dev, budget = cm.DEVICES[-1], cm.device_budget(cm.DEVICES[-1])
+    base = cm.step_time(cm.stock(T, H, V, "ce"), dev)
+    ratio = {f: (cm.step_time(cm.masked(T, H, V, "gpu", budget, f), dev) + cm.SYNC_S) / base
+             for f in (0.0, 0.25, 0.5, 0.75)}
+    assert ratio[0.0] > ratio[0.25] > ratio[0.5] > ratio[0.75]
+    fraction, bound = cm.MASKED_TARGET
+    assert ratio[fraction] <= bound
+    every = cm.step_time(cm.ours(T, H, V, "gpu", True, budget), dev) / base
+    assert every <= ratio[0.0] <= every * 1.05
+    assert cm.full_gemms(cm.masked(T, H, V, "gpu", budget, 0.5), T, H, V) == pytest.approx(1.5, rel=0.01)
+    assert "| 50% | " in cm.masked_table([0.5])

@@ -42,7 +42,7 @@ import torch
 from torch.fx import Node
 
 __all__ = ["Kind", "OpRule", "TAIL", "BLOCK", "ANY", "tail_rule", "tail_row_rule", "block_rule",
-           "reads_row_length", "FLOATS", "RESHAPES", "TAIL_ROWS"]
+           "reads_row_length", "FLOATS", "RESHAPES", "TAIL_ROWS", "ZERO_ROWS"]
 
 
 class Kind(enum.Enum):
@@ -56,6 +56,10 @@ class Kind(enum.Enum):
     PER_COLUMN = "a pointwise op: a block's columns from the same columns of its operands"
     BLOCK_SIZED = "a view / expand / creation op whose size argument is the block's own width"
     ONE_COLUMN = "one value a row put at one column (a scatter): a where on the block's column indices"
+    SELECT = "one of two operands per element by a condition (``where``, ``masked_fill``): no arithmetic"
+    EXP = "``exp``: an increasing map whose derivative is its value"
+    CLAMP = "its operand clamped to number bounds: a derivative of 0 or 1"
+    EXTREMUM = "the smaller / larger of two tensors per element: a derivative of 0, 1/2 or 1 each"
 
 
 ANY = object()  # (a keyword argument any value of which keeps the rule)
@@ -96,6 +100,22 @@ TAIL_ROWS: dict[str, Kind] = {
     **dict.fromkeys(("view", "reshape", "flatten", "unsqueeze", "squeeze", "contiguous"), Kind.ROW_VIEW),
     **dict.fromkeys(("float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "clone"),
                     Kind.PER_ROW),
+}
+
+# What the rows a loss leaves out are made of (``match/row_mask.py``, NOTE [rows a loss leaves
+# out]): how a zero value / a zero cotangent crosses each op of the loss tail's row part.
+# An op missing here zeroes nothing and passes no zero on: its rows are computed.
+ZERO_ROWS: dict[str, Kind] = {
+    **dict.fromkeys(("convert", "float", "double", "half", "bfloat16", "to", "type", "type_as", "detach",
+                     "clone", "contiguous", "positive"), Kind.SAME),
+    **dict.fromkeys(("view", "reshape", "flatten", "unsqueeze", "squeeze"), Kind.ROW_VIEW),
+    "neg": Kind.NEGATE,
+    **dict.fromkeys(("add", "sub", "rsub"), Kind.SUM_OF_TERMS),
+    **dict.fromkeys(("mul", "div"), Kind.FACTOR),
+    **dict.fromkeys(("where", "masked_fill"), Kind.SELECT),
+    "exp": Kind.EXP,
+    **dict.fromkeys(("clamp", "clip", "clamp_min", "clamp_max"), Kind.CLAMP),
+    **dict.fromkeys(("min", "max", "minimum", "maximum"), Kind.EXTREMUM),
 }
 
 aten = torch.ops.aten

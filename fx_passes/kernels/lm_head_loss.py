@@ -53,6 +53,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import compat
 from . import graph_bodies
+from . import rows as rows_of
 from .bodies import compiled, grad_through_transforms, transformed
 from .lm_head import lm_head_grads
 from .registry import CAPTURE_SAFE, emitted
@@ -189,12 +190,54 @@ def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:
 
 
 def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-             plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole):
+             plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key):
+    n, dev = hidden.shape[0], hidden.device
+    weights = row_weights(final_key, kinds, whole, n, dev)
+    kept = _kept_rows(hidden, weight, bias, scale, scale_is_div, transforms, plan, rows, whole, weights,
+                      mask_key)
+    count = torch.full((), n if kept is None else kept.shape[0], dtype=torch.int64, device=dev)  # (no copy)
+    index = torch.arange(n, device=dev) if kept is None else _first(kept, n)
+    if kept is not None:  # the loop on the rows that count; the others' results are exact zeros
+        hidden, rows = hidden[kept], [r[kept] for r in rows]
+        tokens = tokens[kept] if tokens is not None else None
+    loss, gh, gw, gb, keep = _loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy,
+                                   budget_bytes, transforms, plan, tail_key, final_key, kinds, need_hidden,
+                                   need_weight, rows, whole, weights, n)
+    if kept is not None:
+        if need_hidden:
+            gh = gh.new_zeros(n, gh.shape[1]).index_copy_(0, kept, gh)
+        keep = [_first(k, n) for k in keep]
+    return (loss, gh, gw, gb, *keep, index, count)
+
+
+def _first(values: torch.Tensor, n: int) -> torch.Tensor:
+    """``values`` (one per kept row) in the first places of ``n`` (the backward's layout)."""
+    if not values.numel():
+        return values
+    out = values.new_zeros(n)
+    out[:values.shape[0]] = values
+    return out
+
+
+def _kept_rows(hidden, weight, bias, scale, scale_is_div, transforms, plan, rows, whole, weights,
+               mask_key) -> Optional[torch.Tensor]:
+    """The rows the loop must run (ascending), or None for all of them: those the loss tail's
+    skip graph (``match/row_mask.py``) cannot prove exactly zero in value and gradient.  The
+    ``"two_sweeps"`` backward reads the count from host memory: that plan compacts on CPUs only."""
+    if not mask_key or (plan != "gpu" and hidden.device.type != "cpu"):
+        return None
+    z = rows_of.logit_bounds(hidden, weight, bias, scale, scale_is_div, transforms)
+    skip = graph_bodies.function(mask_key)(*rows_of.item_bounds(z, weight.shape[0]), *rows, *whole, *weights)
+    return rows_of.select(skip.expand(hidden.shape[0]))
+
+
+def _loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
+          plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, weights, total):
+    """The chunk loop over ``hidden``'s rows (``total``: every row's count, a mean's)."""
     n, width = hidden.shape
     vocab, dev = weight.shape[0], hidden.device
     budget_bytes = resolve_budget(budget_bytes, dev)
     reductions = reductions_of(kinds)
-    weights = row_weights(final_key, kinds, whole, n, dev)
     sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions]
     gpu = plan == "gpu"
     gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden))
@@ -229,7 +272,7 @@ def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, bu
                 if value is not None:
                     buf[r0:r1] = value
         del g
-    return (loss_of_sums(final_key, kinds, sums, n, whole), gh, gw, gb, *keep)
+    return loss_of_sums(final_key, kinds, sums, total, whole), gh, gw, gb, keep
 
 
 @torch.library.custom_op("chunked_logits::lm_head_loss", mutates_args=())
@@ -237,19 +280,21 @@ def _lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                   tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                   want_entropy: bool, budget_bytes: int, transforms: str, plan: str, tail_key: str,
                   final_key: str, kinds: str, need_hidden: bool, need_weight: bool, rows: list[torch.Tensor],
-                  whole: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor]:
-    """(loss, grad_hidden, grad_weight, grad_bias, lse, entropy, g_lse, g_logprob, g_entropy):
-    ``"gpu"``: the gradients in FP32, the rest empty; ``"two_sweeps"``: ``grad_hidden`` in
-    model precision, no weight gradients, the per-row values the backward's sweep reads."""
+                  whole: list[torch.Tensor], mask_key: str) -> tuple[
+                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias, lse, entropy, g_lse, g_logprob, g_entropy,
+    rows, count): ``"gpu"``: the gradients in FP32, the per-row values empty;
+    ``"two_sweeps"``: ``grad_hidden`` in model precision, no weight gradients, the per-row
+    values the backward's sweep reads (of the rows run: ``rows[:count]``, ``count`` 0-d;
+    ``mask_key``: the skip graph, "" for none)."""
     return _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-                    plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole)
+                    plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key)
 
 
 @_lm_head_loss.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan,
-      tail_key, final_key, kinds, need_hidden, need_weight, rows, whole):
+      tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key):
     n, width = hidden.shape
     vocab, gpu = weight.shape[0], plan == "gpu"
     at = [torch.zeros((), dtype=dt, device=hidden.device) for _, dt in reductions_of(kinds)]
@@ -258,7 +303,8 @@ def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_by
     gw = hidden.new_empty(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
     gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
     keep = [hidden.new_empty(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
-    return (torch.empty_like(loss), gh, gw, gb, *keep)
+    return (torch.empty_like(loss), gh, gw, gb, *keep, hidden.new_empty(n, dtype=torch.int64),
+            hidden.new_empty((), dtype=torch.int64))
 
 
 @torch.library.custom_op("chunked_logits::lm_head_loss_backward", mutates_args=())
@@ -267,14 +313,23 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
                            scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
                            transforms: str, lse: torch.Tensor, entropy: Optional[torch.Tensor],
                            c_lse: torch.Tensor, c_lp: torch.Tensor, c_ent: torch.Tensor,
-                           need_hidden: bool,
-                           need_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           need_hidden: bool, need_weight: bool, index: torch.Tensor,
+                           count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``"two_sweeps"`` backward: the forward's ``grad_hidden`` times ``g`` and one
     vocabulary sweep for ``grad_weight`` from the cotangents times ``g`` when that scaling is
     exact (``g`` a power of two, 1 and -1 included, and no scaled element rounded: a
     gradient-accumulation ``loss / 4`` keeps 4 GEMMs), else both recomputed from the
-    cotangents times ``g`` (each still one FP32 sum rounded once)."""
+    cotangents times ``g`` (each still one FP32 sum rounded once).  On a CPU, over the rows
+    the forward ran (``index[:count]``, the others' gradients exact zeros)."""
     tokens = tokens if tokens is not None else torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    if g.device.type == "cpu" and int(count) < hidden.shape[0]:
+        kept, k = index[:int(count)], int(count)
+        gh, gw, gb = _lm_head_loss_backward(g, grad_hidden, hidden[kept], weight, bias, tokens[kept], scale,
+                                            scale_is_div, budget_bytes, transforms, lse[:k],
+                                            entropy[:k] if entropy is not None else None, c_lse[:k], c_lp[:k],
+                                            c_ent[:k], need_hidden, need_weight, index[:k], count)
+        return (gh if not need_hidden or gh.shape[0] == hidden.shape[0]
+                else gh.new_zeros(hidden.shape).index_copy_(0, kept, gh)), gw, gb
     if g.device.type != "cpu":  # (a CPU plan elsewhere: no host read of g, both gradients recomputed)
         c_lse, c_lp, c_ent = (c * g for c in (c_lse, c_lp, c_ent))
         return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
@@ -295,7 +350,7 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
 
 @_lm_head_loss_backward.register_fake
 def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_bytes, transforms, lse,
-      entropy, c_lse, c_lp, c_ent, need_hidden, need_weight):
+      entropy, c_lse, c_lp, c_ent, need_hidden, need_weight, index, count):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
@@ -303,7 +358,7 @@ def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_
 
 def _setup(ctx, inputs, output):
     (hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan,
-     _, _, _, need_hidden, need_weight, rows, whole) = inputs
+     _, _, _, need_hidden, need_weight, rows, whole, _) = inputs
     ctx.save_for_backward(hidden, weight, bias, tokens, scale, *output[1:])
     ctx.plan, ctx.scale_is_div, ctx.want_entropy = plan, scale_is_div, want_entropy
     ctx.budget_bytes, ctx.transforms = budget_bytes, transforms
@@ -312,7 +367,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, g, *_):
-    hidden, weight, bias, tokens, scale, gh, gw, gb, lse, ent, c_lse, c_lp, c_ent = ctx.saved_tensors
+    (hidden, weight, bias, tokens, scale, gh, gw, gb, lse, ent, c_lse, c_lp, c_ent, index,
+     count) = ctx.saved_tensors
     g = g if g is not None else torch.zeros((), dtype=F32, device=hidden.device)
     want_h, want_w, want_b = ctx.needs_input_grad[:3]
     if ctx.plan == "gpu":  # FP32 gradients times g, rounded once
@@ -323,9 +379,9 @@ def _backward(ctx, g, *_):
         gh, gw, gb = _lm_head_loss_backward(g, gh, hidden, weight, bias, tokens, scale, ctx.scale_is_div,
                                             ctx.budget_bytes, ctx.transforms, lse,
                                             ent if ctx.want_entropy else None, c_lse, c_lp, c_ent,
-                                            ctx.need_hidden, ctx.need_weight)
+                                            ctx.need_hidden, ctx.need_weight, index, count)
     return (gh if want_h else None, gw if want_w else None, gb if want_b and bias is not None else None,
-            *([None] * 12), [None] * ctx.lists[0], [None] * ctx.lists[1])
+            *([None] * 12), [None] * ctx.lists[0], [None] * ctx.lists[1], None)
 
 
 _lm_head_loss.register_autograd(_backward, setup_context=_setup)
@@ -334,12 +390,13 @@ _lm_head_loss.register_autograd(_backward, setup_context=_setup)
 @emitted(("lm_head_loss", "lm_head_loss_backward"), CAPTURE_SAFE)
 def lm_head_loss(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
                  budget_bytes: int, transforms: str, plan: str, tail_key: str, final_key: str, kinds: str,
-                 need_hidden: bool, need_weight: bool, n_rows: int, *operands):
+                 need_hidden: bool, need_weight: bool, n_rows: int, *operands, mask_key: str = ""):
     """Called from rewritten graphs: the graph's scalar loss of a fused lm_head region and
     its tail (:mod:`fx_passes.rewrite.loss_tail`).  ``hidden`` is ``[.., H]`` (its leading
     dims are the rows); ``operands``: the tail's ``n_rows`` per-row tensors (one value per
     row), then the tensors and numbers it reads whole; ``kinds``: each reduction's kind
-    and dtype; ``plan``: ``"gpu"`` or ``"two_sweeps"`` (resolved by the rewrite)."""
+    and dtype; ``plan``: ``"gpu"`` or ``"two_sweeps"`` (resolved by the rewrite);
+    ``mask_key``: the tail's skip graph (:mod:`fx_passes.match.row_mask`), "" for none."""
     h2 = hidden.reshape(-1, hidden.shape[-1])
     tok2 = tokens.reshape(-1) if tokens is not None else None
     if scale is not None and not isinstance(scale, torch.Tensor):
@@ -349,4 +406,4 @@ def lm_head_loss(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_e
         o, dtype=F32 if isinstance(o, (float, torch.SymFloat)) else torch.int64, device=hidden.device)
         for o in operands[n_rows:]]
     return _lm_head_loss(h2, weight, bias, tok2, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-                         plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole)[0]
+                         plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key)[0]

@@ -38,6 +38,8 @@ def from_data(data: dict[str, Any]) -> dict[str, Any]:
         "declined_by_reason": by_reason,
         "near_misses": [{"where": r["where"], "message": r["what"]} for r in of("near_miss")],
         "estimated_bytes_avoided": sum(r["bytes_avoided"] for r in rewritten),
+        "rows_seen": data["counters"].get("rows_seen", 0),
+        "rows_skipped": data["counters"].get("rows_skipped", 0),
         "rewritten": rewritten,
         "would_rewrite": would,
         "left_to_stock": stock,
@@ -64,6 +66,8 @@ def summary() -> dict[str, Any]:
       ``[.., V]`` tensor stock Inductor would keep (0 where it keeps none either: a
       cross-entropy on given logits) plus the model-precision logits of a fused lm_head;
       0 for a region of symbolic size;
+    * ``rows_seen`` / ``rows_skipped``: rows the loops with a loss-tail mask ran over, and
+      those left out because the loss zeroes them (``Config.skip_masked_rows``), per step;
     * ``rewritten`` / ``would_rewrite`` / ``left_to_stock`` (its ``what`` ends with why):
       ``[{"where", "what", "bytes_avoided", "compiles"}]``;
       ``declined``: the same plus ``"reason"``;

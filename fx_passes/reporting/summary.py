@@ -192,6 +192,10 @@ def format_text(data: dict[str, Any]) -> str:
             avoided = f"{_size(size)} avoided" if size else "nothing avoided"
             lines.append(f"  {label[kind]:<13} {r['what']}, {avoided}{times}")
             lines.append(f"  {'':<13} at {_short(r['where'])}")
+    seen, skipped = data["counters"].get("rows_seen", 0), data["counters"].get("rows_skipped", 0)
+    if seen:
+        lines.append(f"  rows skipped: {skipped} of {seen} ({100 * skipped / seen:.0f}%) that the loss "
+                     "leaves out (mask, ignore_index), GEMMs included")
     failed = data["counters"].get("pass_failed", 0)
     if failed:
         lines.append(f"  the pass failed on {failed} graph(s), which were compiled unchanged "

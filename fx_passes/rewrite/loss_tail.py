@@ -48,6 +48,7 @@ from ..kernels.row_split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
 from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_tail
 from ..match.row_local import op_name, same
+from ..match.row_mask import skip_rows_body
 from ..reporting.report import COUNTER, Decline, log
 from .logits import Emitter
 
@@ -217,19 +218,23 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
         return None
     _recount(graph, tail, stats.args[0])
     kinds = _kinds(tail)
+    mask_key = (skip_rows_body(tail) or "") if config.skip_masked_rows else ""
     hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget, transforms = stats.args[:9]
     e = Emitter(graph, tail.loss)
     call = e.function(lm_head_loss, hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget,
                       transforms, plan, tail_key, final_key, kinds, requires_grad(hidden),
                       requires_grad(weight) or requires_grad(bias), len(tail.row_operands),
-                      *tail.row_operands, *tail.whole)
+                      *tail.row_operands, *tail.whole, mask_key=mask_key)
     tail.loss.replace_all_uses_with(call)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(n)
     counters[COUNTER]["gradients_in_forward"] += 1
+    if mask_key:
+        counters[COUNTER]["masked_rows"] += 1
     return (f", gradients in the forward through its {tail.describe()} ({plan}: "
-            f"{GEMMS[plan]} GEMMs a step with a unit incoming gradient)")
+            f"{GEMMS[plan]} GEMMs a step with a unit incoming gradient)"
+            + (", rows the loss leaves out skipped" if mask_key else ""))
 
 
 def _joined(body: GraphModule, n_rows: int, tail: LossTail) -> GraphModule:

@@ -57,6 +57,13 @@ def wv_lm_head_cross_entropy(hidden, weight, labels):
     return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100)
 
 
+def w4m_masked_policy_loss(hidden, weight, tokens, advantages, mask):
+    """Training: W4's policy loss as a masked mean (padding / prompt rows weigh 0)."""
+    logp = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+    logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return -(logprob * advantages * mask).sum() / mask.sum()
+
+
 def wd_distillation(hidden, weight, teacher_logits):
     """Training: distillation, forward KL(teacher || student) per token, mean over tokens;
     the student's lm_head in the graph, the teacher's bf16 logits given."""
@@ -200,6 +207,36 @@ def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
     return hidden, weight, labels
 
 
+# (fraction of the rows a loss leaves out, "prompt" (the first rows of each sequence) or
+# "padding" (the last)) of the masked workloads W4C and W4M; ``set_mask`` changes it.
+MASK = {"fraction": 0.5, "style": "prompt"}
+SEQUENCE = 1024  # rows per sequence of the masked workloads
+
+
+def set_mask(fraction: float, style: str) -> None:
+    if not 0 <= fraction <= 1 or style not in ("prompt", "padding"):
+        raise ValueError(f"mask fraction in [0, 1] and style 'prompt' or 'padding', got {fraction}, "
+                         f"{style!r}")
+    MASK.update(fraction=fraction, style=style)
+
+
+def row_mask(T: int) -> torch.Tensor:
+    """True for the rows the loss reads: each sequence of ``SEQUENCE`` rows leaves out its
+    first (prompt) or last (padding) ``MASK["fraction"]``."""
+    pos = torch.arange(T) % min(SEQUENCE, T)
+    cut = round(MASK["fraction"] * min(SEQUENCE, T))
+    return pos >= cut if MASK["style"] == "prompt" else pos < min(SEQUENCE, T) - cut
+
+
+def _make_masked_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
+    hidden, weight, labels, _ = _make_lm_head(T, V, dtype, seed, H)
+    return hidden, weight, torch.where(row_mask(T), labels, -100)
+
+
+def _make_masked_policy(T, V, dtype=torch.bfloat16, seed=0, H=1024):
+    return (*_make_lm_head(T, V, dtype, seed, H), row_mask(T).float())
+
+
 def _make_distillation(T, V, dtype=torch.bfloat16, seed=0, H=1024):
     hidden, weight, _, _ = _make_lm_head(T, V, dtype, seed, H)
     g = torch.Generator().manual_seed(seed + 1)
@@ -254,6 +291,10 @@ WORKLOADS = {
 EXTRA_WORKLOADS = {
     "W4L": Workload("W4L", w4_lm_head_loss, True, _make_lm_head, (16384, 32768), (0, 1)),
     "WV": Workload("WV", wv_lm_head_cross_entropy, True, _make_lm_head_ce, (4096, 151936), (0, 1)),
+    # W4's shape with a share of the rows left out of the loss (MASK, benchmarks/run.py --mask):
+    # cross-entropy with labels -100 (SFT prompts) and the policy loss as a masked mean
+    "W4C": Workload("W4C", wv_lm_head_cross_entropy, True, _make_masked_ce, (4096, 32768), (0, 1)),
+    "W4M": Workload("W4M", w4m_masked_policy_loss, True, _make_masked_policy, (4096, 32768), (0, 1)),
     "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
     "WP": Workload("WP", wp_top_p_policy_loss, True, _make_top_p_policy, (4096, 32768), (0,)),
     # the row-local losses' memory table (docs/how-it-works.md 1b): W3's size

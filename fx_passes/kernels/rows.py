@@ -1,0 +1,76 @@
+"""The rows a chunk loop runs: which rows a loss leaves out, found with one host read a step.
+
+:func:`logit_bounds` bounds each row's (transformed, temperature-scaled) logits from the
+hidden states and the lm_head weight; :func:`select` turns a boolean "may skip" vector into
+the kept rows' indices (None: run every row).  The rows a loss leaves out and the proof
+that skipping them is exact are :mod:`fx_passes.match.row_mask`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch._dynamo.utils import counters
+
+from .. import compat
+from .bodies import parse_transforms
+from .tiling import granule
+
+__all__ = ["logit_bounds", "item_bounds", "select", "COUNTER"]
+
+COUNTER = "chunked_logits"
+F64 = torch.float64
+
+
+def logit_bounds(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 scale: Optional[torch.Tensor], scale_is_div: bool, transforms: str) -> torch.Tensor:
+    """Per row of ``hidden`` ``[n, H]``, in FP64: a bound on ``|z|`` over the row's logits
+    ``z`` as the lm_head loop forms them (``x = h @ W.T + b`` rounded to the model dtype, the
+    ``transforms`` in FP32, then ``/ t`` or ``* t``); inf or NaN where a value might not be
+    finite (a NaN or inf anywhere in the operands, a bound past the dtype's range)."""
+    x = hidden.abs().sum(-1, dtype=F64) * _largest(weight)
+    if bias is not None:
+        x = x + _largest(bias)
+    x = torch.where(x <= torch.finfo(hidden.dtype).max / 2, x, math.inf)
+    for op, c in parse_transforms(transforms):
+        x = torch.clamp(x, max=1.0) if op == "tanh" else x / abs(c) if op == "div" else x * abs(c)
+    if scale is not None:
+        t = scale.double().abs()
+        x = x / t if scale_is_div else x * t
+    return torch.where(x <= torch.finfo(torch.float32).max / 2, x, math.inf)
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` in FP64 (NaN if any is): two reductions, no ``|x|`` temporary."""
+    return torch.maximum(x.amax(), -x.amin()).double()
+
+
+def item_bounds(z: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Intervals holding ``lse``, ``logprob`` and the entropy per row, from the logits'
+    bound ``z``: ``[-z, z + log V]``, ``[-2z - log V, 0]``, ``[0, log V]`` (as
+    ``match/row_mask.ITEMS``: each interval's low end, then its high end)."""
+    log_v = math.log(vocab)
+    zero = torch.zeros_like(z)
+    return -z, z + log_v, -2 * z - log_v, zero, zero, zero + log_v
+
+
+def select(skip: torch.Tensor, rounding: bool = True) -> Optional[torch.Tensor]:
+    """The indices of the rows to run (ascending), or None to run them all: ``skip[i]``
+    True lets row ``i`` out.  One host read (the count); none, and None, inside a CUDA
+    graph capture.  The count is rounded up to a multiple of ``tiling.granule`` (adding
+    back skipped rows, which computing makes no less exact) so that chunks stay aligned
+    and a step's shapes repeat."""
+    n = skip.shape[0]
+    if n == 0 or compat._capturing(skip.device.type):
+        return None
+    order = torch.argsort(skip.to(torch.uint8), stable=True)  # kept rows first, each part in order
+    kept = n - int(skip.sum())  # the one host read
+    if rounding:
+        kept = min(n, -(-kept // granule(kept)) * granule(kept)) if kept else 0
+    counters[COUNTER]["rows_seen"] += n
+    counters[COUNTER]["rows_skipped"] += n - kept
+    if kept == n:
+        return None
+    return order[:kept].sort().values

@@ -1,0 +1,396 @@
+"""Rows a loss tail leaves out: which rows' values and gradients are exactly zero, per step.
+
+:func:`skip_rows_body` reads a matched :class:`~fx_passes.match.loss_tail.LossTail` and
+builds an FX graph ``skip(*item_bounds, *row_operands, *whole, *weights) -> bool [rows]``:
+True where the row adds exactly 0 to every sum the loss reads *and* its results get an
+exactly-zero gradient, so the chunk loops may leave it out (``kernels/rows.py``).  Its
+inputs are per-row intervals holding the results (``rows.item_bounds``), the tail's
+operands and each reduction's ``d loss / d row value``.  None: no row can ever be
+skipped (the region runs every row, as before).  The rules are :data:`fx_passes.fx.op_rules.ZERO_ROWS`; see
+NOTE [rows a loss leaves out].
+"""
+
+# NOTE [rows a loss leaves out]
+# A row may be left out of the chunk loop only when stock's answer for it is exactly what
+# leaving it out gives: 0 added to each sum, 0 added to every gradient.  Stock's gradient
+# of a row whose cotangent is 0 is ``0 * exp(logp)``, NaN when the row's logits are not
+# finite, and a zero that crosses ``x * y`` on the way is ``0 * y``, NaN when ``y`` is not.
+# So the graph built here evaluates, per row and at run time, an abstract interpretation
+# of the tail's ops with two facts per node:
+#
+# * forward, from the results to the sums: ``V`` (the value is exactly 0) and an interval
+#   ``[L, U]`` holding it (infinite or NaN when unknown; the results' own intervals come
+#   from the logits' bound, ``kernels/rows.logit_bounds``);
+# * backward, from the sums to the results: ``Zc`` (the cotangent is exactly 0) and
+#   ``Mc`` (a bound on it), starting from each reduction's weight.
+#
+# ``where(m, x, 0)`` and ``masked_fill`` select, so they zero a value and a cotangent
+# whatever the other side holds; ``x * y`` is zero only where one side is zero and the
+# other finite; ``x / y`` passes a zero where ``y`` is a nonzero number; ``exp``,
+# ``clamp``, ``min`` / ``max`` pass a zero cotangent where their derivative is bounded (the
+# interval).  A factor counts as a zero only when it is a mask (boolean or integer, or
+# summed whole as a masked mean's denominator): an advantage may be 0 on some rows, but a
+# region whose only zeros are such factors would pay a host read every step for little
+# (``_mask_like``).  A row is skipped
+# where every summed value has ``V`` and every result read has ``Zc``, and the logits'
+# bound is finite (then log-softmax's backward of a 0 cotangent is exactly 0, as stock's).
+# An op with no rule gives ``V = Zc = False``: its rows are computed, never guessed.
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional, Union
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from ..fx.graph_ops import canon, meta
+from ..fx.op_rules import ZERO_ROWS, Kind
+from ..kernels import graph_bodies
+from .loss_tail import LossTail
+from .row_local import op_name
+
+__all__ = ["skip_rows_body", "ITEMS"]
+
+ITEMS = ("lse_lo", "lse_hi", "lp_lo", "lp_hi", "ent_lo", "ent_hi")
+Fact = Union[bool, float, Node]  # a Python constant, or a node of the skip graph
+
+
+class _Facts:
+    """Nodes of the skip graph, with constants folded."""
+
+    def __init__(self, g: Graph) -> None:
+        self.g = g
+
+    def call(self, fn, *args) -> Node:
+        return self.g.call_function(fn, args)
+
+    def and_(self, a: Fact, b: Fact) -> Fact:
+        if a is False or b is False:
+            return False
+        if a is True:
+            return b
+        return a if b is True else self.call(torch.logical_and, a, b)
+
+    def or_(self, a: Fact, b: Fact) -> Fact:
+        if a is True or b is True:
+            return True
+        if a is False:
+            return b
+        return a if b is False else self.call(torch.logical_or, a, b)
+
+    def not_(self, a: Fact) -> Fact:
+        return (not a) if isinstance(a, bool) else self.call(torch.logical_not, a)
+
+    def finite(self, m: Fact) -> Fact:
+        return math.isfinite(m) if isinstance(m, (int, float)) else self.call(torch.isfinite, m)
+
+    def nonzero(self, m: Fact) -> Fact:
+        """``m > 0`` (False for NaN): a magnitude that is not 0."""
+        return (m > 0) if isinstance(m, (int, float)) else self.call(operator.gt, m, 0)
+
+    def _op(self, fn, *args) -> Fact:
+        """``fn(*args)``: folded in FP64 when every argument is a number, else a node."""
+        if all(isinstance(a, (int, float)) for a in args):
+            return fn(*(torch.tensor(float(a), dtype=torch.float64) for a in args)).item()
+        return self.call(fn, *args)
+
+    def times(self, a: Fact, b: Fact) -> Fact:
+        return self._op(operator.mul, a, b)  # (inf * 0 is NaN: not finite)
+
+    def plus(self, a: Fact, b: Fact) -> Fact:
+        return self._op(operator.add, a, b)
+
+    def minus(self, a: Fact, b: Fact) -> Fact:
+        return self._op(operator.sub, a, b)
+
+    def over(self, a: Fact, b: Fact) -> Fact:
+        return self._op(operator.truediv, a, b)
+
+    def _pick(self, a: Fact, b: Fact, smaller: bool) -> Fact:
+        """The smaller (larger) of two bounds, NaN if either is (an unknown bound stays unknown)."""
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return self._op(torch.minimum if smaller else torch.maximum, a, b)
+        if isinstance(a, (int, float)):
+            a, b = b, a
+        if isinstance(b, (int, float)):
+            return self.g.call_function(torch.clamp, (a,), {"max" if smaller else "min": b})
+        return self.call(torch.minimum if smaller else torch.maximum, a, b)
+
+    def low(self, *xs: Fact) -> Fact:
+        out = xs[0]
+        for x in xs[1:]:
+            out = self._pick(out, x, True)
+        return out
+
+    def high(self, *xs: Fact) -> Fact:
+        out = xs[0]
+        for x in xs[1:]:
+            out = self._pick(out, x, False)
+        return out
+
+    def exp(self, a: Fact) -> Fact:
+        return self._op(torch.exp, a)
+
+    def magnitude(self, lo: Fact, hi: Fact) -> Fact:
+        return self.high(self._op(torch.abs, lo), self._op(torch.abs, hi))
+
+    def select(self, c: Fact, a: Fact, b: Fact) -> Fact:
+        if isinstance(c, bool):
+            return a if c else b
+        return self.call(torch.where, c, a, b)
+
+    def capped(self, lo: Fact, hi: Fact, dtype: Any) -> tuple[Fact, Fact]:
+        """``[lo, hi]``, or ``[-inf, inf]`` where a value that large might round to inf in
+        ``dtype`` (any interval of a value that is not a float)."""
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            return -math.inf, math.inf
+        cap = torch.finfo(dtype).max / 2
+        ok = self._op(operator.le, self.magnitude(lo, hi), cap)
+        if isinstance(ok, bool):
+            return (lo, hi) if ok else (-math.inf, math.inf)
+        return self.select(ok, lo, -math.inf), self.select(ok, hi, math.inf)
+
+
+class _NoRule(Exception):
+    pass
+
+
+def _args(node: Node) -> list:
+    """The operands in the op's own order (``c / x`` for ``x.__rtruediv__(c)``)."""
+    args = list(node.args)
+    if node.op == "call_method" and str(node.target).startswith("__r") and op_name(node) != "rsub":
+        args.reverse()
+    return args
+
+
+def _rule(node: Node) -> tuple[Kind, list]:
+    """(the node's kind in ``ZERO_ROWS``, its operands) or :class:`_NoRule`."""
+    name = "convert" if canon(node) == "convert" else op_name(node)
+    rule = ZERO_ROWS.get(name)
+    if rule is None:
+        raise _NoRule(f"{name} has no rule")
+    args = _args(node)
+    if rule is Kind.CLAMP:
+        args = [args[0], *([node.kwargs.get(k) for k in ("min", "max")] if node.kwargs else args[1:3])]
+        args += [None] * (3 - len(args))
+        if name == "clamp_min":
+            args = [args[0], args[1], None]
+        elif name == "clamp_max":
+            args = [args[0], None, args[1]]
+        if any(isinstance(a, Node) for a in args[1:]):
+            raise _NoRule(f"{name} by a tensor")
+        return rule, args
+    if rule not in (Kind.SAME, Kind.ROW_VIEW) and node.kwargs:
+        raise _NoRule(f"{name} with keyword arguments")
+    if rule is Kind.EXTREMUM and (len(args) != 2 or not all(isinstance(a, Node) for a in args)):
+        raise _NoRule(f"{name} of one tensor (a reduction)")
+    return rule, args
+
+
+def skip_rows_body(tail: LossTail) -> Optional[str]:
+    """The registered key of the tail's skip graph, or None when no row can be skipped
+    whatever the inputs hold (a result read unmasked, an op with no rule on every path)."""
+    g = Graph()
+    bounds = [g.placeholder(name) for name in ITEMS]
+    env: dict[Node, Node] = {o: g.placeholder(f"row{i}") for i, o in enumerate(tail.row_operands)}
+    env.update({o: g.placeholder(f"whole{i}") for i, o in enumerate(tail.whole)})
+    weights = [g.placeholder(f"weight{k}") for k in range(len(tail.reductions))]
+    run = _Interpreter(_Facts(g), tail, env)
+    skip = run.forward(bounds)
+    if skip is not False:
+        skip = run.f.and_(skip, run.backward(weights))
+    if skip is False:
+        return None
+    g.output(run.f.and_(skip, run.f.finite(bounds[1])))
+    return graph_bodies.register(GraphModule(torch.nn.Module(), g))
+
+
+def _sources(node: Node) -> set[Node]:
+    """``node`` and what it converts or views, back to the first other op."""
+    out = {node}
+    while (canon(node) == "convert" or ZERO_ROWS.get(op_name(node)) in (Kind.SAME, Kind.ROW_VIEW)) \
+            and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+        out.add(node)
+    return out
+
+
+def _mask_like(tail: LossTail) -> set[Node]:
+    """The row operands that are masks: a boolean or integer tensor (or a conversion of
+    one), or one the tail also sums whole (a masked mean's ``/ mask.sum()``, clamped or not).  A factor
+    such as an advantage may be 0 on some rows too, but reading the count every step to
+    find out is not worth its host sync (NOTE [rows a loss leaves out])."""
+    summed, seen = set(), set()
+    stack = [(w, 0) for w in tail.whole]  # (a sum a few ops up: ``mask.sum().clamp(min=1)``)
+    while stack:
+        w, depth = stack.pop()
+        if w in seen or depth > 3:
+            continue
+        seen.add(w)
+        if op_name(w) in ("sum", "mean") and w.all_input_nodes:
+            summed |= _sources(w.all_input_nodes[0])
+        stack += [(a, depth + 1) for a in w.all_input_nodes]
+    out = set()
+    for o in tail.row_operands:
+        src = _sources(o)
+        kinds = {getattr(meta(n), "dtype", None) for n in src}
+        if src & summed or any(isinstance(d, torch.dtype) and not d.is_floating_point for d in kinds):
+            out.add(o)
+    return out
+
+
+Value = tuple[Fact, Fact, Fact]  # (V: exactly 0, L, U: an interval holding the value)
+
+
+class _Interpreter:
+    """The facts of each tail node, as nodes of the skip graph (NOTE [rows a loss leaves out])."""
+
+    def __init__(self, f: _Facts, tail: LossTail, env: dict[Node, Node]) -> None:
+        self.f, self.tail, self.env = f, tail, env
+        self.inner = set(tail.items) | set(tail.rows)
+        self.masks = _mask_like(tail)
+        self.facts: dict[Node, Value] = {}
+
+    def value(self, a) -> Value:
+        """The facts of an operand of a tail node (V: False for a factor that is not a mask)."""
+        f = self.f
+        if isinstance(a, Node) and a in self.inner:
+            return self.facts[a]
+        if isinstance(a, Node):
+            x = self.env[a]
+            exact = f.g.call_method("double", (x,))
+            return (f.call(operator.eq, x, 0) if a in self.masks else False), exact, exact
+        if isinstance(a, (bool, int, float)):
+            return a == 0, float(a), float(a)
+        raise _NoRule(f"an operand {a!r}")
+
+    def finite(self, a) -> Fact:
+        _, lo, hi = self.value(a) if not isinstance(a, tuple) else a
+        return self.f.and_(self.f.finite(lo), self.f.finite(hi))
+
+    def size(self, a) -> Fact:
+        """A bound on ``|a|`` (inf or NaN when unknown)."""
+        _, lo, hi = self.value(a)
+        return self.f.magnitude(lo, hi)
+
+    def condition(self, c) -> Fact:
+        """A ``where`` / ``masked_fill`` condition read from the tail's operands."""
+        if isinstance(c, bool):
+            return c
+        if not isinstance(c, Node) or getattr(meta(c), "dtype", None) != torch.bool:
+            raise _NoRule("a condition that is not a boolean tensor")
+        if c in self.inner:
+            raise _NoRule("a condition that depends on the region")
+        return self.env[c]
+
+    def forward(self, bounds: list[Node]) -> Fact:
+        """Where every value the loss sums is exactly 0."""
+        for item, i in self.tail.items.items():
+            self.facts[item] = (False, bounds[2 * i], bounds[2 * i + 1])
+        for n in self.tail.rows:
+            try:
+                v, lo, hi = self._forward(n)
+            except _NoRule:
+                v, lo, hi = False, -math.inf, math.inf
+            self.facts[n] = (v, *self.f.capped(lo, hi, getattr(meta(n), "dtype", None)))
+        skip: Fact = True
+        for r in self.tail.reductions:
+            skip = self.f.and_(skip, self.facts[r.all_input_nodes[0]][0])
+        return skip
+
+    def _forward(self, n: Node) -> Value:
+        f, (rule, args) = self.f, _rule(n)
+        if rule in (Kind.SAME, Kind.ROW_VIEW):
+            return self.value(args[0])
+        va, la, ua = self.value(args[0])
+        if rule is Kind.NEGATE:
+            return va, f.minus(0.0, ua), f.minus(0.0, la)
+        if rule is Kind.EXP:
+            return False, f.exp(la), f.exp(ua)
+        if rule is Kind.CLAMP:
+            lo = args[1] if args[1] is not None else -math.inf
+            hi = args[2] if args[2] is not None else math.inf
+            return False, f.low(f.high(la, lo), hi), f.low(f.high(ua, lo), hi)
+        vb, lb, ub = self.value(args[1])
+        if rule is Kind.EXTREMUM:
+            pick = f.low if op_name(n) in ("min", "minimum", "fmin") else f.high
+            return f.and_(va, vb), pick(la, lb), pick(ua, ub)
+        if rule is Kind.SUM_OF_TERMS and op_name(n) == "add":
+            return f.and_(va, vb), f.plus(la, lb), f.plus(ua, ub)
+        if rule is Kind.SUM_OF_TERMS:  # a - b (rsub(a, b): b - a)
+            (va, la, ua), (vb, lb, ub) = ((vb, lb, ub), (va, la, ua)) if op_name(n) == "rsub" else \
+                ((va, la, ua), (vb, lb, ub))
+            return f.and_(va, vb), f.minus(la, ub), f.minus(ua, lb)
+        if rule is Kind.FACTOR and op_name(n) == "div":
+            if isinstance(args[1], Node) and args[1] in self.inner:
+                raise _NoRule("a divisor that depends on the region (only an interval holds it)")
+            ends = (f.over(la, lb), f.over(ua, lb))  # (the divisor is one number a row: lb == ub)
+            return f.and_(va, f.nonzero(self.size(args[1]))), f.low(*ends), f.high(*ends)
+        if rule is Kind.FACTOR:
+            ends = (f.times(la, lb), f.times(la, ub), f.times(ua, lb), f.times(ua, ub))
+            zero = f.or_(f.and_(va, self.finite(args[1])), f.and_(vb, self.finite(args[0])))
+            return zero, f.low(*ends), f.high(*ends)
+        c, x, y = _select(n, args)  # (Kind.SELECT)
+        cond = self.condition(c)
+        (vx, lx, ux), (vy, ly, uy) = self.value(x), self.value(y)
+        return (f.or_(f.and_(cond, vx), f.and_(f.not_(cond), vy)), f.select(cond, lx, ly),
+                f.select(cond, ux, uy))
+
+    def backward(self, weights: list[Node]) -> Fact:
+        """Where every result the tail reads gets an exactly-zero cotangent."""
+        f, Zc, Mc = self.f, {}, {}
+
+        def add(x, z: Fact, m: Fact) -> None:
+            if isinstance(x, Node) and x in self.inner:
+                Zc[x] = f.and_(Zc.get(x, True), z)
+                Mc[x] = f.plus(Mc.get(x, 0.0), m)
+        for r, w in zip(self.tail.reductions, weights):
+            add(r.all_input_nodes[0], f.call(operator.eq, w, 0), f.call(torch.abs, w))
+        for n in reversed(self.tail.rows):
+            if n in Zc:
+                z, m = Zc[n], f.capped(f.minus(0.0, Mc[n]), Mc[n], getattr(meta(n), "dtype", None))[1]
+                try:
+                    for a, za, ma in self._backward(n, z, m):
+                        add(a, za, ma)
+                except _NoRule:
+                    for a in n.all_input_nodes:
+                        add(a, False, math.inf)
+        skip: Fact = True
+        for item in self.tail.items:
+            skip = f.and_(skip, Zc.get(item, True))
+        return skip
+
+    def _backward(self, n: Node, z: Fact, m: Fact) -> list[tuple[Any, Fact, Fact]]:
+        """(operand, Zc, Mc) of the cotangent ``n`` passes to each operand (a zero
+        cotangent stays zero through a bounded derivative)."""
+        f, (rule, args) = self.f, _rule(n)
+        if rule in (Kind.SAME, Kind.ROW_VIEW, Kind.NEGATE):
+            return [(args[0], True, 0.0) if op_name(n) == "detach" else (args[0], z, m)]
+        if rule in (Kind.CLAMP, Kind.EXTREMUM):  # (a derivative of 0, 1 or 1/2 per operand)
+            return [(a, z, m) for a in (args[:1] if rule is Kind.CLAMP else args)]
+        if rule is Kind.EXP:  # c * exp(x)
+            top = self.facts[n][2]
+            return [(args[0], f.and_(z, f.finite(top)), f.times(m, top))]
+        if rule is Kind.SUM_OF_TERMS:
+            return [(args[0], z, m), (args[1], z, m)]
+        if rule is Kind.FACTOR and op_name(n) == "div":
+            if isinstance(args[1], Node) and args[1] in self.inner:
+                raise _NoRule("a divisor that depends on the region")
+            size = self.size(args[1])
+            return [(args[0], f.and_(z, f.nonzero(size)), f.over(m, size))]
+        if rule is Kind.FACTOR:
+            va, vb = self.value(args[0])[0], self.value(args[1])[0]
+            sa, sb = self.size(args[0]), self.size(args[1])
+            return [(args[0], f.or_(f.and_(z, f.finite(sb)), f.and_(vb, f.finite(m))), f.times(m, sb)),
+                    (args[1], f.or_(f.and_(z, f.finite(sa)), f.and_(va, f.finite(m))), f.times(m, sa))]
+        c, x, y = _select(n, args)  # (Kind.SELECT)
+        cond = self.condition(c)
+        return [(x, f.or_(f.not_(cond), z), f.select(cond, m, 0.0)),
+                (y, f.or_(cond, z), f.select(cond, 0.0, m))]
+
+
+def _select(n: Node, args: list) -> tuple:
+    """(condition, value where true, value where false) of a ``where`` / ``masked_fill``."""
+    return (args[0], args[1], args[2]) if op_name(n) == "where" else (args[1], args[2], args[0])
