@@ -65,13 +65,13 @@ class Config:
     fuse_lm_head: bool = True
     chunk_budget_mib: Optional[float] = None
     leave_to_stock: bool = True
+    skip_masked_rows: bool = True
     lm_head_plan: str = "auto"
     row_local: bool = True
     row_local_sweeps: bool = True
     save_masks: bool = True
     save_normalizers: bool = True
     gradients_in_forward: bool = True
-    skip_masked_rows: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -66,19 +66,19 @@ class _Facts:
     def call(self, fn, *args) -> Node:
         return self.g.call_function(fn, args)
 
-    def and_(self, a: Fact, b: Fact) -> Fact:
-        if a is False or b is False:
-            return False
-        if a is True:
+    def _logic(self, a: Fact, b: Fact, absorbing: bool, fn) -> Fact:
+        """``fn(a, b)`` with ``absorbing`` (False for and, True for or) folded."""
+        if a is absorbing or b is absorbing:
+            return absorbing
+        if a is (not absorbing):
             return b
-        return a if b is True else self.call(torch.logical_and, a, b)
+        return a if b is (not absorbing) else self.call(fn, a, b)
+
+    def and_(self, a: Fact, b: Fact) -> Fact:
+        return self._logic(a, b, False, torch.logical_and)
 
     def or_(self, a: Fact, b: Fact) -> Fact:
-        if a is True or b is True:
-            return True
-        if a is False:
-            return b
-        return a if b is False else self.call(torch.logical_or, a, b)
+        return self._logic(a, b, True, torch.logical_or)
 
     def not_(self, a: Fact) -> Fact:
         return (not a) if isinstance(a, bool) else self.call(torch.logical_not, a)
