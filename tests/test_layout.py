@@ -147,3 +147,48 @@ def test_docstring_problems_are_caught(tmp_path):
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_docstrings_state_the_contract(path):
     assert docstring_problems(path) == []
+
+
+# Issue 34 (item 2): options travel as named fields (``kernels/op_args.py``), so no function
+# takes more than MOST parameters, but the thin ones at an op's flat edge: a custom op's
+# implementation or fake, or a function a rewritten graph calls (decorated ``custom_op``,
+# ``register_fake`` or ``emitted``), each at most THIN statements that unpack and call on.
+MOST, THIN = 8, 8
+def _decorators(fn: ast.FunctionDef) -> set[str]:
+    names = set()
+    for d in fn.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        names.add(d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", ""))
+    return names
+
+
+def _parameters(fn: ast.FunctionDef) -> int:
+    a = fn.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def wide_functions(root: pathlib.Path) -> set[str]:
+    """``path::name`` of each function over MOST parameters that is not a thin edge."""
+    wide = set()
+    for path in sorted(root.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _parameters(fn) <= MOST:
+                continue
+            body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            edge = _decorators(fn) & {"custom_op", "register_fake", "emitted"}
+            if not (edge and len(body) <= THIN):
+                wide.add(f"{path.relative_to(root).as_posix()}::{fn.name}")
+    return wide
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    assert wide_functions(PACKAGE) == set(), f"more than {MOST} parameters: use op_args' types"
+
+
+def test_a_wide_function_is_caught(tmp_path):
+    (tmp_path / "m.py").write_text("def f(a, b, c, d, e, f, g, h, i):\n    return a\n\n"
+                                   "def ok(self, a, b, c, d, e, f, g, h):\n    return a\n\n"
+                                   "@torch.library.custom_op('x::y', mutates_args=())\n"
+                                   "def op(a, b, c, d, e, f, g, h, i):\n    return call(a)\n")
+    assert wide_functions(tmp_path) == {"m.py::f"}

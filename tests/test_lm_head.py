@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels.op_args import Cotangents, Head, HeadOptions, RowValues
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from fx_passes.testing.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
@@ -204,8 +205,9 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget):
     T, H, V = 300, 64, 512
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
     with LargestFP32() as mode, compiling_with(EAGER):  # eager bodies: every op is seen
-        gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
-                                          None, False, budget, plan="fp32_tiles")
+        gh, gw, _ = lm_head.lm_head_grads(Head(hidden, weight, None, tokens), RowValues(lse),
+                                          Cotangents(g_lse, g_lp, g_ent),
+                                          HeadOptions(False, False, budget, plan="fp32_tiles"))
     groups = -(-T // lm_head.accumulator_rows(budget, T, H))
     assert (groups == 1) == (budget == 2**20)
     if groups > 1:
@@ -240,8 +242,9 @@ def test_two_sweeps_model_precision_matmuls_each_a_whole_sum():
     budget = 48 * 2**10  # several row chunks and several blocks
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
     with _Matmuls() as mm, LargestFP32() as big, compiling_with(EAGER):
-        gh, gw, _ = lm_head.lm_head_grads(hidden, weight, None, tokens, lse, None, g_lse, g_lp, g_ent,
-                                          None, False, budget, plan="two_sweeps")
+        gh, gw, _ = lm_head.lm_head_grads(Head(hidden, weight, None, tokens), RowValues(lse),
+                                          Cotangents(g_lse, g_lp, g_ent),
+                                          HeadOptions(False, False, budget, plan="two_sweeps"))
     rows, cols = lm_head.sweep_sizes(budget, T, V)
     assert 1 < rows < T and 1 < cols < V
     assert all(dtypes == {torch.bfloat16} for dtypes, _ in mm.calls), mm.calls

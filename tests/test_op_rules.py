@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes import Config
 from fx_passes.fx.op_rules import TAIL as TAIL_RULES
+from fx_passes.kernels.op_args import Cotangents, Head, HeadOptions, LogitsInput, Region, RowValues
 from tests.op_rule_programs import (
     BODIES,
     LM_HEAD_BUDGETS,
@@ -161,8 +162,9 @@ def test_an_empty_batch_does_no_per_block_work(plan, monkeypatch):
     h, w, b = _empty_batch()
     rows, tok = torch.zeros(0), torch.zeros(0, dtype=torch.long)
     with cpu_out_dtype_kernels(), eager_lm_head_chunks():
-        gh, gw, gb = lm_head.lm_head_grads(h, w, b, tok, rows, rows, rows, rows, rows, None, False, 1 << 20,
-                                           plan=plan)
+        gh, gw, gb = lm_head.lm_head_grads(Head(h, w, b, tok), RowValues(rows, rows),
+                                           Cotangents(rows, rows, rows),
+                                           HeadOptions(False, False, 1 << 20, plan=plan))
     assert tiles == [] and gh.shape == (0, 16)
     assert torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
 
@@ -173,8 +175,8 @@ def test_an_empty_batch_does_no_per_block_work_in_the_row_local_sweep(monkeypatc
     blocks = []
     monkeypatch.setattr(row_local_sweeps, "_logits", lambda *a: blocks.append(a) or pytest.fail("a block"))
     h, w, b = _empty_batch()
-    gw, gb = row_local_sweeps.block_sweep(None, "key", [], [], [], [], 1 << 20, 0, h, w, b, "matmul",
-                                          [False, True, True])
+    region, lm = Region("key", [], [], 1 << 20), LogitsInput(0, h, w, b, "matmul")
+    gw, gb = row_local_sweeps.block_sweep(None, region, lm, [], [], [False, True, True])
     assert blocks == [] and torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
 
 

@@ -9,6 +9,7 @@ written once per op, not once per spelling.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any, Optional
 
@@ -18,7 +19,8 @@ from torch.fx import Graph, Node
 
 from .. import compat
 
-__all__ = ["canon", "get_arg", "meta", "is_low_precision", "is_metadata_query", "is_pure", "is_collective",
+__all__ = ["canon", "get_arg", "bound_args", "meta", "is_low_precision", "is_metadata_query", "is_pure",
+           "is_collective",
            "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS",
            "is_elementwise", "requires_grad", "is_number", "is_scalar", "scaled_by_number",
            "scalar_tensor", "keep_meta"]
@@ -108,6 +110,14 @@ def get_arg(node: Node, name: str, default: Any = None) -> Any:
         if pos < len(node.args):
             return node.args[pos]
     return default
+
+
+def bound_args(node: Node) -> dict[str, Any]:
+    """The arguments of a call of a Python function (an emitted call) by parameter name,
+    defaults filled in (a ``*args`` parameter: the tuple)."""
+    found = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    found.apply_defaults()
+    return dict(found.arguments)
 
 
 def meta(value: Any) -> Any:

@@ -7,7 +7,8 @@ the loss is in the graph), ``row_local`` (a row-local region's loop over row chu
 ``row_local_head`` and ``row_local_sweeps`` when it runs the lm_head matmul, whole or
 chunk by chunk, the latter on the body's gradient split by ``row_split``),
 ``graph_bodies`` and ``shard_lm_head`` (bodies made of the user's own ops, for
-vocab-parallel stages and row-local regions, and the vocab-parallel lm_head loop).  Kernels know no
-graph matching.
+vocab-parallel stages and row-local regions, and the vocab-parallel lm_head loop); ``op_args``
+(the ops' arguments by name: a custom op's flat schema is unpacked there, and rewrites read
+an emitted call's arguments through it).  Kernels know no graph matching.
 
 May import: fx (no graph of the user's), reporting, config, env, compat."""

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .compiler import compile_body
+from .op_args import Cotangents, LogitMap, RowValues
 from .stats import grad_of_logits, stats_of_logits
 
 __all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms",
@@ -92,21 +93,24 @@ def forward_chunk_logits(h, w, b, tokens, scale, is_div: bool, want_entropy: boo
     return (*stats_of_logits(x, tokens, scale, is_div, want_entropy), x)
 
 
-def backward_block(h, w, b, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool,
-                   dtype: torch.dtype, transforms: str, g_x=None):
-    """Model-precision gradient of this block's matmul output (through the transforms).
+def backward_block(h, w, b, tokens, saved: RowValues, grads: Cotangents, logit_map: LogitMap, g_x=None):
+    """Model-precision gradient of this block's matmul output (through the transforms),
+    from the token ids (shifted to the block's columns), the forward's per-row values and
+    the ``grads`` flowing into the per-row results.
 
     ``h``/``w``/``b`` may be FP32 copies of the model-precision operands (see
-    ``tiling.backward_plan``'s ``"fp32_tiles"``): the logits are rounded to ``dtype`` as the forward's were.
+    ``tiling.backward_plan``'s ``"fp32_tiles"``): the logits are rounded to the map's
+    ``dtype`` as the forward's were.
     ``g_x``: the block of the returned logits' gradient (zeros when nothing reads it).  As
     stock Inductor's fused backward does it: the region's gradient is formed in FP32 from
     the returned (rounded) logits, ``g_x`` is added in FP32, the transforms' gradients
     follow in FP32 from their unrounded outputs, and the sum is rounded once.
     """
-    x, outs = _logits(h, w, b, dtype, transforms)
+    dtype = logit_map.dtype
+    x, outs = _logits(h, w, b, dtype, logit_map.transforms)
     if g_x is not None:
         x = x.to(dtype).float()  # the returned values, in FP32: no rounding of the gradient yet
-    grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
+    grad = grad_of_logits(x, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div)
     if g_x is not None:
         grad = grad + g_x.float()
-    return grad_through_transforms(grad, outs, transforms).to(dtype)
+    return grad_through_transforms(grad, outs, logit_map.transforms).to(dtype)

@@ -151,6 +151,16 @@ def _fallback(compiled: Callable, eager: Callable, what: str, counter: str) -> C
     return call
 
 
+def _detached(value: Any) -> Any:
+    """``value`` with each tensor detached, inside tuples (named ones too)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        items = [_detached(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
+
+
 def compile_body(key: Any, fn: Callable, name: str, counter: str, options: Optional[dict] = None,
                  grad_mode: Callable[[], Any] = compat.below_autograd_no_grad) -> Callable:
     """``fn`` compiled once per ``key`` and user settings (with the active compiler, the
@@ -164,7 +174,7 @@ def compile_body(key: Any, fn: Callable, name: str, counter: str, options: Optio
         run = _fallback(compiler(_own_code(fn, name), settings), fn, name, counter)
 
         def call(*args):
-            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            args = _detached(args)
             with grad_mode(), compat.without_saved_tensors_hooks():
                 return run(*args)
         _cache[cache_key] = call

@@ -45,6 +45,7 @@ import torch
 
 from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
 from .gpu_plan import out_dtype_blocks
+from .op_args import Cotangents, Head, HeadOptions, LogitMap, RowValues, grads_by_name
 from .registry import CAPTURE_SAFE, emitted
 from .stats import softmax_lse
 from .tiling import (
@@ -61,19 +62,20 @@ __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_hea
            "lm_head_grads", "two_sweeps"]
 
 
-def _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
-                  budget_bytes: int, transforms: str, logits: Optional[torch.Tensor] = None):
+def _forward_loop(head: Head, opts: HeadOptions, logits: Optional[torch.Tensor] = None):
     """The forward's loop over row chunks: per-row (lse, logprob, entropy); with
     ``logits`` given (a model-precision ``[N, V]`` buffer) each chunk's logits are
     written there too, the same values the chunk's reductions read."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    hidden = head.hidden
+    n, vocab = hidden.shape[0], head.weight.shape[0]
     lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
-    rows = forward_rows(resolve_budget(budget_bytes, hidden.device), n, vocab)
+    rows = forward_rows(resolve_budget(opts.budget_bytes, hidden.device), n, vocab)
     body = compiled(forward_chunk if logits is None else forward_chunk_logits)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        tok = tokens[r0:r1] if tokens is not None else None
-        out = body(hidden[r0:r1], weight, bias, tok, scale, scale_is_div, want_entropy, transforms)
+        chunk = head.rows(r0, r1)
+        out = body(chunk.hidden, head.weight, head.bias, chunk.tokens, head.scale, opts.scale_is_div,
+                   opts.want_entropy, opts.transforms)
         c_lse, c_lp, c_ent = out[:3]
         lse[r0:r1] = c_lse
         if c_lp is not None:
@@ -90,8 +92,8 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                   tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                   want_entropy: bool, budget_bytes: int,
                   transforms: str, plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes,
-                         transforms)
+    return _forward_loop(Head(hidden, weight, bias, tokens, scale),
+                         HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan))
 
 
 @lm_head_stats.register_fake
@@ -110,8 +112,8 @@ def lm_head_stats_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     """``lm_head_stats`` that also returns the model-precision logits ``[N, V]`` (the
     graph returns them): written chunk by chunk, and never an input of the backward."""
     logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    stats = _forward_loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes,
-                          transforms, logits)
+    stats = _forward_loop(Head(hidden, weight, bias, tokens, scale),
+                          HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan), logits)
     return (*stats, logits)
 
 
@@ -127,36 +129,28 @@ def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_by
 class _Backward:
     """The backward's inputs, and its sweeps over the vocabulary."""
 
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    tokens: torch.Tensor
-    lse: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    g_lse: torch.Tensor
-    g_logprob: torch.Tensor
-    g_entropy: torch.Tensor
-    scale: Optional[torch.Tensor]
-    scale_is_div: bool
-    budget_bytes: int
+    head: Head  # its tokens: zeros where the forward had none
+    saved: RowValues
+    grads: Cotangents
+    budget_bytes: int  # resolved
     transforms: str
     plan: str  # tiling.backward_plan
     g_logits: Optional[torch.Tensor] = None  # the returned logits' gradient [N, V], if they are returned
+    scale_is_div: bool = True
 
     def grad_of_tile(self, body, h, w, b, v0: int, v1: int, t0: int, t1: int) -> torch.Tensor:
         """Model-precision gradient of the logits ``[t0:t1, v0:v1]``."""
-        entropy = self.entropy[t0:t1] if self.entropy is not None else None
         g_x = self.g_logits[t0:t1, v0:v1] if self.g_logits is not None else None
-        return body(h, w, b, self.tokens[t0:t1] - v0, self.lse[t0:t1], entropy, self.g_lse[t0:t1],
-                    self.g_logprob[t0:t1], self.g_entropy[t0:t1], self.scale, self.scale_is_div,
-                    self.hidden.dtype, self.transforms, g_x)
+        logit_map = LogitMap(self.head.hidden.dtype, self.transforms, self.head.scale, self.scale_is_div)
+        return body(h, w, b, self.head.tokens[t0:t1] - v0, self.saved.rows(t0, t1), self.grads.rows(t0, t1),
+                    logit_map, g_x)
 
     def sweep(self, r0: int, r1: int, acc: Optional[torch.Tensor], grad_weight: Optional[torch.Tensor],
               grad_bias: Optional[torch.Tensor]) -> None:
         """One sweep over the vocabulary blocks: adds the rows ``[r0, r1)``'s
         ``grad_hidden`` into ``acc`` (FP32 ``[r1 - r0, H]``, or None); with
         ``grad_weight`` (and ``grad_bias``) given, it reads every row and writes those too."""
-        hidden, weight, bias = self.hidden, self.weight, self.bias
+        hidden, weight, bias = self.head.hidden, self.head.weight, self.head.bias
         (vocab, width), body = weight.shape, compiled(backward_block)
         first, last = (0, hidden.shape[0]) if grad_weight is not None else (r0, r1)
         fp32 = self.plan == "fp32_tiles"
@@ -198,8 +192,9 @@ class _Backward:
 
     def tile(self, t0: int, t1: int, v0: int, v1: int) -> torch.Tensor:
         """``grad_of_tile`` of the model-precision operands (``two_sweeps``)."""
-        b = self.bias[v0:v1] if self.bias is not None else None
-        return self.grad_of_tile(compiled(backward_block), self.hidden[t0:t1], self.weight[v0:v1], b,
+        head = self.head
+        b = head.bias[v0:v1] if head.bias is not None else None
+        return self.grad_of_tile(compiled(backward_block), head.hidden[t0:t1], head.weight[v0:v1], b,
                                  v0, v1, t0, t1)
 
 
@@ -242,26 +237,27 @@ def two_sweeps(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: int, gr
 # Each further group of ``S`` rows takes a sweep of its own, which recomputes those
 # rows' logits: at long T the backward trades that extra matmul for an accumulator
 # bounded by the budget instead of growing with T.
-def lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                  scale_is_div: bool, budget_bytes: int, transforms: str = "",
+def lm_head_grads(head: Head, saved: RowValues, grads: Cotangents, opts: HeadOptions,
                   g_logits: Optional[torch.Tensor] = None, need_hidden: bool = True,
-                  need_weight: bool = True,
-                  plan: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  need_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden``, ``weight`` and ``bias`` (an empty tensor for one not
     needed: ``need_weight`` covers the bias), with no FP32 ``[T, H]`` buffer; each element
-    accumulated in FP32 and rounded once, in the sweeps of ``plan``.  See NOTE [lm_head
+    accumulated in FP32 and rounded once, in the sweeps of ``opts.plan``.  ``head.tokens``:
+    zeros where the forward had none; ``grads``: each a tensor (zeros for none flowing),
+    the g_logprob / g_entropy read only where the forward computed those results; ``opts``'
+    ``want_entropy`` is not read (``saved.entropy`` is None or not).  See NOTE [lm_head
     gradient sweeps].
     """
+    hidden, weight, bias = head.hidden, head.weight, head.bias
     n, width = hidden.shape
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
     grad_bias = torch.zeros(weight.shape[0] if bias is not None and need_weight else 0, dtype=weight.dtype,
                             device=weight.device)
     with_bias = grad_bias if bias is not None and need_weight else None
-    plan = backward_plan(hidden.device, hidden.dtype, plan)
-    budget_bytes = resolve_budget(budget_bytes, hidden.device)
-    bwd = _Backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                    scale_is_div, budget_bytes, transforms, plan, g_logits)
+    plan = backward_plan(hidden.device, hidden.dtype, opts.plan)
+    budget_bytes = resolve_budget(opts.budget_bytes, hidden.device)
+    bwd = _Backward(head, saved, grads, budget_bytes, opts.transforms, plan, g_logits, opts.scale_is_div)
     if plan in ("two_sweeps", "gpu"):
         loops = two_sweeps if plan == "two_sweeps" else out_dtype_blocks
         loops(hidden, weight, budget_bytes, bwd.tile, grad_hidden if need_hidden else None,
@@ -288,8 +284,10 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            transforms: str, g_logits: Optional[torch.Tensor] = None,
                            need_hidden: bool = True, need_weight: bool = True, plan: str = "auto",
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-                         scale_is_div, budget_bytes, transforms, g_logits, need_hidden, need_weight, plan)
+    return lm_head_grads(Head(hidden, weight, bias, tokens, scale), RowValues(lse, entropy),
+                         Cotangents(g_lse, g_logprob, g_entropy),
+                         HeadOptions(scale_is_div, entropy is not None, budget_bytes, transforms, plan),
+                         g_logits, need_hidden, need_weight)
 
 
 @lm_head_stats_backward.register_fake
@@ -301,11 +299,10 @@ def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, s
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan = inputs
+    head, opts = Head(*inputs[:5]), HeadOptions(*inputs[5:])
     lse, _, entropy = output[:3]  # (not the returned logits: the backward recomputes them)
-    ctx.save_for_backward(hidden, weight, bias, tokens, scale, lse, entropy if want_entropy else None)
-    ctx.has_tokens, ctx.scale_is_div, ctx.budget_bytes = tokens is not None, scale_is_div, budget_bytes
-    ctx.transforms, ctx.plan = transforms, plan
+    ctx.save_for_backward(*head, lse, entropy if opts.want_entropy else None)
+    ctx.opts, ctx.has_tokens = opts, head.tokens is not None
     ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
 
 
@@ -314,7 +311,8 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     per tile.  Under AOTAutograd it is always a tensor: when nothing reads the logits'
     gradient the autograd engine passes zeros (``[T, V]``, allocated before the compiled
     backward runs), and adding them changes no bit of the result."""
-    hidden, weight, bias, tokens, scale, lse, entropy = ctx.saved_tensors
+    *saved_head, lse, entropy = ctx.saved_tensors
+    hidden, weight, bias, tokens, scale = saved_head
     zeros = lse.new_zeros(lse.shape)
     g_lse = g_lse if g_lse is not None else zeros
     g_logprob = g_logprob if (g_logprob is not None and ctx.has_tokens) else zeros
@@ -325,11 +323,14 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
         g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    opts = ctx.opts
     gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
-                                        g_entropy, scale, ctx.scale_is_div, ctx.budget_bytes, ctx.transforms,
-                                        g_logits, need_hidden, need_weight or need_bias, ctx.plan)
-    return (gh if need_hidden else None, gw if need_weight else None,
-            gb if bias is not None and need_bias else None, None, None, None, None, None, None, None)
+                                        g_entropy, scale, opts.scale_is_div, opts.budget_bytes,
+                                        opts.transforms, g_logits, need_hidden, need_weight or need_bias,
+                                        opts.plan)
+    return grads_by_name(lm_head_stats, {}, hidden=gh if need_hidden else None,
+                         weight=gw if need_weight else None,
+                         bias=gb if bias is not None and need_bias else None)
 
 
 lm_head_stats.register_autograd(_backward, setup_context=_setup)
@@ -348,16 +349,17 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
     which keep every row) a fourth result is the model-precision logits of that shape
     ``[.., V]``: the graph returns them, and the same loop writes them.
     """
-    rows_shape = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    tok2 = tokens.reshape(-1) if tokens is not None else None
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        scale = torch.scalar_tensor(scale, dtype=torch.float32, device=hidden.device)
     op = lm_head_stats_logits if returned_like is not None else lm_head_stats
-    lse, logprob, entropy, *logits = op(h2, weight, bias, tok2, scale, scale_is_div, want_entropy,
-                                        budget_bytes, transforms, plan)
-    stats = (lse.reshape(rows_shape), logprob.reshape(rows_shape) if tokens is not None else None,
+    results = op(*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
+                 transforms, plan)
+    return _shaped(results, hidden.shape[:-1], tokens is not None, want_entropy, returned_like)
+
+
+def _shaped(results, rows_shape, has_tokens: bool, want_entropy: bool, returned_like) -> tuple:
+    """The op's flat results in the caller's row shape (None for those not computed)."""
+    lse, logprob, entropy, *logits = results
+    stats = (lse.reshape(rows_shape), logprob.reshape(rows_shape) if has_tokens else None,
              entropy.reshape(rows_shape) if want_entropy else None)
     if returned_like is None:
         return stats
-    return (*stats, logits[0].reshape(*returned_like.shape[:-1], weight.shape[0]))
+    return (*stats, logits[0].reshape(*returned_like.shape[:-1], logits[0].shape[-1]))

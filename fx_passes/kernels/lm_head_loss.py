@@ -56,6 +56,16 @@ from . import graph_bodies
 from . import rows as rows_of
 from .bodies import compiled, grad_through_transforms, transformed
 from .lm_head import lm_head_grads
+from .op_args import (
+    Cotangents,
+    Head,
+    HeadOptions,
+    LogitMap,
+    LossOptions,
+    RowValues,
+    args_by_name,
+    grads_by_name,
+)
 from .registry import CAPTURE_SAFE, emitted
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, resolve_budget
@@ -77,11 +87,11 @@ def logits_and_stats(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, t
     return (*stats_of_logits(z, tokens, scale, is_div, want_entropy), x)
 
 
-def logits_grad(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div: bool, transforms: str):
+def logits_grad(x, tokens, saved: RowValues, grads: Cotangents, logit_map: LogitMap):
     """``bodies.backward_block``'s gradient from the chunk's logits ``x`` (no matmul)."""
-    z, outs = transformed(x, transforms)
-    grad = grad_of_logits(z, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, is_div)
-    return grad_through_transforms(grad, outs, transforms).to(x.dtype)
+    z, outs = transformed(x, logit_map.transforms)
+    grad = grad_of_logits(z, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div)
+    return grad_through_transforms(grad, outs, logit_map.transforms).to(x.dtype)
 
 
 def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:
@@ -189,25 +199,22 @@ def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:
     return like.new_empty(0, dtype=dtype)
 
 
-def _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-             plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key):
-    n, dev = hidden.shape[0], hidden.device
-    weights = row_weights(final_key, kinds, whole, n, dev)
-    kept = _kept_rows(hidden, weight, bias, scale, scale_is_div, transforms, plan, rows, whole, weights,
-                      mask_key)
+def _forward(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Tensor],
+             whole: list[torch.Tensor]) -> tuple:
+    """The op's results (:func:`_lm_head_loss`)."""
+    n, dev = head.hidden.shape[0], head.hidden.device
+    weights = row_weights(loss.final_key, loss.kinds, whole, n, dev)
+    kept = _kept_rows(head, opts, loss.mask_key, rows, whole, weights)
     count = torch.full((), n if kept is None else kept.shape[0], dtype=torch.int64, device=dev)  # (no copy)
     index = torch.arange(n, device=dev) if kept is None else _first(kept, n)
     if kept is not None:  # the loop on the rows that count; the others' results are exact zeros
-        hidden, rows = hidden[kept], [r[kept] for r in rows]
-        tokens = tokens[kept] if tokens is not None else None
-    loss, gh, gw, gb, keep = _loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy,
-                                   budget_bytes, transforms, plan, tail_key, final_key, kinds, need_hidden,
-                                   need_weight, rows, whole, weights, n)
+        head, rows = head.take(kept), [r[kept] for r in rows]
+    value, gh, gw, gb, keep = _loop(head, opts, loss, rows, whole, weights, n)
     if kept is not None:
-        if need_hidden:
+        if loss.need_hidden:
             gh = gh.new_zeros(n, gh.shape[1]).index_copy_(0, kept, gh)
         keep = [_first(k, n) for k in keep]
-    return (loss, gh, gw, gb, *keep, index, count)
+    return (value, gh, gw, gb, *keep, index, count)
 
 
 def _first(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -219,39 +226,44 @@ def _first(values: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def _kept_rows(hidden, weight, bias, scale, scale_is_div, transforms, plan, rows, whole, weights,
-               mask_key) -> Optional[torch.Tensor]:
-    """The rows the loop must run (ascending), or None for all of them: those the loss tail's
-    skip graph (``match/row_mask.py``) cannot prove exactly zero in value and gradient.  The
-    ``"two_sweeps"`` backward reads the count from host memory: that plan compacts on CPUs only."""
-    if not mask_key or (plan != "gpu" and hidden.device.type != "cpu"):
+def _kept_rows(head: Head, opts: HeadOptions, mask_key: str, rows: list[torch.Tensor],
+               whole: list[torch.Tensor], weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The rows the loop must run (ascending), or None for all of them: those the loss
+    tail's skip graph ``mask_key`` (``match/row_mask.py``) cannot prove exactly zero in
+    value and gradient.  The ``"two_sweeps"`` backward reads the count from host memory:
+    that plan compacts on CPUs only."""
+    hidden, weight = head.hidden, head.weight
+    if not mask_key or (opts.plan != "gpu" and hidden.device.type != "cpu"):
         return None
-    z = rows_of.logit_bounds(hidden, weight, bias, scale, scale_is_div, transforms)
+    z = rows_of.logit_bounds(hidden, weight, head.bias, head.scale, opts.scale_is_div, opts.transforms)
     skip = graph_bodies.function(mask_key)(*rows_of.item_bounds(z, weight.shape[0]), *rows, *whole, *weights)
     return rows_of.select(skip.expand(hidden.shape[0]))
 
 
-def _loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-          plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, weights, total):
-    """The chunk loop over ``hidden``'s rows (``total``: every row's count, a mean's)."""
+def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Tensor],
+          whole: list[torch.Tensor], weights: list[torch.Tensor], total: int) -> tuple:
+    """The chunk loop over ``head``'s rows (``total``: every row's count, a mean's):
+    (loss, grad_hidden, grad_weight, grad_bias, the per-row values the backward keeps)."""
+    hidden, weight, bias = head.hidden, head.weight, head.bias
     n, width = hidden.shape
     vocab, dev = weight.shape[0], hidden.device
-    budget_bytes = resolve_budget(budget_bytes, dev)
-    reductions = reductions_of(kinds)
-    sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions]
-    gpu = plan == "gpu"
+    budget_bytes = resolve_budget(opts.budget_bytes, dev)
+    sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions_of(loss.kinds)]
+    gpu, need_hidden, need_weight = opts.plan == "gpu", loss.need_hidden, loss.need_weight
     gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden))
     gw = hidden.new_zeros(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
     gb = hidden.new_zeros(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
     keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
-    log_softmax = tokens is not None or want_entropy
+    log_softmax = head.tokens is not None or opts.want_entropy
     stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad)
-    tail = graph_bodies.body(tail_key, COUNTER)
+    tail = graph_bodies.body(loss.tail_key, COUNTER)
+    logit_map = opts.logit_map(hidden.dtype, head.scale)
     cols = max(1, min(vocab, budget_bytes // (4 * width)))  # FP32 [cols, H] product per addmm
     for r0, r1 in even_splits(n, forward_rows(budget_bytes, n, vocab)):
-        h = hidden[r0:r1]
-        tok = tokens[r0:r1] if tokens is not None else None
-        lse, lp, ent, x = stats_body(h, weight, bias, tok, scale, scale_is_div, want_entropy, transforms)
+        chunk = head.rows(r0, r1)
+        h, tok = chunk.hidden, chunk.tokens
+        lse, lp, ent, x = stats_body(h, weight, bias, tok, head.scale, opts.scale_is_div, opts.want_entropy,
+                                     opts.transforms)
         zeros = lse.new_zeros(lse.shape)
         c_lse, c_lp, c_ent, *part = tail(lse, lp if lp is not None else zeros,
                                          ent if ent is not None else zeros,
@@ -259,8 +271,8 @@ def _loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budge
         for s, p in zip(sums, part):
             s += p.double()
         lse = softmax_lse(lse, log_softmax)
-        c_lp, c_ent = (c_lp if tok is not None else None), (c_ent if want_entropy else None)
-        g = grad_body(x, tok, lse, ent, c_lse, c_lp, c_ent, scale, scale_is_div, transforms)
+        cot = Cotangents(c_lse, c_lp if tok is not None else None, c_ent if opts.want_entropy else None)
+        g = grad_body(x, tok, RowValues(lse, ent), cot, logit_map)
         del x
         if gpu:
             add_fp32_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
@@ -268,11 +280,11 @@ def _loop(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budge
         else:
             if need_hidden:
                 torch.mm(g, weight, out=gh[r0:r1])
-            for buf, value in zip(keep, (lse, ent, c_lse, c_lp, c_ent)):
+            for buf, value in zip(keep, (lse, ent, *cot)):
                 if value is not None:
                     buf[r0:r1] = value
         del g
-    return loss_of_sums(final_key, kinds, sums, total, whole), gh, gw, gb, keep
+    return loss_of_sums(loss.final_key, loss.kinds, sums, total, whole), gh, gw, gb, keep
 
 
 @torch.library.custom_op("chunked_logits::lm_head_loss", mutates_args=())
@@ -288,22 +300,30 @@ def _lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     ``"two_sweeps"``: ``grad_hidden`` in model precision, no weight gradients, the per-row
     values the backward's sweep reads (of the rows run: ``rows[:count]``, ``count`` 0-d;
     ``mask_key``: the skip graph, "" for none)."""
-    return _forward(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-                    plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key)
+    return _forward(Head(hidden, weight, bias, tokens, scale),
+                    HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan),
+                    LossOptions(tail_key, final_key, kinds, need_hidden, need_weight, mask_key), rows, whole)
 
 
 @_lm_head_loss.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan,
       tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key):
-    n, width = hidden.shape
-    vocab, gpu = weight.shape[0], plan == "gpu"
-    at = [torch.zeros((), dtype=dt, device=hidden.device) for _, dt in reductions_of(kinds)]
-    loss = final_loss(final_key, at, whole)
-    gh = hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden)
-    gw = hidden.new_empty(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
-    gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
+    return _fake(hidden, weight, bias, plan == "gpu", LossOptions(tail_key, final_key, kinds, need_hidden,
+                                                                  need_weight, mask_key), whole)
+
+
+def _fake(hidden, weight, bias, gpu: bool, loss: LossOptions, whole) -> tuple:
+    """The op's results' metadata (:func:`_lm_head_loss`; ``gpu``: the plan)."""
+    (n, width), vocab = hidden.shape, weight.shape[0]
+    at = [torch.zeros((), dtype=dt, device=hidden.device) for _, dt in reductions_of(loss.kinds)]
+    value = final_loss(loss.final_key, at, whole)
+    gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if loss.need_hidden
+          else _empty(hidden))
+    want_w = gpu and loss.need_weight
+    gw = hidden.new_empty(vocab, width, dtype=F32) if want_w else _empty(hidden)
+    gb = hidden.new_empty(vocab, dtype=F32) if want_w and bias is not None else _empty(hidden)
     keep = [hidden.new_empty(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
-    return (torch.empty_like(loss), gh, gw, gb, *keep, hidden.new_empty(n, dtype=torch.int64),
+    return (torch.empty_like(value), gh, gw, gb, *keep, hidden.new_empty(n, dtype=torch.int64),
             hidden.new_empty((), dtype=torch.int64))
 
 
@@ -321,31 +341,37 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
     gradient-accumulation ``loss / 4`` keeps 4 GEMMs), else both recomputed from the
     cotangents times ``g`` (each still one FP32 sum rounded once).  On a CPU, over the rows
     the forward ran (``index[:count]``, the others' gradients exact zeros)."""
-    tokens = tokens if tokens is not None else torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    opts = HeadOptions(scale_is_div, entropy is not None, budget_bytes, transforms, "two_sweeps")
+    return _sweeps_backward(g, grad_hidden, Head(hidden, weight, bias, tokens, scale),
+                            RowValues(lse, entropy), Cotangents(c_lse, c_lp, c_ent), opts,
+                            (need_hidden, need_weight), (index, count))
+
+
+def _sweeps_backward(g: torch.Tensor, grad_hidden: torch.Tensor, head: Head, saved: RowValues,
+                     grads: Cotangents, opts: HeadOptions, need: tuple[bool, bool],
+                     kept: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """:func:`_lm_head_loss_backward` (``need``: (hidden, weight) gradients wanted; ``kept``:
+    (index, count) of the rows the forward ran)."""
+    hidden, (need_hidden, need_weight), (index, count) = head.hidden, need, kept
+    if head.tokens is None:
+        lse = saved.lse
+        head = head._replace(tokens=torch.zeros(lse.shape, dtype=torch.long, device=lse.device))
     if g.device.type == "cpu" and int(count) < hidden.shape[0]:
-        kept, k = index[:int(count)], int(count)
-        gh, gw, gb = _lm_head_loss_backward(g, grad_hidden, hidden[kept], weight, bias, tokens[kept], scale,
-                                            scale_is_div, budget_bytes, transforms, lse[:k],
-                                            entropy[:k] if entropy is not None else None, c_lse[:k], c_lp[:k],
-                                            c_ent[:k], need_hidden, need_weight, index[:k], count)
+        k = int(count)
+        rows = index[:k]
+        gh, gw, gb = _sweeps_backward(g, grad_hidden, head.take(rows), saved.rows(0, k), grads.rows(0, k),
+                                      opts, need, (rows, count))
         return (gh if not need_hidden or gh.shape[0] == hidden.shape[0]
-                else gh.new_zeros(hidden.shape).index_copy_(0, kept, gh)), gw, gb
+                else gh.new_zeros(hidden.shape).index_copy_(0, rows, gh)), gw, gb
     if g.device.type != "cpu":  # (a CPU plan elsewhere: no host read of g, both gradients recomputed)
-        c_lse, c_lp, c_ent = (c * g for c in (c_lse, c_lp, c_ent))
-        return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
-                             scale_is_div, budget_bytes, transforms, None, need_hidden=need_hidden,
-                             need_weight=need_weight, plan="two_sweeps")
+        return lm_head_grads(head, saved, grads.times(g), opts, None, need_hidden, need_weight)
     scale_g = g.item()
-    c_lse, c_lp, c_ent = (c * scale_g for c in (c_lse, c_lp, c_ent))
+    grads = grads.times(scale_g)
     gh = scaled_exactly(grad_hidden, scale_g) if need_hidden else _empty(hidden, hidden.dtype)
     if gh is not None:
-        _, gw, gb = lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
-                                  scale_is_div, budget_bytes, transforms, None, need_hidden=False,
-                                  need_weight=need_weight, plan="two_sweeps")
+        _, gw, gb = lm_head_grads(head, saved, grads, opts, None, False, need_weight)
         return gh, gw, gb
-    return lm_head_grads(hidden, weight, bias, tokens, lse, entropy, c_lse, c_lp, c_ent, scale,
-                         scale_is_div, budget_bytes, transforms, None, need_hidden=need_hidden,
-                         need_weight=need_weight, plan="two_sweeps")
+    return lm_head_grads(head, saved, grads, opts, None, need_hidden, need_weight)
 
 
 @_lm_head_loss_backward.register_fake
@@ -357,31 +383,29 @@ def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_
 
 
 def _setup(ctx, inputs, output):
-    (hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan,
-     _, _, _, need_hidden, need_weight, rows, whole, _) = inputs
-    ctx.save_for_backward(hidden, weight, bias, tokens, scale, *output[1:])
-    ctx.plan, ctx.scale_is_div, ctx.want_entropy = plan, scale_is_div, want_entropy
-    ctx.budget_bytes, ctx.transforms = budget_bytes, transforms
-    ctx.need_hidden, ctx.need_weight = need_hidden, need_weight
-    ctx.lists = len(rows), len(whole)
+    args = args_by_name(_lm_head_loss, inputs)
+    head = Head(*(args[name] for name in Head._fields))
+    ctx.save_for_backward(*head, *output[1:])
+    ctx.opts, ctx.loss = HeadOptions.from_args(args), LossOptions.from_args(args)
+    ctx.lengths = {"rows": len(args["rows"]), "whole": len(args["whole"])}
 
 
 def _backward(ctx, g, *_):
-    (hidden, weight, bias, tokens, scale, gh, gw, gb, lse, ent, c_lse, c_lp, c_ent, index,
-     count) = ctx.saved_tensors
+    *saved_head, gh, gw, gb, lse, ent, c_lse, c_lp, c_ent, index, count = ctx.saved_tensors
+    hidden, weight, bias, tokens, scale = saved_head
+    opts, loss = ctx.opts, ctx.loss
     g = g if g is not None else torch.zeros((), dtype=F32, device=hidden.device)
     want_h, want_w, want_b = ctx.needs_input_grad[:3]
-    if ctx.plan == "gpu":  # FP32 gradients times g, rounded once
-        gh = (gh * g).to(hidden.dtype) if ctx.need_hidden else None
-        gw = (gw * g).to(weight.dtype) if ctx.need_weight else None
-        gb = (gb * g).to(bias.dtype) if ctx.need_weight and bias is not None else None
+    if opts.plan == "gpu":  # FP32 gradients times g, rounded once
+        gh = (gh * g).to(hidden.dtype) if loss.need_hidden else None
+        gw = (gw * g).to(weight.dtype) if loss.need_weight else None
+        gb = (gb * g).to(bias.dtype) if loss.need_weight and bias is not None else None
     else:
-        gh, gw, gb = _lm_head_loss_backward(g, gh, hidden, weight, bias, tokens, scale, ctx.scale_is_div,
-                                            ctx.budget_bytes, ctx.transforms, lse,
-                                            ent if ctx.want_entropy else None, c_lse, c_lp, c_ent,
-                                            ctx.need_hidden, ctx.need_weight, index, count)
-    return (gh if want_h else None, gw if want_w else None, gb if want_b and bias is not None else None,
-            *([None] * 12), [None] * ctx.lists[0], [None] * ctx.lists[1], None)
+        gh, gw, gb = _lm_head_loss_backward(g, gh, *saved_head, opts.scale_is_div, opts.budget_bytes,
+                                            opts.transforms, lse, ent if opts.want_entropy else None, c_lse,
+                                            c_lp, c_ent, loss.need_hidden, loss.need_weight, index, count)
+    return grads_by_name(_lm_head_loss, ctx.lengths, hidden=gh if want_h else None,
+                         weight=gw if want_w else None, bias=gb if want_b and bias is not None else None)
 
 
 _lm_head_loss.register_autograd(_backward, setup_context=_setup)
@@ -397,13 +421,10 @@ def lm_head_loss(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_e
     row), then the tensors and numbers it reads whole; ``kinds``: each reduction's kind
     and dtype; ``plan``: ``"gpu"`` or ``"two_sweeps"`` (resolved by the rewrite);
     ``mask_key``: the tail's skip graph (:mod:`fx_passes.match.row_mask`), "" for none."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    tok2 = tokens.reshape(-1) if tokens is not None else None
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        scale = torch.scalar_tensor(scale, dtype=F32, device=hidden.device)
     rows = [o.reshape(-1) for o in operands[:n_rows]]
     whole = [o if isinstance(o, torch.Tensor) else torch.scalar_tensor(
         o, dtype=F32 if isinstance(o, (float, torch.SymFloat)) else torch.int64, device=hidden.device)
         for o in operands[n_rows:]]
-    return _lm_head_loss(h2, weight, bias, tok2, scale, scale_is_div, want_entropy, budget_bytes, transforms,
-                         plan, tail_key, final_key, kinds, need_hidden, need_weight, rows, whole, mask_key)[0]
+    return _lm_head_loss(*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy,
+                         budget_bytes, transforms, plan, tail_key, final_key, kinds, need_hidden, need_weight,
+                         rows, whole, mask_key)[0]

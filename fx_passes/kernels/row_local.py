@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from . import graph_bodies
+from .op_args import Region
 from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
 from .tiling import aligned, even_splits, resolve_budget
 
@@ -85,12 +86,12 @@ def fill_chunks(body, spans, n: int, inputs) -> list[torch.Tensor]:
     return [o for o in out if o is not None]
 
 
-def backward_chunks(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
-                    whole: list[torch.Tensor], saved: list[torch.Tensor], grads: list[torch.Tensor],
-                    budget_bytes: int, out: list[torch.Tensor]) -> None:
-    """The vector-Jacobian product of body ``key`` chunk by chunk: the gradient of
-    ``rows[wanted[k]]`` written into ``out[k]`` (which may be that row input itself: a
-    chunk's rows are read only by its own step)."""
+def backward_chunks(region: Region, wanted: list[int], outputs: list[int], saved: list[torch.Tensor],
+                    grads: list[torch.Tensor], out: list[torch.Tensor]) -> None:
+    """The vector-Jacobian product of the region's body chunk by chunk: the gradient of
+    ``region.rows[wanted[k]]`` written into ``out[k]`` (which may be that row input itself:
+    a chunk's rows are read only by its own step)."""
+    rows, whole = region.rows, region.whole
     # (the compiled product stores each gradient straight into its buffer; one that is
     # the row input itself, the lm_head call's logits, is written over as that input:
     # a second view of it would make the compiled call's inputs alias)
@@ -98,8 +99,8 @@ def backward_chunks(key: str, wanted: list[int], outputs: list[int], rows: list[
     storages = {r.untyped_storage().data_ptr() for r in rows}
     if any(t is None and o.untyped_storage().data_ptr() in storages for t, o in zip(into, out)):
         into = None  # (a buffer overlapping a row input some other way: returned, then copied)
-    vjp = graph_bodies.backward_body(key, tuple(wanted), tuple(outputs), COUNTER, into=into)
-    for a, b in _spans(rows[0].shape[0], chunk_rows(rows, budget_bytes)):
+    vjp = graph_bodies.backward_body(region.key, tuple(wanted), tuple(outputs), COUNTER, into=into)
+    for a, b in _spans(rows[0].shape[0], chunk_rows(rows, region.budget_bytes)):
         args = (*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
         if into is not None:
             vjp(*args, *(o[a:b] for t, o in zip(into, out) if t is None))
@@ -125,7 +126,7 @@ def _row_local_backward(key: str, wanted: list[int], outputs: list[int], rows: l
                         budget_bytes: int) -> list[torch.Tensor]:
     # ``key``: the region's body, or its replaying body when the forward ``saved`` state for it
     out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
-    backward_chunks(key, wanted, outputs, rows, whole, saved, grads, budget_bytes, out)
+    backward_chunks(Region(key, rows, whole, budget_bytes), wanted, outputs, saved, grads, out)
     return out
 
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .chunk_gemm import logits
+from .op_args import Region
 from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
 from .row_local import backward_chunks, fake_results, grads_of_outputs, row_local, run_chunks, setup_outputs
 
@@ -88,7 +89,8 @@ def _row_local_head_backward(key: str, wanted: list[int], outputs: list[int], ro
         full = _full(rows, index, x)
         others = [(i if i < index else i + 1) for i in wanted]
         out = [torch.empty_like(full[i], memory_format=torch.contiguous_format) for i in others]
-        backward_chunks(key, [index, *others], outputs, full, whole, saved, grads, budget_bytes, [x, *out])
+        backward_chunks(Region(key, full, whole, budget_bytes), [index, *others], outputs, saved, grads,
+                        [x, *out])
         flag.zero_()
     g = x.reshape(-1, x.shape[-1])  # the logits' gradient, model precision, where they were
     if needs[0]:

@@ -43,6 +43,7 @@ from .lm_head_loss import (
     scale_exactly_,
     scaled_exactly,
 )
+from .op_args import LogitsInput, Region, RowLossOptions, args_by_name, grads_by_name
 from .registry import CAPTURE_SAFE, emitted
 from .row_local_head import _full as _insert
 from .row_local_sweeps import _row_local_sweeps_backward, block_sweep, compiled, flat, forward, step
@@ -76,10 +77,10 @@ def _unpack(buf: torch.Tensor, split: Split) -> list[torch.Tensor]:
     return out
 
 
-def _split(key: str, rows, whole, index: int, h: torch.Tensor, weight: torch.Tensor, k: int):
-    x_like = h.new_empty((0, weight.shape[0]))  # (the logits' dtype, width and device)
-    return split_of(key, [index], list(range(k)), index, _insert(rows, index, x_like), whole,
-                    with_outputs=True)
+def _split(region: Region, lm: LogitsInput, k: int):
+    x_like = lm.h.new_empty((0, lm.weight.shape[0]))  # (the logits' dtype, width and device)
+    return split_of(region.key, [lm.index], list(range(k)), lm.index, _insert(region.rows, lm.index, x_like),
+                    region.whole, with_outputs=True)
 
 
 @functools.lru_cache(None)
@@ -96,30 +97,37 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
     # -> [loss, grad_hidden, the per-row values packed (``[N, width]`` uint8), 1 if the
     #     gradients were computed (the body split) else 0, grad_weight, grad_bias]: for a
     #     unit loss; "two_sweeps": grad_hidden in model precision; "gpu": all three in FP32
-    h = flat(hidden)
+    lm = LogitsInput(index, flat(hidden), weight, bias, how)
+    loss = RowLossOptions(final_key, kinds, n_final, width, plan)
+    return _forward(Region(key, rows, whole, budget_bytes), lm, loss, needs)
+
+
+def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[bool]) -> list[torch.Tensor]:
+    """:func:`_row_local_loss`'s results."""
+    h, weight, bias, plan = lm.h, lm.weight, lm.bias, loss.plan
     n, dev = h.shape[0], h.device
-    reductions = reductions_of(kinds)
-    final_whole = whole[len(whole) - n_final:]
+    reductions = reductions_of(loss.kinds)
+    final_whole = loss.final_whole(region.whole)
     sums = [torch.zeros((), dtype=F64, device=dev) for _ in reductions]
-    grad_h, packed, grad_w, grad_b = _gradients(h, weight, bias, width, plan, needs, torch.zeros)
-    split = _split(key, rows, whole, index, h, weight, len(reductions))
-    done = isinstance(split, Split) and (plan == "gpu" or row_bytes(split) == width)
+    grad_h, packed, grad_w, grad_b = _gradients(h, weight, bias, loss.width, plan, needs, torch.zeros)
+    split = _split(region, lm, len(reductions))
+    done = isinstance(split, Split) and (plan == "gpu" or row_bytes(split) == loss.width)
     if not done:  # (not expected: the rewrite split the same body) the results only
-        _say_unsplit(key, split if isinstance(split, str) else "another layout of its per-row values")
-        for s, o in zip(sums, forward(key, rows, whole, budget_bytes, index, h, weight, bias, how)):
+        _say_unsplit(region.key, split if isinstance(split, str) else "another layout of its per-row values")
+        for s, o in zip(sums, forward(region, lm)):
             s += o.sum(dtype=F64)
     else:
-        weights = row_weights(final_key, kinds, final_whole, n, dev)
-        stats = compiled(split.stats, ("loss_stats", key, id(split)))
+        weights = row_weights(loss.final_key, loss.kinds, final_whole, n, dev)
+        stats = compiled(split.stats, ("loss_stats", region.key, id(split)))
         k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
-        cols = max(1, min(weight.shape[0], resolve_budget(budget_bytes, dev) // (4 * weight.shape[1])))
-        spans = even_splits(n, step(n, weight.shape[0], budget_bytes, dev))
+        cols = max(1, min(weight.shape[0], resolve_budget(region.budget_bytes, dev) // (4 * weight.shape[1])))
+        spans = even_splits(n, step(n, weight.shape[0], region.budget_bytes, dev))
         # (reordered once for the loop where grad_weight, made after it, takes as much)
-        chunk_logits = row_chunk_logits(weight, bias, how, spans, plan != "gpu" and needs[1])
+        chunk_logits = row_chunk_logits(weight, bias, lm.how, spans, plan != "gpu" and needs[1])
         for a, b in spans:
             x = chunk_logits(h[a:b])
             cotangents = [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
-            got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *cotangents)
+            got = stats(*_insert(region.chunk(a, b), lm.index, x), *region.whole, *cotangents)
             del x
             g, outs, per_row = got[0], got[1:1 + k], got[1 + k:]
             for s, o in zip(sums, outs):
@@ -131,8 +139,8 @@ def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
             if needs[0]:
                 torch.mm(g, weight, out=grad_h[a:b])
             _pack(packed[a:b], per_row)
-    loss = loss_of_sums(final_key, kinds, sums, n, final_whole)
-    return [loss, grad_h, packed, torch.full((), int(done), dtype=torch.int8, device=dev), grad_w, grad_b]
+    value = loss_of_sums(loss.final_key, loss.kinds, sums, n, final_whole)
+    return [value, grad_h, packed, torch.full((), int(done), dtype=torch.int8, device=dev), grad_w, grad_b]
 
 
 def _gradients(h, weight, bias, width: int, plan: str, needs: list[bool], make) -> list[torch.Tensor]:
@@ -167,33 +175,43 @@ def _row_local_loss_backward(g: torch.Tensor, key: str, rows: list[torch.Tensor]
                              grad_weight: torch.Tensor, grad_bias: torch.Tensor, plan: str,
                              needs: list[bool]) -> list[torch.Tensor]:
     """The gradients ``needs`` asks for (of hidden, weight, bias), for the incoming ``g``."""
-    h = flat(hidden)
+    loss = RowLossOptions(final_key, kinds, n_final, 0, plan)  # (the width is not read)
+    lm = LogitsInput(index, flat(hidden), weight, bias, how)
+    heads = _backward_of(g, Region(key, rows, whole, budget_bytes), lm, loss,
+                         (grad_hidden, packed, done, grad_weight, grad_bias), needs)
+    if needs[0]:
+        heads[0] = heads[0].view(hidden.shape)
+    return heads
+
+
+def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions, forward_made: tuple,
+                 needs: list[bool]) -> list[torch.Tensor]:
+    """:func:`_row_local_loss_backward` (``forward_made``: the forward's grad_hidden, packed
+    per-row values, ``done`` flag, grad_weight, grad_bias), grad_hidden ``[N, H]``."""
+    h, weight, bias = lm.h, lm.weight, lm.bias
     n, dev = h.shape[0], h.device
-    reductions = reductions_of(kinds)
-    if plan == "gpu" and isinstance(_split(key, rows, whole, index, h, weight, len(reductions)), Split):
+    grad_hidden, packed, done, grad_weight, grad_bias = forward_made
+    reductions = reductions_of(loss.kinds)
+    if loss.plan == "gpu" and isinstance(_split(region, lm, len(reductions)), Split):
         # each FP32 sum times g on the device, rounded once (g not read: no host sync);
         # ``done`` is not read (the forward split the same body: ``_split`` is a function
         # of the key and the shapes)
-        pairs = zip(needs, (grad_hidden, grad_weight, grad_bias), (hidden, weight, bias))
-        heads = [_rounded(t, g, like, budget_bytes) for need, t, like in pairs if need and like is not None]
-        if needs[0]:
-            heads[0] = heads[0].view(hidden.shape)
-        return heads
-    weights = row_weights(final_key, kinds, whole[len(whole) - n_final:], n, dev)
+        pairs = zip(needs, (grad_hidden, grad_weight, grad_bias), (h, weight, bias))
+        return [_rounded(t, g, like, region.budget_bytes)
+                for need, t, like in pairs if need and like is not None]
+    weights = row_weights(loss.final_key, loss.kinds, loss.final_whole(region.whole), n, dev)
     # the CPU plan's ``done`` and ``g`` (host values on a CPU); on another device both sweeps
     host = dev.type == "cpu" and g.device.type == "cpu"
-    split = _split(key, rows, whole, index, h, weight, len(reductions)) if host and int(done) else None
+    split = _split(region, lm, len(reductions)) if host and int(done) else None
     if isinstance(split, Split):
-        heads = _from_the_forward(split, key, rows, whole, weights, reductions, grad_hidden, packed, g.item(),
-                                  budget_bytes, index, h, weight, bias, how, needs)
+        unit = [w.to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
+        heads = _from_the_forward(split, region, lm, unit, grad_hidden, packed, g.item(), needs)
         if heads is not None:
-            if needs[0]:
-                heads[0] = heads[0].view(hidden.shape)
             return heads
     grads = [(w * g).to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
     # both sweeps, from the scaled cotangents (each gradient still one FP32 sum rounded once)
-    return _row_local_sweeps_backward(key, [], list(range(len(reductions))), rows, whole, grads, budget_bytes,
-                                      index, hidden, weight, bias, how, needs)
+    return _row_local_sweeps_backward(region.key, [], list(range(len(reductions))), region.rows, region.whole,
+                                      grads, region.budget_bytes, lm.index, h, weight, bias, lm.how, needs)
 
 
 def _rounded(t: torch.Tensor, g: torch.Tensor, like: torch.Tensor, budget_bytes: int) -> torch.Tensor:
@@ -206,19 +224,17 @@ def _rounded(t: torch.Tensor, g: torch.Tensor, like: torch.Tensor, budget_bytes:
     return out
 
 
-def _from_the_forward(split: Split, key, rows, whole, weights, reductions, grad_hidden, packed, scale: float,
-                      budget_bytes, index, h, weight, bias, how, needs) -> Optional[list[torch.Tensor]]:
+def _from_the_forward(split: Split, region: Region, lm: LogitsInput, unit: list[torch.Tensor],
+                      grad_hidden: torch.Tensor, packed: torch.Tensor, scale: float,
+                      needs: list[bool]) -> Optional[list[torch.Tensor]]:
     """The gradients from the forward's ``grad_hidden`` and per-row values, or None
     where scaling them by ``scale`` would round (the backward then runs both sweeps).
-    The per-row values were computed for a unit loss (sums of the cotangents' products
-    among them), so the vocabulary sweep runs on the unit cotangents too and its
-    gradients are scaled after it: exact for 1, -1, a power of two."""
+    The per-row values were computed for a unit loss (``unit``: its cotangents; sums of
+    their products among the values), so the vocabulary sweep runs on the unit cotangents
+    too and its gradients are scaled after it: exact for 1, -1, a power of two."""
     if not power_of_two(scale):
         return None
-    n = h.shape[0]
-    unit = [w.to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
-    heads = [None, *block_sweep(split, key, rows, whole, unit, _unpack(packed, split), budget_bytes, index, h,
-                                weight, bias, how, needs)]
+    heads = [None, *block_sweep(split, region, lm, unit, _unpack(packed, split), needs)]
     if not all(scale_exactly_(t, scale) for t in heads[1:] if t is not None):
         return None  # (an element under- or overflowed: not expected)
     if needs[0]:  # (after the sweep: its working set and the scaled copy are not held together)
@@ -235,29 +251,30 @@ def _(g, key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final
 
 
 def _setup(ctx, inputs, output):
-    key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final, _, plan, \
-        needs = inputs
-    ctx.args = (key, budget_bytes, index, how, final_key, kinds, n_final, plan)
-    ctx.n_rows, ctx.n_whole = len(rows), len(whole)
-    ctx.needs = list(needs)
-    ctx.save_for_backward(*rows, *whole, hidden, weight, bias, *output[1:])
+    args = args_by_name(_row_local_loss, inputs)
+    ctx.args = {k: args[k] for k in ("key", "budget_bytes", "index", "how", "final_key", "kinds", "n_final",
+                                     "plan")}
+    ctx.lengths = {"rows": len(args["rows"]), "whole": len(args["whole"])}
+    ctx.needs = list(args["needs"])
+    ctx.save_for_backward(*args["rows"], *args["whole"], args["hidden"], args["weight"], args["bias"],
+                          *output[1:])
 
 
 def _backward(ctx, grads):
     g = grads[0]  # (the loss's; the other results are the backward's own inputs)
     saved = list(ctx.saved_tensors)
-    n, m = ctx.n_rows, ctx.n_whole
+    n, m = ctx.lengths["rows"], ctx.lengths["whole"]
     rows, whole = saved[:n], saved[n:n + m]
     hidden, weight, bias, grad_hidden, packed, done, grad_weight, grad_bias = saved[n + m:]
-    key, budget_bytes, index, how, final_key, kinds, n_final, plan = ctx.args
     head: list[Optional[torch.Tensor]] = [None] * 3
     if g is not None and any(ctx.needs):
-        got = iter(_row_local_loss_backward(g, key, rows, whole, budget_bytes, index, hidden, weight, bias,
-                                            how, final_key, kinds, n_final, grad_hidden, packed, done,
-                                            grad_weight, grad_bias, plan, ctx.needs))
+        got = iter(_row_local_loss_backward(g, rows=rows, whole=whole, hidden=hidden, weight=weight,
+                                            bias=bias, grad_hidden=grad_hidden, packed=packed, done=done,
+                                            grad_weight=grad_weight, grad_bias=grad_bias, needs=ctx.needs,
+                                            **ctx.args))
         head = [next(got) if need and t is not None else None
                 for need, t in zip(ctx.needs, (hidden, weight, bias))]
-    return None, [None] * n, [None] * m, None, None, *head, *([None] * 7)
+    return grads_by_name(_row_local_loss, ctx.lengths, hidden=head[0], weight=head[1], bias=head[2])
 
 
 _row_local_loss.register_autograd(_backward, setup_context=_setup)

@@ -41,6 +41,7 @@ from ..reporting.report import log
 from . import graph_bodies
 from .chunk_gemm import row_chunk_logits
 from .compiler import compile_body
+from .op_args import LogitsInput, Region
 from .registry import CAPTURE_SAFE, emitted
 from .row_local import (
     COUNTER,
@@ -78,17 +79,17 @@ def step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
 def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                       index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       how: str) -> list[torch.Tensor]:
-    return forward(key, rows, whole, budget_bytes, index, flat(hidden), weight, bias, how)
+    lm = LogitsInput(index, flat(hidden), weight, bias, how)
+    return forward(Region(key, rows, whole, budget_bytes), lm)
 
 
-def forward(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int, index: int,
-            h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            how: str) -> list[torch.Tensor]:
-    """The body's results over row chunks of the logits of ``h`` (``[N, H]``)."""
-    n = h.shape[0]
-    spans = even_splits(n, step(n, weight.shape[0], budget_bytes, h.device)) or [(0, 0)]
-    return fill_chunks(graph_bodies.body(key, COUNTER), spans, n, lambda a, b: (
-        *_insert([r[a:b] for r in rows], index, _logits(h[a:b], weight, bias, how, False)), *whole))
+def forward(region: Region, lm: LogitsInput) -> list[torch.Tensor]:
+    """The body's results over row chunks of the logits of ``lm.h`` (``[N, H]``)."""
+    n = lm.h.shape[0]
+    spans = even_splits(n, step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device)) or [(0, 0)]
+    return fill_chunks(graph_bodies.body(region.key, COUNTER), spans, n, lambda a, b: (
+        *_insert(region.chunk(a, b), lm.index, _logits(lm.h[a:b], lm.weight, lm.bias, lm.how, False)),
+        *region.whole))
 
 
 @_row_local_sweeps.register_fake
@@ -110,21 +111,21 @@ def _say_whole(key: str, why: str) -> None:
                 "recomputes the logits whole (same results, stock's memory)", key, why)
 
 
-def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor], whole: list[torch.Tensor],
-            grads: list[torch.Tensor], budget_bytes: int, index: int, h: torch.Tensor, weight: torch.Tensor,
-            bias: Optional[torch.Tensor], how: str, needs: list[bool], out: list[torch.Tensor]
-            ) -> tuple[Optional[torch.Tensor], ...]:
+def _sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], grads: list[torch.Tensor],
+            needs: list[bool], out: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
     """Both sweeps; ``out``: the other wanted row inputs' gradients, written in sweep 1."""
+    h, weight = lm.h, lm.weight
     n, vocab = h.shape[0], weight.shape[0]
-    stats = compiled(split.stats, ("sweep_stats", key, id(split)))  # (a split per body, dtypes, wanted)
+    # (a split per body, dtypes, wanted)
+    stats = compiled(split.stats, ("sweep_stats", region.key, id(split)))
     grad_h = torch.empty_like(h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
-    spans = even_splits(n, step(n, vocab, budget_bytes, h.device))
+    spans = even_splits(n, step(n, vocab, region.budget_bytes, h.device))
     # (reordered once for the sweep where grad_weight, made after it, takes as much)
-    chunk_logits = row_chunk_logits(weight, bias, how, spans, needs[1])
+    chunk_logits = row_chunk_logits(weight, lm.bias, lm.how, spans, needs[1])
     for a, b in spans:
         x = chunk_logits(h[a:b])
-        got = stats(*_insert([r[a:b] for r in rows], index, x), *whole, *(g[a:b] for g in grads))
+        got = stats(*_insert(region.chunk(a, b), lm.index, x), *region.whole, *(g[a:b] for g in grads))
         del x
         g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
         if grad_h is not None:
@@ -133,16 +134,14 @@ def _sweeps(split: Split, key: str, wanted: list[int], rows: list[torch.Tensor],
             o[a:b] = got_o
         _fill(values, per_row, a, b, n)
     del chunk_logits  # (the reordered weight, before grad_weight is made)
-    return (grad_h, *block_sweep(split, key, rows, whole, grads, values, budget_bytes, index, h, weight, bias,
-                                 how, needs))
+    return (grad_h, *block_sweep(split, region, lm, grads, values, needs))
 
 
-def block_sweep(split: Split, key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
-                grads: list[torch.Tensor], values: list, budget_bytes: int, index: int, h: torch.Tensor,
-                weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, needs: list[bool]
-                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def block_sweep(split: Split, region: Region, lm: LogitsInput, grads: list[torch.Tensor], values: list,
+                needs: list[bool]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Sweep 2: ``(grad_weight, grad_bias)`` (None where ``needs`` says so) by vocabulary
     blocks over all rows, from the row sweep's per-row ``values``."""
+    index, h, weight, bias, how = lm
     n, vocab = h.shape[0], weight.shape[0]
     grad_w = torch.empty_like(weight) if needs[1] else None
     grad_b = torch.empty_like(bias) if bias is not None and needs[2] else None
@@ -150,12 +149,12 @@ def block_sweep(split: Split, key: str, rows: list[torch.Tensor], whole: list[to
         return grad_w, grad_b
     if n == 0:  # (no rows: no per-block work, zero sums)
         return tuple(t.zero_() if t is not None else None for t in (grad_w, grad_b))
-    block = compiled(split.block, ("sweep_block", key, id(split)))
+    block = compiled(split.block, ("sweep_block", region.key, id(split)))
 
     def columns(v0: int, v1: int) -> torch.Tensor:
         return torch.arange(v0, v1, device=h.device)[None]
-    args = [*_insert(rows, index, h), *whole, *grads]  # (the logits' place: filled per block)
-    for v0, v1 in even_splits(vocab, step(vocab, n, budget_bytes, h.device)):
+    args = [*_insert(region.rows, index, h), *region.whole, *grads]  # (the logits' place: filled per block)
+    for v0, v1 in even_splits(vocab, step(vocab, n, region.budget_bytes, h.device)):
         x = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
         picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
                   args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
@@ -182,13 +181,13 @@ def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], 
     if isinstance(split, str):  # (not expected: the rewrite split the same body)
         _say_whole(key, split)
         g = _logits(h, weight, bias, how, False)  # (the logits, then their gradient over them)
-        backward_chunks(key, body_wanted, outputs, _insert(rows, index, g), whole, [], grads, budget_bytes,
-                        [g, *out])
+        backward_chunks(Region(key, _insert(rows, index, g), whole, budget_bytes), body_wanted, outputs, [],
+                        grads, [g, *out])
         heads = [g @ weight if needs[0] else None, g.t() @ h if needs[1] else None,
                  g.sum(0) if bias is not None and needs[2] else None]
     else:
-        heads = list(_sweeps(split, key, body_wanted, rows, whole, grads, budget_bytes, index, h, weight,
-                             bias, how, needs, out))
+        heads = list(_sweeps(split, Region(key, rows, whole, budget_bytes),
+                             LogitsInput(index, h, weight, bias, how), body_wanted, grads, needs, out))
     if heads[0] is not None:
         heads[0] = heads[0].view(hidden.shape)
     return [*out, *(t for t in heads if t is not None)]

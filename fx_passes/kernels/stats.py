@@ -64,15 +64,16 @@ def _log_probs(z_picked: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> 
     return (z_picked - m) - log_s
 
 
-def _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale: Scale,
-                 scale_is_div: bool) -> torch.Tensor:
+def _grad_logits(logp, tokens, entropy, grads, scale: Scale, scale_is_div: bool) -> torch.Tensor:
     """FP32 gradient, w.r.t. the model-precision logits x, of the per-row ``lse``,
     token ``logprob`` and ``entropy`` of ``z = x.float() / t``, from ``logp = z - lse``.
 
-    A ``g_*`` that is None means no gradient flows into that result; ``tokens`` and
-    ``entropy`` are None when the forward did not compute log-probs / entropy.
+    ``grads``: (g_lse, g_logprob, g_entropy) (``op_args.Cotangents``); one that is None
+    means no gradient flows into that result; ``tokens`` and ``entropy`` are None when
+    the forward did not compute log-probs / entropy.
     d/dz of each result:  lse: p;  logprob: onehot(token) - p;  entropy: -p (logp + entropy).
     """
+    g_lse, g_logprob, g_entropy = grads
     p = logp.exp()
     # p is read once (a second read makes Inductor keep an FP32 [rows, V] copy of it
     # when the gradient is written through a slice's zero padding).
@@ -111,12 +112,12 @@ def stats_of_logits(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scal
     return _logsumexp(m, log_s), logprob, entropy
 
 
-def grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale: Scale,
-                   scale_is_div: bool) -> torch.Tensor:
+def grad_of_logits(x, tokens, lse, entropy, grads, scale: Scale, scale_is_div: bool) -> torch.Tensor:
     """The gradient w.r.t. the model-precision logits ``x``, in ``x``'s dtype, from the
-    forward's ``lse`` (and ``entropy``): the maths of every backward."""
+    forward's ``lse`` (and ``entropy``) and the ``grads`` flowing into the per-row results
+    (g_lse, g_logprob, g_entropy): the maths of every backward."""
     logp = _scaled(x, scale, scale_is_div) - lse.unsqueeze(-1)
-    grad_z = _grad_logits(logp, tokens, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div)
+    grad_z = _grad_logits(logp, tokens, entropy, grads, scale, scale_is_div)
     return grad_z.to(x.dtype)
 
 
@@ -141,7 +142,7 @@ class RowStats(torch.autograd.Function):
     def backward(ctx, g_lse, g_logprob, g_entropy):
         x, tokens, lse, entropy = ctx.saved_tensors
         lse = softmax_lse(lse, log_softmax=tokens is not None or entropy is not None)
-        grad = grad_of_logits(x, tokens, lse, entropy, g_lse, g_logprob, g_entropy, ctx.scale,
+        grad = grad_of_logits(x, tokens, lse, entropy, (g_lse, g_logprob, g_entropy), ctx.scale,
                               ctx.scale_is_div)
         return grad, None, None, None, None
 

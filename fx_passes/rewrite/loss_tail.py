@@ -28,6 +28,7 @@ row part ``tail``, the scalar part ``final``); the call runs where the loss was
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Optional
@@ -37,12 +38,13 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
-from ..fx.graph_ops import is_scalar, keep_meta, meta, requires_grad, scalar_tensor
+from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, requires_grad, scalar_tensor
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
 from ..kernels import graph_bodies
 from ..kernels.lm_head import lm_head_row_stats
 from ..kernels.lm_head_loss import PLANS, lm_head_loss, trace_tail
+from ..kernels.op_args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local_loss import row_bytes, row_local_loss
 from ..kernels.row_split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
@@ -65,8 +67,8 @@ def fused_calls(graph: Graph) -> set[Node]:
 
 def _plan(tail: LossTail) -> str:
     """The plan the op runs (``tiling.backward_plan`` of the region's device and dtype)."""
-    hidden = meta(tail.stats.args[0])
-    plan = backward_plan(hidden.device, hidden.dtype, tail.stats.args[9])
+    hidden = meta(head_of_node(tail.stats).hidden)
+    plan = backward_plan(hidden.device, hidden.dtype, HeadOptions.from_node(tail.stats).plan)
     if plan not in PLANS:
         raise NoTail(f"the {plan!r} plan computes no gradient in the forward")
     return plan
@@ -94,7 +96,7 @@ def _bodies(tail: LossTail) -> tuple[str, str]:
         env[o] = rows.placeholder(o.name)
     _copy_rows(rows, tail, env)
     rows_key = graph_bodies.register(GraphModule(torch.nn.Module(), rows))
-    device = meta(tail.stats.args[0]).device
+    device = meta(head_of_node(tail.stats).hidden).device
     examples = [torch.zeros(3, device=device) for _ in range(3)]
     examples += [torch.zeros(3, dtype=meta(o).dtype, device=device) for o in tail.row_operands]
     examples += [_whole_example(o, device) for o in tail.whole]
@@ -208,23 +210,23 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
     path (the reason logged at debug level)."""
     if not config.gradients_in_forward:
         return None
+    head, opts = head_of_node(stats), HeadOptions.from_node(stats)
     try:
         tail = match_loss_tail(graph, stats)
         plan = _plan(tail)
-        _check(graph, tail, list(stats.args[:3]), [])
+        _check(graph, tail, [head.hidden, head.weight, head.bias], [])
         tail_key, final_key = _bodies(tail)  # (before the graph changes: it may still say no)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
         return None
-    _recount(graph, tail, stats.args[0])
-    kinds = _kinds(tail)
+    _recount(graph, tail, head.hidden)
     mask_key = (skip_rows_body(tail) or "") if config.skip_masked_rows else ""
-    hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget, transforms = stats.args[:9]
+    loss = LossOptions(tail_key, final_key, _kinds(tail), requires_grad(head.hidden),
+                       requires_grad(head.weight) or requires_grad(head.bias), mask_key)
     e = Emitter(graph, tail.loss)
-    call = e.function(lm_head_loss, hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget,
-                      transforms, plan, tail_key, final_key, kinds, requires_grad(hidden),
-                      requires_grad(weight) or requires_grad(bias), len(tail.row_operands),
-                      *tail.row_operands, *tail.whole, mask_key=mask_key)
+    call = e.function(lm_head_loss, *head, *dataclasses.replace(opts, plan=plan).to_args(),
+                      *loss.to_args()[:-1], len(tail.row_operands), *tail.row_operands, *tail.whole,
+                      mask_key=loss.mask_key)
     tail.loss.replace_all_uses_with(call)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(tail.nodes, key=order.__getitem__, reverse=True):
@@ -267,7 +269,9 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
     "" where the region keeps its call (the reason logged at debug level)."""
     if not config.gradients_in_forward:
         return ""
-    key, budget, n, index, how, hidden, weight, bias, *inputs = call.args
+    args = bound_args(call)  # (row_local_sweeps' parameters)
+    key, budget, n, index, how = (args[k] for k in ("key", "budget_bytes", "n_rows", "index", "how"))
+    hidden, weight, bias, inputs = args["hidden"], args["weight"], args["bias"], list(args["inputs"])
     body = graph_bodies.function(key)
     n_out = len(next(iter(body.graph.find_nodes(op="output"))).args[0])
     try:
