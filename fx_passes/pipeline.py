@@ -1,9 +1,11 @@
-"""The pass pipeline on one Dynamo graph, with fault containment.
+"""The pass pipeline on one Dynamo graph, with fault containment: the named passes of
+:data:`PASSES`, in order (each rewrite returns an ``Outcome``; ``reporting.outcome.counted``
+turns it into counters and the log line)::
 
-    find_shard_regions / rewrite_shard_region (vocab-parallel)
-    -> find_regions -> rewrite_region or rewrite_row_region (each region)
-    -> rewrite_loss_tail (each lm_head call a rewrite fused: gradients in the forward)
-    -> remove_div_by_one
+    vocab_parallel  find_shard_regions -> rewrite_shard_region (each region)
+    regions         find_regions -> rewrite_region, else rewrite_row_region (each region);
+                    rewrite_loss_tail on each lm_head call a rewrite fused
+    div_by_one      remove_div_by_one
 
 Runs on a copy of the graph: if anything inside raises, the caller gets the
 original graph back untouched (unless ``Config.strict``).
@@ -11,11 +13,12 @@ original graph back untouched (unless ``Config.strict``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
 import pathlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -35,7 +38,7 @@ from .match.row_local import find_row_region
 from .match.upcast import upcast_ancestor, upcast_behind, upcast_input
 from .match.worth import left_to_stock
 from .reporting.containment import contained
-from .reporting.outcome import LMHead, Outcome
+from .reporting.outcome import LMHead, Outcome, counted
 from .reporting.report import (
     COUNTER,
     Decline,
@@ -51,17 +54,26 @@ from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.unit_scale import remove_div_by_one
 
-__all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash"]
+__all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash", "PASSES"]
 
 # Marks a graph this package has already transformed, so that the backend plus an
 # installed pre-grad pass (or two installs) rewrite each region once.
 _DONE = "_chunked_logits_done"
 
 
-def _shard_regions(graph: Graph, config: Config) -> set[Node]:
+@dataclasses.dataclass
+class _Run:
+    """What the passes of one run tell each other."""
+
+    shard_upcasts: set[Node] = dataclasses.field(default_factory=set)  # seen by vocab_parallel
+    taken: set[Node] = dataclasses.field(default_factory=set)  # nodes of row-local regions rewritten or left
+    declined: set[Node] = dataclasses.field(default_factory=set)  # roots and upcasts of regions declined
+
+
+def _vocab_parallel(graph: Graph, config: Config, run: _Run) -> None:
     """Vocab-parallel regions (reductions over a vocabulary shard that feed collectives):
-    rewrite each; the upcasts seen, so that the single-process matcher skips them."""
-    seen: set[Node] = set()
+    rewrite each; the upcasts seen go to ``run``, so that the single-process matcher skips them."""
+    seen = run.shard_upcasts
     for found in find_shard_regions(graph):
         if isinstance(found, tuple):
             seen.add(found[0])
@@ -78,8 +90,7 @@ def _shard_regions(graph: Graph, config: Config) -> set[Node]:
             record_decline(where, d)
             continue
         counters[COUNTER]["vocab_parallel"] += 1
-        record_rewrite(where, _counted(outcome, what, "vocab_parallel_lm_head"), nbytes, report_only=False)
-    return seen
+        record_rewrite(where, counted(outcome, what, "vocab_parallel_lm_head"), nbytes, report_only=False)
 
 
 def _bytes_avoided(region: Region) -> tuple[int, int]:
@@ -97,40 +108,6 @@ def _bytes_avoided(region: Region) -> tuple[int, int]:
 def _with_lm_head(nbytes: tuple[int, int], outcome: Outcome) -> int:
     fused = outcome.lm_head is LMHead.FUSED and not outcome.returns_logits
     return nbytes[0] + (nbytes[1] if fused else 0)
-
-
-def _counted(outcome: Outcome, what: str, fused: str) -> str:
-    """Count what a rewrite's ``outcome`` says (``fused``: the counter of a fused lm_head)
-    and add it to the rewrite's description ``what``: the one reader of outcomes."""
-    if outcome.lm_head is LMHead.FUSED:
-        counters[COUNTER][fused] += 1
-        what += ", lm_head matmul fused into the chunk loop"
-        if outcome.returns_logits:
-            counters[COUNTER]["lm_head_returns_logits"] += 1
-            what += ", which also writes the logits the graph returns"
-    elif outcome.lm_head is LMHead.IN_CALL:
-        counters[COUNTER]["row_local_lm_head_in_call"] += 1
-        what += ", lm_head matmul run by the call, whose backward writes the logits' gradient over them"
-        if outcome.why:
-            what += f" (logits kept whole: {outcome.why})"
-    elif outcome.lm_head is LMHead.NOT_FUSED:
-        counters[COUNTER]["lm_head_not_fused"] += 1
-        what += f", lm_head not fused: {outcome.why}"
-    if outcome.one_pass:
-        counters[COUNTER]["vocab_parallel_one_pass"] += 1
-        what += ", its stages in one pass over the rows"
-    elif outcome.one_pass is False:
-        what += f", one lm_head pass per stage: {outcome.one_pass_why}"
-    if outcome.gradients_in_forward:
-        counters[COUNTER]["gradients_in_forward"] += 1
-        what += outcome.gradients_in_forward
-    if outcome.saved_masks:
-        counters[COUNTER]["row_local_saved_masks"] += 1
-        what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"
-    if outcome.saved_normalizers:
-        counters[COUNTER]["row_local_saved_normalizers"] += 1
-        what += f", {outcome.saved_normalizers} softmax normaliser(s) saved for the backward"
-    return what
 
 
 # What the hand-derived path declines that a row-local region may still take: an op it
@@ -172,7 +149,7 @@ def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken
     declined.difference_update((node, seed))
     taken.update(region.nodes)
     counters[COUNTER]["row_local"] += 1
-    record_rewrite(where, _counted(outcome, what, "row_local_lm_head"), nbytes, report_only=False)
+    record_rewrite(where, counted(outcome, what, "row_local_lm_head"), nbytes, report_only=False)
 
 
 def _handled(found: Region | tuple[Node, Decline], upcasts: set[Node]) -> bool:
@@ -193,17 +170,15 @@ def _inner_last(found: list[Region | tuple[Node, Decline]]) -> list[Region | tup
     return sorted(found, key=lambda f: _inner(f) is not None)
 
 
-def run_passes(graph: Graph, config: Config) -> None:
-    """Apply the passes to ``graph`` in place.  Raises on internal errors."""
-    session.start_run()
-    shard_upcasts = _shard_regions(graph, config)
-    taken: set[Node] = set()  # nodes of row-local regions rewritten or left to stock
-    declined: set[Node] = set()  # roots and upcasts of regions declined
+def _regions(graph: Graph, config: Config, run: _Run) -> None:
+    """Single-process regions: each by the hand-derived path, else as a row-local region,
+    else declined with its reason; a fused lm_head call's loss tail computed in the forward."""
+    taken, declined = run.taken, run.declined
     candidates = find_regions(graph, config)
-    if not candidates and not shard_upcasts:
+    if not candidates and not run.shard_upcasts:
         loss_outside(graph)  # (a near miss when the graph returns logits)
     for found in _inner_last(candidates):
-        if shard_upcasts and _handled(found, shard_upcasts):
+        if run.shard_upcasts and _handled(found, run.shard_upcasts):
             continue
         if isinstance(found, tuple) and (up := _inner(found)) is not None and (
                 found[0] in taken or up in taken or up in declined):
@@ -215,30 +190,58 @@ def run_passes(graph: Graph, config: Config) -> None:
         region: Region = found
         if taken and (region.upcast in taken or any(n in taken for n in region.roles)):
             continue  # (its nodes went into a row-local region)
-        where, what, nbytes = _where(region.upcast), region.describe(), _bytes_avoided(region)
-        if config.report_only or not config.rewrite:
-            record_rewrite(where, what, nbytes[0], report_only=True)
-            continue
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("chunked_logits: region before rewrite:\n%s",
-                      "\n".join(n.format_node() for n in region.roles))
-        fused = fused_calls(graph) if config.gradients_in_forward else set()
-        try:
-            outcome = rewrite_region(graph, region, config)
-        except Decline as d:  # raised before the graph is touched
-            _row_local(graph, region.upcast, d, config, taken, declined)
-            continue
-        what = _counted(outcome, what, "lm_head_fused")
-        for call in fused_calls(graph) - fused if config.gradients_in_forward else ():
-            what += rewrite_loss_tail(graph, call, config) or ""  # gradients in the forward
-        record_rewrite(where, what, _with_lm_head(nbytes, outcome), report_only=False)
-        if region.unit_scale_dropped:
-            counters[COUNTER]["div_by_one_removed"] += 1
+        _region(graph, region, config, run)
+
+
+def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
+    """One region the hand-derived path matched: rewritten (and its loss tail), reported
+    only, or handed to the row-local path when the rewrite declines."""
+    where, what, nbytes = _where(region.upcast), region.describe(), _bytes_avoided(region)
+    if config.report_only or not config.rewrite:
+        record_rewrite(where, what, nbytes[0], report_only=True)
+        return
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("chunked_logits: region before rewrite:\n%s",
+                  "\n".join(n.format_node() for n in region.roles))
+    fused = fused_calls(graph) if config.gradients_in_forward else set()
+    try:
+        outcome = rewrite_region(graph, region, config)
+    except Decline as d:  # raised before the graph is touched
+        _row_local(graph, region.upcast, d, config, run.taken, run.declined)
+        return
+    new = sorted(fused_calls(graph) - fused, key=lambda n: n.name) if config.gradients_in_forward else []
+    losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config) for call in new)))  # (in the forward)
+    outcome = dataclasses.replace(outcome, losses=outcome.losses + losses)
+    record_rewrite(where, counted(outcome, what, "lm_head_fused"), _with_lm_head(nbytes, outcome),
+                   report_only=False)
+    if region.unit_scale_dropped:
+        counters[COUNTER]["div_by_one_removed"] += 1
+
+
+def _div_by_one(graph: Graph, config: Config, run: _Run) -> None:
+    """Divisions and multiplications by 1 (a temperature of 1) removed."""
     if config.remove_div_by_one and not config.report_only:
         n = remove_div_by_one(graph)
         if n:
             counters[COUNTER]["div_by_one_removed"] += n
             log.info("chunked_logits: removed %d division(s)/multiplication(s) by 1", n)
+
+
+# The passes of one run, in order (the module's docstring says what each does).
+PASSES: tuple[tuple[str, Callable[[Graph, Config, _Run], None]], ...] = (
+    ("vocab_parallel", _vocab_parallel),
+    ("regions", _regions),
+    ("div_by_one", _div_by_one),
+)
+
+
+def run_passes(graph: Graph, config: Config) -> None:
+    """Apply the passes to ``graph`` in place.  Raises on internal errors."""
+    session.start_run()
+    run = _Run()
+    for name, apply in PASSES:
+        log.debug("chunked_logits: pass %s", name)
+        apply(graph, config, run)
     graph.lint()
 
 

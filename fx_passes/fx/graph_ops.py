@@ -16,14 +16,14 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import compat
 
-__all__ = ["canon", "get_arg", "bound_args", "meta", "is_low_precision", "is_metadata_query", "is_pure",
-           "is_collective",
-           "mutates", "is_mode_switch", "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS",
-           "is_elementwise", "requires_grad", "is_number", "is_scalar", "scaled_by_number",
-           "scalar_tensor", "keep_meta"]
+__all__ = ["canon", "op_name", "same", "same_shape", "get_arg", "bound_args", "meta", "is_low_precision",
+           "is_metadata_query", "is_pure", "is_collective", "mutates", "is_mode_switch", "call_name",
+           "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS", "is_elementwise", "requires_grad", "is_number",
+           "is_scalar", "scaled_by_number", "scalar_tensor", "keep_meta"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -76,6 +76,38 @@ _METHOD_PARAMS: dict[str, tuple[str, ...]] = {
     "log_softmax": ("dim", "dtype"),
     "softmax": ("dim", "dtype"),
 }
+
+
+# Python operator names -> ATen's
+_ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "and": "bitwise_and",
+               "or_": "bitwise_or", "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
+               "inv": "bitwise_not", "mod": "remainder", "pos": "positive", "logsigmoid": "log_sigmoid"}
+# reflected dunders (``2 * x`` is ``x.__rmul__(2)``): the same op ("rsub" is ATen's own)
+_REFLECTED = {"radd", "rmul", "rtruediv", "rfloordiv", "rpow", "rand", "ror", "rxor", "rmod"}
+
+
+def op_name(node: Node) -> str:
+    """ATen's name for what ``node`` calls (``x < y`` -> "lt", ``F.softmax`` -> "softmax")."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+    else:
+        return ""
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        name = name[1:] if name in _REFLECTED else name
+    return _ATEN_NAMES.get(name, name)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Are sizes ``a`` and ``b`` equal for every value of their symbols?"""
+    return statically_known_true(a == b) if not (isinstance(a, int) and isinstance(b, int)) else a == b
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Are shapes ``a`` and ``b`` equal for every value of their symbols?"""
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def canon(node: Node) -> Optional[str]:

@@ -79,7 +79,7 @@ def _kw(**allowed: Any) -> tuple[tuple[str, Any], ...]:
 
 
 _CONVERT = OpRule(Kind.SAME, 1)
-# The loss tail's scalar part and reductions, by torch-level name (match/row_local.op_name).
+# The loss tail's scalar part and reductions, by torch-level name (fx/graph_ops.op_name).
 TAIL: dict[str, OpRule] = {
     "add": OpRule(Kind.SUM_OF_TERMS, 2, _kw(alpha=ANY)),
     "sub": OpRule(Kind.SUM_OF_TERMS, 2, _kw(alpha=ANY)),

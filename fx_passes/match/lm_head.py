@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, is_low_precision, meta, scaled_by_number, tensor_input
+from ..fx.graph_ops import canon, is_low_precision, meta, op_name, scaled_by_number, tensor_input
 from .upcast import is_row_view
 
 __all__ = ["LMHead", "match_lm_head", "producer", "from_lm_head", "model_precision_operands",
@@ -103,11 +103,6 @@ def _transform(node: Node) -> Optional[tuple[Node, str]]:
     return None
 
 
-def _op_name(node: Node) -> str:
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
-
-
 def _elementwise_on(node: Node) -> Optional[Node]:
     """The one tensor ``node`` reads, when it maps it element by element to a tensor of
     the same shape (``sigmoid(x)``, ``x + 1``): an unknown logit transform.  Views and
@@ -132,7 +127,7 @@ def _unwind(x: Node, reads: set) -> tuple[Optional[LMHead], str]:
         if step is None:
             source = _elementwise_on(node)
             if source is not None and producer(source) is not None:
-                return None, (f"the logits pass through {_op_name(node)} ({node.name}) between the lm_head "
+                return None, (f"the logits pass through {op_name(node)} ({node.name}) between the lm_head "
                               f"and the upcast; the chunk loop carries {TRANSFORMS_KNOWN}")
             return None, ""  # a view, a masked_fill ...: x is not the lm_head's output
         chain.append(node)

@@ -15,7 +15,7 @@ known in the forward (:mod:`fx_passes.kernels.lm_head_loss`).  Anything else is
 # (:mod:`fx_passes.kernels.lm_head_loss`).  The tail is taken when every node that depends
 # on the region is one of:
 #
-# * *row* nodes: pointwise ops (ATen's ``pointwise`` tag, :func:`match.row_local.op_name`),
+# * *row* nodes: pointwise ops (ATen's ``pointwise`` tag, :func:`fx.graph_ops.op_name`),
 #   conversions, ``detach`` / ``clone``, and views that keep one value per row in order
 #   (``view`` / ``reshape`` / ``flatten`` / ``unsqueeze`` / ``squeeze``), whose every tensor
 #   operand is a row node, a per-row tensor of the same shape that does not depend on the
@@ -38,10 +38,9 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from ..fx.graph_ops import canon, is_pure, is_scalar, meta, requires_grad
+from ..fx.graph_ops import canon, is_pure, is_scalar, meta, op_name, requires_grad, same, same_shape
 from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
 from ..kernels.lm_head import lm_head_row_stats
-from .row_local import op_name, same, same_shape
 
 __all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "VIEWS"]
 

@@ -38,7 +38,6 @@ from typing import Any, Optional
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fx.graph_ops import (
     canon,
@@ -47,22 +46,18 @@ from ..fx.graph_ops import (
     is_scalar,
     meta,
     mutates,
+    op_name,
     requires_grad,
+    same,
     tensor_input,
 )
 from ..fx.op_rules import pointwise_op
 from ..reporting.report import Decline, Reason
 from .upcast import upcast_input
 
-__all__ = ["RowRegion", "pointwise_op", "find_row_region", "TERMINAL_LOSSES", "op_name", "check_row_local",
-           "loss_arg", "first_user", "LOSS_PARAMS", "same", "same_shape"]
+__all__ = ["RowRegion", "pointwise_op", "find_row_region", "TERMINAL_LOSSES", "check_row_local", "loss_arg",
+           "first_user", "LOSS_PARAMS"]
 
-# Python operator names -> ATen's
-_ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "and": "bitwise_and",
-               "or_": "bitwise_or", "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
-               "inv": "bitwise_not", "mod": "remainder", "pos": "positive", "logsigmoid": "log_sigmoid"}
-# reflected dunders (``2 * x`` is ``x.__rmul__(2)``): the same op ("rsub" is ATen's own)
-_REFLECTED = {"radd", "rmul", "rtruediv", "rfloordiv", "rpow", "rand", "ror", "rxor", "rmod"}
 _CONVERSIONS = {"float", "double", "half", "bfloat16", "long", "int", "bool", "type_as"}
 _IDENTITIES = {"detach", "clone", "contiguous", "alias"}
 _LIKE = {"zeros_like", "ones_like", "full_like", "empty_like"}  # (not new_*: their size is given)
@@ -85,20 +80,6 @@ LOSS_PARAMS = {
     "nll_loss": ("target", "weight", "size_average", "ignore_index", "reduce", "reduction"),
     "kl_div": ("target", "size_average", "reduce", "reduction", "log_target"),
 }
-
-
-def op_name(node: Node) -> str:
-    """ATen's name for what ``node`` calls (``x < y`` -> "lt", ``F.softmax`` -> "softmax")."""
-    if node.op == "call_method":
-        name = str(node.target)
-    elif node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-    else:
-        return ""
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-        name = name[1:] if name in _REFLECTED else name
-    return _ATEN_NAMES.get(name, name)
 
 
 def loss_arg(node: Node, name: str, default: Any = None) -> Any:
@@ -135,16 +116,6 @@ class RowRegion:
         ops = sorted({op_name(n) for n in self.nodes if op_name(n) not in ("", "getitem")})
         return (f"row-local region over {len(self.seeds)} logits tensor(s) ({', '.join(ops)}), "
                 f"{len(self.outputs)} per-row result(s), in chunks of rows")
-
-
-def same(a: Any, b: Any) -> bool:
-    """Are sizes ``a`` and ``b`` equal for every value of their symbols?"""
-    return statically_known_true(a == b) if not (isinstance(a, int) and isinstance(b, int)) else a == b
-
-
-def same_shape(a: Any, b: Any) -> bool:
-    """Are shapes ``a`` and ``b`` equal for every value of their symbols?"""
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def _tensors(node: Node) -> list[torch.Tensor]:

@@ -45,11 +45,10 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx.graph_ops import canon, meta
+from ..fx.graph_ops import canon, meta, op_name
 from ..fx.op_rules import ZERO_ROWS, Kind
 from ..kernels import graph_bodies
 from .loss_tail import LossTail
-from .row_local import op_name
 
 __all__ = ["skip_rows_body", "ITEMS"]
 

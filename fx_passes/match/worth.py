@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, meta, tensor_input
-from .row_local import RowRegion, loss_arg, op_name
+from ..fx.graph_ops import canon, meta, op_name, tensor_input
+from .row_local import RowRegion, loss_arg
 from .upcast import upcast_input
 
 __all__ = ["left_to_stock", "LEFT_TO_STOCK", "FUSED_BY_STOCK"]

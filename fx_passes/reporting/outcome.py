@@ -1,6 +1,6 @@
 """What a rewrite did with a region besides rewriting it: the typed result that the
-single-process and vocab-parallel rewrites return and :mod:`fx_passes.pipeline` counts
-and logs in one place."""
+single-process and vocab-parallel rewrites (and the loss-tail rewrites) return, and
+:func:`counted`, the one place that turns it into counters and words for the log."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import dataclasses
 import enum
 from typing import Optional
 
-__all__ = ["LMHead", "Outcome"]
+from torch._dynamo.utils import counters
+
+from .report import COUNTER
+
+__all__ = ["LMHead", "LossInCall", "Outcome", "counted"]
 
 
 class LMHead(str, enum.Enum):
@@ -21,6 +25,22 @@ class LMHead(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class LossInCall:
+    """A loss tail that the region's call computes, its gradients in the forward
+    (:mod:`fx_passes.rewrite.loss_tail`)."""
+
+    tail: str  # what the tail is (``LossTail.describe``)
+    plan: str  # "gpu" or "two_sweeps"
+    gemms: int  # model-precision GEMMs a step with a unit incoming gradient
+    masked_rows: bool = False  # the call skips the rows the loss leaves out
+
+    def describe(self) -> str:
+        return (f", gradients in the forward through its {self.tail} ({self.plan}: {self.gemms} GEMMs a step "
+                "with a unit incoming gradient)" + (", rows the loss leaves out skipped" if self.masked_rows
+                                                    else ""))
+
+
+@dataclasses.dataclass(frozen=True)
 class Outcome:
     lm_head: LMHead = LMHead.NONE
     why: str = ""  # why the lm_head stays whole (NOT_FUSED), or why a call keeps its logits (IN_CALL)
@@ -29,9 +49,46 @@ class Outcome:
     one_pass_why: str = ""  # why not (one_pass False)
     saved_masks: int = 0  # row-local: boolean masks its forward saves (packed) for its backward
     saved_normalizers: int = 0  # row-local: softmax normalisers its forward saves for its backward
-    gradients_in_forward: str = ""  # row-local, lm_head chunked: its loss tail, computed by its call
+    losses: tuple[LossInCall, ...] = ()  # the loss tails its calls compute (gradients in the forward)
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":
         """The lm_head stays whole for ``why`` ("" when there is no lm_head to speak of)."""
         return cls(LMHead.NOT_FUSED if why else LMHead.NONE, why, **kw)
+
+
+def counted(outcome: Outcome, what: str, fused: str) -> str:
+    """Count what a rewrite's ``outcome`` says (``fused``: the counter of a fused lm_head)
+    and add it to the rewrite's description ``what``: the one reader of outcomes."""
+    c = counters[COUNTER]
+    if outcome.lm_head is LMHead.FUSED:
+        c[fused] += 1
+        what += ", lm_head matmul fused into the chunk loop"
+        if outcome.returns_logits:
+            c["lm_head_returns_logits"] += 1
+            what += ", which also writes the logits the graph returns"
+    elif outcome.lm_head is LMHead.IN_CALL:
+        c["row_local_lm_head_in_call"] += 1
+        what += ", lm_head matmul run by the call, whose backward writes the logits' gradient over them"
+        if outcome.why:
+            what += f" (logits kept whole: {outcome.why})"
+    elif outcome.lm_head is LMHead.NOT_FUSED:
+        c["lm_head_not_fused"] += 1
+        what += f", lm_head not fused: {outcome.why}"
+    if outcome.one_pass:
+        c["vocab_parallel_one_pass"] += 1
+        what += ", its stages in one pass over the rows"
+    elif outcome.one_pass is False:
+        what += f", one lm_head pass per stage: {outcome.one_pass_why}"
+    for loss in outcome.losses:
+        c["gradients_in_forward"] += 1
+        if loss.masked_rows:
+            c["masked_rows"] += 1
+        what += loss.describe()
+    if outcome.saved_masks:
+        c["row_local_saved_masks"] += 1
+        what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"
+    if outcome.saved_normalizers:
+        c["row_local_saved_normalizers"] += 1
+        what += f", {outcome.saved_normalizers} softmax normaliser(s) saved for the backward"
+    return what

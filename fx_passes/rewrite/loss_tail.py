@@ -34,11 +34,11 @@ import operator
 from typing import Optional
 
 import torch
-from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
-from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, requires_grad, scalar_tensor
+from ..fx.emitter import Emitter
+from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, op_name, requires_grad, same, scalar_tensor
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
 from ..kernels import graph_bodies
@@ -49,10 +49,9 @@ from ..kernels.row_local_loss import row_bytes, row_local_loss
 from ..kernels.row_split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
 from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_tail
-from ..match.row_local import op_name, same
 from ..match.row_mask import skip_rows_body
-from ..reporting.report import COUNTER, Decline, log
-from .logits import Emitter
+from ..reporting.outcome import LossInCall
+from ..reporting.report import Decline, log
 
 __all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS"]
 
@@ -204,10 +203,10 @@ def _whole_example(node: Node, device: torch.device) -> torch.Tensor:
                        device=device)
 
 
-def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str]:
-    """Replace the fused call ``stats`` and its loss tail by one :func:`lm_head_loss` call;
-    what to add to the rewrite's log line, or None where the region keeps the recompute
-    path (the reason logged at debug level)."""
+def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[LossInCall]:
+    """Replace the fused call ``stats`` and its loss tail by one :func:`lm_head_loss` call
+    and say what it computes, or None where the region keeps the recompute path (the
+    reason logged at debug level)."""
     if not config.gradients_in_forward:
         return None
     head, opts = head_of_node(stats), HeadOptions.from_node(stats)
@@ -231,12 +230,7 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[str
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(n)
-    counters[COUNTER]["gradients_in_forward"] += 1
-    if mask_key:
-        counters[COUNTER]["masked_rows"] += 1
-    return (f", gradients in the forward through its {tail.describe()} ({plan}: "
-            f"{GEMMS[plan]} GEMMs a step with a unit incoming gradient)"
-            + (", rows the loss leaves out skipped" if mask_key else ""))
+    return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key))
 
 
 def _joined(body: GraphModule, n_rows: int, tail: LossTail) -> GraphModule:
@@ -260,15 +254,16 @@ def _joined(body: GraphModule, n_rows: int, tail: LossTail) -> GraphModule:
     return GraphModule(torch.nn.Module(), g)
 
 
-def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config) -> str:
+def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
+                          config: Config) -> Optional[LossInCall]:
     """Replace the ``row_local_sweeps`` call ``call`` and its loss tail by one
     :func:`row_local_loss` call (``rows``, ``whole``: the ``(dtype, shape, device)`` of
     the region's inputs, the logits' among the rows, their rows' count 0: the split is
     traced here, and the call finds it by the same spec at run time, where a trace
-    cannot run inside AOTAutograd's forward); what to add to the rewrite's log line, or
-    "" where the region keeps its call (the reason logged at debug level)."""
+    cannot run inside AOTAutograd's forward); what it computes, or None where the region
+    keeps its call (the reason logged at debug level)."""
     if not config.gradients_in_forward:
-        return ""
+        return None
     args = bound_args(call)  # (row_local_sweeps' parameters)
     key, budget, n, index, how = (args[k] for k in ("key", "budget_bytes", "n_rows", "index", "how"))
     hidden, weight, bias, inputs = args["hidden"], args["weight"], args["bias"], list(args["inputs"])
@@ -290,7 +285,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
-        return ""
+        return None
     _recount(graph, tail, hidden)
     with graph.inserting_before(tail.loss):
         flat = [graph.call_method("reshape", (o, -1)) for o in tail.row_operands]
@@ -304,5 +299,4 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple, c
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(node)
-    return (f", gradients in the forward through its {tail.describe()} ({plan}: {GEMMS[plan]} GEMMs a step "
-            "with a unit incoming gradient)")
+    return LossInCall(tail.describe(), plan, GEMMS[plan])

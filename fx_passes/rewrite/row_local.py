@@ -38,7 +38,17 @@ import torch.nn.functional as F
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
-from ..fx.graph_ops import is_scalar, keep_meta, meta, requires_grad, scalar_tensor, tensor_input
+from ..fx.emitter import Emitter
+from ..fx.graph_ops import (
+    is_scalar,
+    keep_meta,
+    meta,
+    op_name,
+    requires_grad,
+    same_shape,
+    scalar_tensor,
+    tensor_input,
+)
 from ..fx.placement import check_placement, states
 from ..kernels import graph_bodies
 from ..kernels.registry import REPLAYING_BODIES
@@ -54,11 +64,10 @@ from ..match.lm_head import (
     model_precision_operands,
     producer,
 )
-from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg, op_name, same_shape
+from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
-from .logits import Emitter
 from .loss_tail import rewrite_row_loss_tail
 from .saved import saved_for_backward
 
@@ -371,6 +380,6 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     if sweeps:  # (with the loss in the graph: its gradients in the forward, when only the lm_head's)
         if alone and config.gradients_in_forward:  # (the loss tail's match reads the new nodes' values)
             Emitter(graph, anchor).fill([n for n in graph.nodes if n not in before])
-        tail = rewrite_row_loss_tail(graph, call, *specs, config) if alone else ""
-        return Outcome(Fused.FUSED, gradients_in_forward=tail)
+        loss = rewrite_row_loss_tail(graph, call, *specs, config) if alone else None
+        return Outcome(Fused.FUSED, losses=(loss,) if loss is not None else ())
     return Outcome(Fused.IN_CALL, whole_why, saved_masks=masks, saved_normalizers=normalizers)

@@ -42,10 +42,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from ..fx.graph_ops import meta
+from ..fx.graph_ops import meta, op_name, same_shape
 from ..kernels.bitmask import pack_bits, unpack_bits
 from ..kernels.normalizers import log_softmax_given, log_softmax_stats, softmax_given, softmax_stats
-from ..match.row_local import op_name, same_shape
 
 __all__ = ["Saved", "saved_for_backward", "REORDERING"]
 
