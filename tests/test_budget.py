@@ -150,12 +150,10 @@ def test_row_local_chunks_are_aligned(budget):
     same rule as the lm_head loop: ``tiling.aligned`` rows per chunk, ``tiling.even_splits``
     offsets (before: 1048-row chunks at V 1000 with the CPU's 32 MiB, offsets off the
     128-row grid; now 1024)."""
-    from fx_passes.kernels import row_local
-
     for t, v in itertools.product([1, 63, 100, 1000, 4096, 16384], [1000, 18992, 151936]):
         rows = [torch.empty(t, v, dtype=torch.bfloat16, device="meta")]
-        width = row_local.chunk_rows(rows, budget)
-        raw = tiling.resolve_budget(budget, rows[0].device) // (row_local.BYTES_PER_ELEMENT * v)
+        width = tiling.chunk_rows(rows, budget)
+        raw = tiling.resolve_budget(budget, rows[0].device) // (tiling.BYTES_PER_ELEMENT * v)
         assert width == tiling.aligned(raw) and width <= max(1, raw), (t, v, width, raw)
-        pieces = row_local._spans(t, width)
+        pieces = tiling.spans(t, width)
         _check_pieces(pieces, t, width)

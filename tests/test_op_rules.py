@@ -173,7 +173,8 @@ def test_an_empty_batch_does_no_per_block_work_in_the_row_local_sweep(monkeypatc
     from fx_passes.kernels import row_local_sweeps
 
     blocks = []
-    monkeypatch.setattr(row_local_sweeps, "_logits", lambda *a: blocks.append(a) or pytest.fail("a block"))
+    monkeypatch.setattr(row_local_sweeps, "head_logits",
+                        lambda *a: blocks.append(a) or pytest.fail("a block"))
     h, w, b = _empty_batch()
     region, lm = Region("key", [], [], 1 << 20), LogitsInput(0, h, w, b, "matmul")
     gw, gb = row_local_sweeps.block_sweep(None, region, lm, [], [], [False, True, True])

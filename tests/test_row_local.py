@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes import Reason
 from fx_passes.kernels.compiler import compiling_with
-from fx_passes.kernels.row_local import BYTES_PER_ELEMENT
+from fx_passes.kernels.tiling import BYTES_PER_ELEMENT
 from tests import row_local_cases as rl
 from tests.codegen import compiled_codes, full_fp32_buffers
 from tests.helpers import LargestFP32, chunked_counters, rewrite_graphs
@@ -191,8 +191,8 @@ def test_chunks_take_the_devices_budget_unless_one_is_set(monkeypatch):
         budgets += [calls[0].args[1]]
     assert budgets == [tiling.BY_DEVICE, 3 * 2**20], budgets
     rows = [inputs[0]]
-    assert kernel.chunk_rows(rows, tiling.BY_DEVICE) == kernel.chunk_rows(rows, tiling.CPU_BUDGET)
+    assert tiling.chunk_rows(rows, tiling.BY_DEVICE) == tiling.chunk_rows(rows, tiling.CPU_BUDGET)
     monkeypatch.setattr(tiling, "device_budget", lambda device_type, free: 4096 * 2**20)
     big = 4096 * 2**20
-    assert kernel.chunk_rows(rows, tiling.BY_DEVICE) == tiling.aligned(big // (BYTES_PER_ELEMENT * V))
-    assert kernel.chunk_rows(rows, 2**20) == tiling.aligned(2**20 // (BYTES_PER_ELEMENT * V))
+    assert tiling.chunk_rows(rows, tiling.BY_DEVICE) == tiling.aligned(big // (BYTES_PER_ELEMENT * V))
+    assert tiling.chunk_rows(rows, 2**20) == tiling.aligned(2**20 // (BYTES_PER_ELEMENT * V))

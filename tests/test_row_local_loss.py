@@ -23,7 +23,7 @@ from torch.fx import symbolic_trace
 from fx_passes.kernels import graph_bodies, row_split
 from fx_passes.kernels.compiler import compiling_with
 from fx_passes.kernels.row_local_loss import _row_local_loss, _row_local_loss_backward, row_bytes
-from fx_passes.kernels.row_local_sweeps import _row_local_sweeps_backward
+from fx_passes.kernels.row_local_sweeps import row_local_sweeps_backward
 from fx_passes.reporting.session import session
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests import row_local_cases as rl
@@ -267,7 +267,7 @@ def test_neither_the_logits_nor_their_gradient_exist_whole():
     with compiling_with(EAGER):
         with sweeps.Wide() as seen:
             loss, (gh, gw) = _ops(inputs, budget, 1.0)
-        want = _row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], [torch.full((T,), 1.0 / T)],
+        want = row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], [torch.full((T,), 1.0 / T)],
                                                    budget, 0, hidden, weight, None, "matmul", NEEDS)
     assert seen.shapes == [] and seen.gemm_inputs == {torch.bfloat16}, (seen.shapes, seen.gemm_inputs)
     rows = sweeps.kl_rows(hidden @ weight.T, teacher)[0]
@@ -286,6 +286,6 @@ def test_the_backward_falls_back_to_both_sweeps(g, done):
     with compiling_with(EAGER):
         _, got = _ops(inputs, budget, g, done)
         cot = (torch.tensor(1.0) / T * torch.tensor(g)).expand(T).contiguous()
-        want = _row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], [cot], budget, 0, hidden,
+        want = row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], [cot], budget, 0, hidden,
                                                    weight, None, "matmul", NEEDS)
     assert len(got) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))

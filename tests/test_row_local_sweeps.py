@@ -22,7 +22,7 @@ from torch.fx import symbolic_trace
 from fx_passes.kernels import graph_bodies, row_split
 from fx_passes.kernels.compiler import compiling_with
 from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
-from fx_passes.kernels.row_local_sweeps import _row_local_sweeps, _row_local_sweeps_backward
+from fx_passes.kernels.row_local_sweeps import _row_local_sweeps, row_local_sweeps_backward
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
 from tests.helpers import assert_retained_backward_repeats, chunked_counters
@@ -137,7 +137,7 @@ def test_neither_the_logits_nor_their_gradient_exist_whole():
     with compiling_with(EAGER):
         with _Wide() as chunked:
             (kl,) = _row_local_sweeps._init_fn(key, [teacher], [], budget, 0, hidden, weight, None, "matmul")
-            gh, gw = _row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], grads, budget, 0,
+            gh, gw = row_local_sweeps_backward._init_fn(key, [], [0], [teacher], [], grads, budget, 0,
                                                          hidden,
                                                          weight, None, "matmul", [True, True, False])
         with _Wide() as whole:
@@ -163,7 +163,7 @@ def test_a_body_that_does_not_split_at_run_time_recomputes_the_logits(caplog):
     key = graph_bodies.register(symbolic_trace(_topp_rows))
     budget = 8 * V * 16
     grads = [torch.randn(T)]
-    got = _row_local_sweeps_backward._init_fn(key, [], [0], [tokens], [], grads, budget, 0, hidden, weight,
+    got = row_local_sweeps_backward._init_fn(key, [], [0], [tokens], [], grads, budget, 0, hidden, weight,
                                               None, "matmul", [True, True, False])
     _, x, flag = _row_local_head._init_fn(key, [tokens], [], budget, 0, hidden, weight, None, "matmul", False)
     want = _row_local_head_backward._init_fn(key, [], [0], [tokens], [], [], grads, budget, 0, hidden, weight,

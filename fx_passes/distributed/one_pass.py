@@ -45,7 +45,7 @@ from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
 from ..kernels import graph_bodies
 from ..kernels.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
-from ..kernels.shard_lm_head import _shard_lm_head_backward, row_chunks
+from ..kernels.shard_lm_head import row_chunks, shard_lm_head_backward
 from ..kernels.tiling import CPU_BUDGET, even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
 from .regions import needs_grad
@@ -364,7 +364,7 @@ def _backward(ctx, grads):
         stage_grads.append(grads[p] if grads[p] is not None else
                            torch.zeros(shape, dtype=dtype, device=hidden.device))
     need_hidden, need_weight = ctx.needs_input_grad[1:3]
-    gh, gw = _shard_lm_head_backward(key, hidden, weight, operands, stage_grads, ctx.budget_bytes,
+    gh, gw = shard_lm_head_backward(key, hidden, weight, operands, stage_grads, ctx.budget_bytes,
                                      need_hidden, need_weight)
     return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(externals), None
 

@@ -12,15 +12,16 @@ own op.  Why, and what it costs and saves: docs/gemms.md, "The weight reordered 
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..reporting.report import log
+from ..reporting.report import say_once
 
-__all__ = ["row_chunk_logits", "logits", "MIN_CHUNKS", "reorders"]
+__all__ = ["row_chunk_logits", "logits", "head_logits", "MIN_CHUNKS", "reorders"]
 
 # (the reorder: 60 ms at WD's size in profile_step.py; the packing inside every call it
 # saves: 0.14 s over 32 chunks in gemm_floor.py, 4 ms a chunk: even at about 14 chunks)
@@ -31,6 +32,13 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
            how: str) -> torch.Tensor:
     """The lm_head's op as the graph had it: ``F.linear`` or ``hidden @ weight.T``."""
     return F.linear(hidden, weight, bias) if how == "linear" else torch.matmul(hidden, weight.t())
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], how: str,
+                flatten: bool = False) -> torch.Tensor:
+    """:func:`logits`, its rows flattened to ``[N, V]`` with ``flatten``."""
+    x = logits(hidden, weight, bias, how)
+    return x.flatten(0, -2) if flatten else x
 
 
 def reorders(weight: torch.Tensor, bias: Optional[torch.Tensor], chunks: int) -> bool:
@@ -47,10 +55,9 @@ def _onednn_bf16() -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-@functools.lru_cache(None)
 def _say_not_reordered(why: str) -> None:
-    log.warning("chunked_logits: the lm_head weight could not be reordered for its chunk loop (%s): each "
-                "chunk runs the graph's op (same results)", why)
+    say_once(logging.WARNING, "chunked_logits: the lm_head weight could not be reordered for its chunk loop "
+             "(%s): each chunk runs the graph's op (same results)", why)
 
 
 def row_chunk_logits(weight: torch.Tensor, bias: Optional[torch.Tensor], how: str, spans: list,

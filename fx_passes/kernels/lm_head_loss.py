@@ -68,7 +68,7 @@ from .op_args import (
 )
 from .registry import CAPTURE_SAFE, emitted
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
-from .tiling import even_splits, forward_rows, resolve_budget
+from .tiling import even_splits, forward_rows, product_cols, resolve_budget
 
 __all__ = ["lm_head_loss", "trace_tail", "reductions_of", "row_weights", "loss_of_sums", "add_fp32_grads",
            "scaled_exactly", "scale_exactly_", "power_of_two", "final_loss", "PLANS", "COUNTER"]
@@ -258,7 +258,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad)
     tail = graph_bodies.body(loss.tail_key, COUNTER)
     logit_map = opts.logit_map(hidden.dtype, head.scale)
-    cols = max(1, min(vocab, budget_bytes // (4 * width)))  # FP32 [cols, H] product per addmm
+    cols = product_cols(budget_bytes, vocab, width)  # FP32 [cols, H] product per addmm
     for r0, r1 in even_splits(n, forward_rows(budget_bytes, n, vocab)):
         chunk = head.rows(r0, r1)
         h, tok = chunk.hidden, chunk.tokens

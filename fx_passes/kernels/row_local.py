@@ -17,37 +17,19 @@ backward).  See NOTE [row-local chunks].
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from . import graph_bodies
 from .op_args import Region
 from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
-from .tiling import aligned, even_splits, resolve_budget
+from .tiling import chunk_rows, spans
 
-__all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "BYTES_PER_ELEMENT", "chunk_rows",
+__all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "with_logits", "fill_rows",
            "setup_outputs", "grads_of_outputs", "fake_results"]
 
-# Working set of a chunk per element of its widest row input: what a top-p region's
-# compiled body keeps at once (a sort's FP32 values and int64 indices, the cumsum, the
-# masks, the scattered mask: measured about 25 bytes), so a chunk stays within the budget.
-BYTES_PER_ELEMENT = 32
 COUNTER = "row_local_body_eager"
-
-
-def chunk_rows(rows: list[torch.Tensor], budget_bytes: int) -> int:
-    """Rows (indices of dim 0) per chunk: the budget (``tiling.BY_DEVICE``: the device's,
-    ``tiling.device_budget``) over the widest row's working set, aligned as the lm_head
-    loop's pieces (``tiling.aligned``: a multiple of 128 from 1024 rows, of 8 from 64)."""
-    width = max((r[0].numel() if r.dim() and r.shape[0] else 1 for r in rows), default=1)
-    return aligned(resolve_budget(budget_bytes, rows[0].device) // (BYTES_PER_ELEMENT * max(width, 1)))
-
-
-def _spans(n: int, step: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in chunks of at most ``step`` rows: ``tiling.even_splits`` (aligned
-    offsets, no ragged 1-row remainder)."""
-    return even_splits(n, step) or [(0, 0)]
 
 
 def fake_results(key: str, rows, whole) -> list[torch.Tensor]:
@@ -56,7 +38,12 @@ def fake_results(key: str, rows, whole) -> list[torch.Tensor]:
     return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in results]
 
 
-def _fill(out: list[Optional[torch.Tensor]], got, a: int, b: int, n: int) -> None:
+def with_logits(rows: list, index: int, x: Any) -> list:
+    """A region's row inputs with the lm_head's logits ``x`` (made by the call) in place ``index``."""
+    return [*rows[:index], x, *rows[index:]]
+
+
+def fill_rows(out: list[Optional[torch.Tensor]], got, a: int, b: int, n: int) -> None:
     """Write one chunk's results into rows ``a:b`` of ``out`` (made at the first chunk)."""
     for i, g in enumerate(got):
         if out[i] is None:
@@ -71,7 +58,7 @@ def run_chunks(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
     backward (packed masks, normalisers: ``rewrite/saved.py``) are results past the
     region's own.)"""
     n = rows[0].shape[0]
-    return fill_chunks(graph_bodies.body(key, COUNTER), _spans(n, chunk_rows(rows, budget_bytes)), n,
+    return fill_chunks(graph_bodies.body(key, COUNTER), spans(n, chunk_rows(rows, budget_bytes)), n,
                        lambda a, b: (*(r[a:b] for r in rows), *whole))
 
 
@@ -82,7 +69,7 @@ def fill_chunks(body, spans, n: int, inputs) -> list[torch.Tensor]:
     for a, b in spans:
         got = list(body(*inputs(a, b)))
         out = out or [None] * len(got)
-        _fill(out, got, a, b, n)
+        fill_rows(out, got, a, b, n)
     return [o for o in out if o is not None]
 
 
@@ -100,7 +87,7 @@ def backward_chunks(region: Region, wanted: list[int], outputs: list[int], saved
     if any(t is None and o.untyped_storage().data_ptr() in storages for t, o in zip(into, out)):
         into = None  # (a buffer overlapping a row input some other way: returned, then copied)
     vjp = graph_bodies.backward_body(region.key, tuple(wanted), tuple(outputs), COUNTER, into=into)
-    for a, b in _spans(rows[0].shape[0], chunk_rows(rows, region.budget_bytes)):
+    for a, b in spans(rows[0].shape[0], chunk_rows(rows, region.budget_bytes)):
         args = (*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
         if into is not None:
             vjp(*args, *(o[a:b] for t, o in zip(into, out) if t is None))

@@ -22,18 +22,20 @@ from typing import Optional
 
 import torch
 
-from .chunk_gemm import logits
+from .chunk_gemm import head_logits
 from .op_args import Region
 from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
-from .row_local import backward_chunks, fake_results, grads_of_outputs, row_local, run_chunks, setup_outputs
+from .row_local import (
+    backward_chunks,
+    fake_results,
+    grads_of_outputs,
+    row_local,
+    run_chunks,
+    setup_outputs,
+    with_logits,
+)
 
 __all__ = ["row_local_head"]
-
-
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], how: str,
-            flatten: bool) -> torch.Tensor:
-    x = logits(hidden, weight, bias, how)
-    return x.flatten(0, -2) if flatten else x
 
 
 def _host_flag(flag: torch.Tensor) -> bool:
@@ -43,24 +45,21 @@ def _host_flag(flag: torch.Tensor) -> bool:
     return bool(flag.numpy()[0])
 
 
-def _full(rows: list[torch.Tensor], index: int, x: torch.Tensor) -> list[torch.Tensor]:
-    return [*rows[:index], x, *rows[index:]]
-
-
 @torch.library.custom_op("chunked_logits::row_local_head", mutates_args=(), tags=UNSAFE)
 def _row_local_head(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                     index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     how: str, flatten: bool) -> list[torch.Tensor]:
     # -> the body's results, the logits (kept for the backward) and a flag (on the host):
     # 1 until a backward writes the gradient over the logits
-    x = _logits(hidden, weight, bias, how, flatten)
-    return [*run_chunks(key, _full(rows, index, x), whole, budget_bytes), x, torch.ones(1, dtype=torch.uint8)]
+    x = head_logits(hidden, weight, bias, how, flatten)
+    results = run_chunks(key, with_logits(rows, index, x), whole, budget_bytes)
+    return [*results, x, torch.ones(1, dtype=torch.uint8)]
 
 
 @_row_local_head.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten):
-    x = _logits(hidden, weight, bias, how, flatten)
-    return [*fake_results(key, _full(rows, index, x), whole), x, torch.empty(1, dtype=torch.uint8)]
+    x = head_logits(hidden, weight, bias, how, flatten)
+    return [*fake_results(key, with_logits(rows, index, x), whole), x, torch.empty(1, dtype=torch.uint8)]
 
 
 def _grad_shapes(rows, wanted, hidden, weight, bias, needs) -> list[tuple[torch.Size, torch.Tensor]]:
@@ -85,8 +84,8 @@ def _row_local_head_backward(key: str, wanted: list[int], outputs: list[int], ro
     keep = torch.autograd._unsafe_preserve_version_counter
     with keep(x), keep(flag):
         if not _host_flag(flag):  # a second backward: the first wrote the gradient over the logits
-            x.copy_(_logits(hidden, weight, bias, how, flatten))
-        full = _full(rows, index, x)
+            x.copy_(head_logits(hidden, weight, bias, how, flatten))
+        full = with_logits(rows, index, x)
         others = [(i if i < index else i + 1) for i in wanted]
         out = [torch.empty_like(full[i], memory_format=torch.contiguous_format) for i in others]
         backward_chunks(Region(key, full, whole, budget_bytes), [index, *others], outputs, saved, grads,
@@ -151,8 +150,8 @@ def row_local_head(key: str, budget_bytes: int, n_rows: int, index: int, how: st
     rows, whole = list(inputs[:n_rows - 1]), list(inputs[n_rows - 1:])
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                             for t in (hidden, weight, bias))):
-        x = _logits(hidden, weight, bias, how, flatten)
-        return row_local(key, budget_bytes, n_rows, *_full(rows, index, x), *whole, saving=saving)
+        x = head_logits(hidden, weight, bias, how, flatten)
+        return row_local(key, budget_bytes, n_rows, *with_logits(rows, index, x), *whole, saving=saving)
     out = _row_local_head(saving or key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten)
     count = REPLAYING_BODIES[saving][1] if saving is not None else 0
     return tuple(out[:len(out) - 2 - count])

@@ -26,12 +26,12 @@ the backward runs both sweeps with the scaled cotangents.  On plan ``"gpu"`` see
 
 from __future__ import annotations
 
-import functools
+import logging
 from typing import Optional
 
 import torch
 
-from ..reporting.report import log
+from ..reporting.report import say_once
 from .chunk_gemm import row_chunk_logits
 from .lm_head_loss import (
     add_fp32_grads,
@@ -45,10 +45,10 @@ from .lm_head_loss import (
 )
 from .op_args import LogitsInput, Region, RowLossOptions, args_by_name, grads_by_name
 from .registry import CAPTURE_SAFE, emitted
-from .row_local_head import _full as _insert
-from .row_local_sweeps import _row_local_sweeps_backward, block_sweep, compiled, flat, forward, step
+from .row_local import with_logits
+from .row_local_sweeps import block_sweep, compiled, flat, forward, row_local_sweeps_backward
 from .row_split import Split, split_of
-from .tiling import even_splits, resolve_budget
+from .tiling import even_splits, product_cols, resolve_budget, sweep_step
 
 __all__ = ["row_local_loss", "row_bytes"]
 
@@ -79,14 +79,14 @@ def _unpack(buf: torch.Tensor, split: Split) -> list[torch.Tensor]:
 
 def _split(region: Region, lm: LogitsInput, k: int):
     x_like = lm.h.new_empty((0, lm.weight.shape[0]))  # (the logits' dtype, width and device)
-    return split_of(region.key, [lm.index], list(range(k)), lm.index, _insert(region.rows, lm.index, x_like),
+    rows = with_logits(region.rows, lm.index, x_like)
+    return split_of(region.key, [lm.index], list(range(k)), lm.index, rows,
                     region.whole, with_outputs=True)
 
 
-@functools.lru_cache(None)
 def _say_unsplit(key: str, why: str) -> None:
-    log.warning("chunked_logits: the row-local loss %s did not split at run time (%s): its gradients are "
-                "computed in the backward, by both sweeps (same results, one GEMM more)", key, why)
+    say_once(logging.WARNING, "chunked_logits: the row-local loss %s did not split at run time (%s): its "
+             "gradients are computed in the backward, by both sweeps (same results, one GEMM more)", key, why)
 
 
 @torch.library.custom_op("chunked_logits::row_local_loss", mutates_args=())
@@ -120,14 +120,14 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
         weights = row_weights(loss.final_key, loss.kinds, final_whole, n, dev)
         stats = compiled(split.stats, ("loss_stats", region.key, id(split)))
         k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
-        cols = max(1, min(weight.shape[0], resolve_budget(region.budget_bytes, dev) // (4 * weight.shape[1])))
-        spans = even_splits(n, step(n, weight.shape[0], region.budget_bytes, dev))
+        cols = product_cols(resolve_budget(region.budget_bytes, dev), weight.shape[0], weight.shape[1])
+        spans = even_splits(n, sweep_step(n, weight.shape[0], region.budget_bytes, dev))
         # (reordered once for the loop where grad_weight, made after it, takes as much)
         chunk_logits = row_chunk_logits(weight, bias, lm.how, spans, plan != "gpu" and needs[1])
         for a, b in spans:
             x = chunk_logits(h[a:b])
             cotangents = [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
-            got = stats(*_insert(region.chunk(a, b), lm.index, x), *region.whole, *cotangents)
+            got = stats(*with_logits(region.chunk(a, b), lm.index, x), *region.whole, *cotangents)
             del x
             g, outs, per_row = got[0], got[1:1 + k], got[1 + k:]
             for s, o in zip(sums, outs):
@@ -210,7 +210,7 @@ def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLoss
             return heads
     grads = [(w * g).to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
     # both sweeps, from the scaled cotangents (each gradient still one FP32 sum rounded once)
-    return _row_local_sweeps_backward(region.key, [], list(range(len(reductions))), region.rows, region.whole,
+    return row_local_sweeps_backward(region.key, [], list(range(len(reductions))), region.rows, region.whole,
                                       grads, region.budget_bytes, lm.index, h, weight, bias, lm.how, needs)
 
 

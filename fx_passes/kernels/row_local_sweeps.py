@@ -32,47 +32,36 @@ back to ``row_local_head``'s backward, said once in the log.  See NOTE [row-loca
 
 from __future__ import annotations
 
-import functools
+import logging
 from typing import Optional
 
 import torch
 
-from ..reporting.report import log
+from ..reporting.report import say_once
 from . import graph_bodies
-from .chunk_gemm import row_chunk_logits
+from .chunk_gemm import head_logits, row_chunk_logits
 from .compiler import compile_body
 from .op_args import LogitsInput, Region
 from .registry import CAPTURE_SAFE, emitted
 from .row_local import (
     COUNTER,
-    _fill,
     backward_chunks,
     fake_results,
     fill_chunks,
+    fill_rows,
     grads_of_outputs,
     setup_outputs,
+    with_logits,
 )
-from .row_local_head import _full as _insert
-from .row_local_head import _logits
 from .row_split import COLUMNS, Split, split_of
-from .tiling import even_splits, resolve_budget
+from .tiling import even_splits, spans, sweep_step
 
-__all__ = ["row_local_sweeps", "SWEEP_BYTES_PER_ELEMENT", "block_sweep", "compiled", "forward", "step",
+__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "block_sweep", "compiled", "forward",
            "flat"]
-
-# Working set of a row chunk or a vocabulary block per logit: the logits and their
-# gradient in model precision and one FP32 temporary (a top-k's input), so that a chunk
-# of W-sized logits holds 128 rows at the CPU's 32 MiB: a GEMM that runs near its peak
-# (32-row GEMMs took 2.7x as long here).
-SWEEP_BYTES_PER_ELEMENT = 8
 
 
 def flat(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1])
-
-
-def step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
-    return max(1, min(n, resolve_budget(budget_bytes, device) // (SWEEP_BYTES_PER_ELEMENT * max(1, width))))
 
 
 @torch.library.custom_op("chunked_logits::row_local_sweeps", mutates_args=())
@@ -86,16 +75,16 @@ def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tens
 def forward(region: Region, lm: LogitsInput) -> list[torch.Tensor]:
     """The body's results over row chunks of the logits of ``lm.h`` (``[N, H]``)."""
     n = lm.h.shape[0]
-    spans = even_splits(n, step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device)) or [(0, 0)]
-    return fill_chunks(graph_bodies.body(region.key, COUNTER), spans, n, lambda a, b: (
-        *_insert(region.chunk(a, b), lm.index, _logits(lm.h[a:b], lm.weight, lm.bias, lm.how, False)),
+    pieces = spans(n, sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device))
+    return fill_chunks(graph_bodies.body(region.key, COUNTER), pieces, n, lambda a, b: (
+        *with_logits(region.chunk(a, b), lm.index, head_logits(lm.h[a:b], lm.weight, lm.bias, lm.how, False)),
         *region.whole))
 
 
 @_row_local_sweeps.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how):
-    x = _logits(flat(hidden), weight, bias, how, False)
-    return fake_results(key, _insert(rows, index, x), whole)
+    x = head_logits(flat(hidden), weight, bias, how, False)
+    return fake_results(key, with_logits(rows, index, x), whole)
 
 
 def compiled(gm, key: tuple):
@@ -105,10 +94,9 @@ def compiled(gm, key: tuple):
     return compile_body(key, graph, f"{key[0]}_{key[1]}", COUNTER)
 
 
-@functools.lru_cache(None)
 def _say_whole(key: str, why: str) -> None:
-    log.warning("chunked_logits: the row-local body %s did not split at run time (%s): its backward "
-                "recomputes the logits whole (same results, stock's memory)", key, why)
+    say_once(logging.WARNING, "chunked_logits: the row-local body %s did not split at run time (%s): its "
+             "backward recomputes the logits whole (same results, stock's memory)", key, why)
 
 
 def _sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], grads: list[torch.Tensor],
@@ -120,19 +108,19 @@ def _sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], gr
     stats = compiled(split.stats, ("sweep_stats", region.key, id(split)))
     grad_h = torch.empty_like(h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
-    spans = even_splits(n, step(n, vocab, region.budget_bytes, h.device))
+    pieces = even_splits(n, sweep_step(n, vocab, region.budget_bytes, h.device))
     # (reordered once for the sweep where grad_weight, made after it, takes as much)
-    chunk_logits = row_chunk_logits(weight, lm.bias, lm.how, spans, needs[1])
-    for a, b in spans:
+    chunk_logits = row_chunk_logits(weight, lm.bias, lm.how, pieces, needs[1])
+    for a, b in pieces:
         x = chunk_logits(h[a:b])
-        got = stats(*_insert(region.chunk(a, b), lm.index, x), *region.whole, *(g[a:b] for g in grads))
+        got = stats(*with_logits(region.chunk(a, b), lm.index, x), *region.whole, *(g[a:b] for g in grads))
         del x
         g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
         if grad_h is not None:
             torch.mm(g, weight, out=grad_h[a:b])
         for o, got_o in zip(out, others):
             o[a:b] = got_o
-        _fill(values, per_row, a, b, n)
+        fill_rows(values, per_row, a, b, n)
     del chunk_logits  # (the reordered weight, before grad_weight is made)
     return (grad_h, *block_sweep(split, region, lm, grads, values, needs))
 
@@ -153,9 +141,10 @@ def block_sweep(split: Split, region: Region, lm: LogitsInput, grads: list[torch
 
     def columns(v0: int, v1: int) -> torch.Tensor:
         return torch.arange(v0, v1, device=h.device)[None]
-    args = [*_insert(region.rows, index, h), *region.whole, *grads]  # (the logits' place: filled per block)
-    for v0, v1 in even_splits(vocab, step(vocab, n, region.budget_bytes, h.device)):
-        x = _logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
+    # (the logits' place: filled per block)
+    args = [*with_logits(region.rows, index, h), *region.whole, *grads]
+    for v0, v1 in even_splits(vocab, sweep_step(vocab, n, region.budget_bytes, h.device)):
+        x = head_logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
         picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
                   args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
         g = block(*picked, *values)
@@ -167,7 +156,7 @@ def block_sweep(split: Split, region: Region, lm: LogitsInput, grads: list[torch
 
 
 @torch.library.custom_op("chunked_logits::row_local_sweeps_backward", mutates_args=())
-def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
+def row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], rows: list[torch.Tensor],
                                whole: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
                                index: int, hidden: torch.Tensor, weight: torch.Tensor,
                                bias: Optional[torch.Tensor], how: str,
@@ -176,13 +165,13 @@ def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], 
     # the body's row inputs that take a gradient: the logits first
     body_wanted = [index, *(i if i < index else i + 1 for i in wanted)]
     x_like = h.new_empty((0, weight.shape[0]))  # (the logits' dtype, width and device: what the split reads)
-    split = split_of(key, body_wanted, outputs, index, _insert(rows, index, x_like), whole)
+    split = split_of(key, body_wanted, outputs, index, with_logits(rows, index, x_like), whole)
     out = [torch.empty_like(rows[i], memory_format=torch.contiguous_format) for i in wanted]
     if isinstance(split, str):  # (not expected: the rewrite split the same body)
         _say_whole(key, split)
-        g = _logits(h, weight, bias, how, False)  # (the logits, then their gradient over them)
-        backward_chunks(Region(key, _insert(rows, index, g), whole, budget_bytes), body_wanted, outputs, [],
-                        grads, [g, *out])
+        g = head_logits(h, weight, bias, how, False)  # (the logits, then their gradient over them)
+        region = Region(key, with_logits(rows, index, g), whole, budget_bytes)
+        backward_chunks(region, body_wanted, outputs, [], grads, [g, *out])
         heads = [g @ weight if needs[0] else None, g.t() @ h if needs[1] else None,
                  g.sum(0) if bias is not None and needs[2] else None]
     else:
@@ -193,7 +182,7 @@ def _row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], 
     return [*out, *(t for t in heads if t is not None)]
 
 
-@_row_local_sweeps_backward.register_fake
+@row_local_sweeps_backward.register_fake
 def _(key, wanted, outputs, rows, whole, grads, budget_bytes, index, hidden, weight, bias, how, needs):
     shapes = [rows[i] for i in wanted]
     shapes += [t for need, t in zip(needs, (hidden, weight, bias)) if need and t is not None]
@@ -218,7 +207,7 @@ def _backward(ctx, grads):
     row_grads: list[Optional[torch.Tensor]] = [None] * n
     head: list[Optional[torch.Tensor]] = [None] * 3
     if ctx.outputs:
-        got = iter(_row_local_sweeps_backward(
+        got = iter(row_local_sweeps_backward(
             ctx.key, ctx.wanted, ctx.outputs, rows, whole, grads_of_outputs(ctx, grads, hidden.device),
             ctx.budget_bytes, ctx.index, hidden, weight, bias, ctx.how, ctx.needs))
         for i in ctx.wanted:

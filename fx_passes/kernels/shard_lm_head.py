@@ -118,13 +118,13 @@ def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int
 
 
 @torch.library.custom_op("chunked_logits::shard_lm_head_backward", mutates_args=())
-def _shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
+def shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
                             operands: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
                             need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward_loops(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight)
 
 
-@_shard_lm_head_backward.register_fake
+@shard_lm_head_backward.register_fake
 def _(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0))
@@ -142,7 +142,7 @@ def _backward(ctx, grads):
     grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=hidden.device)
              for g, (shape, dtype) in zip(grads, ctx.outputs)]
     need_hidden, need_weight = ctx.needs_input_grad[1:3]
-    gh, gw = _shard_lm_head_backward(ctx.key, hidden, weight, operands, grads, ctx.budget_bytes, need_hidden,
+    gh, gw = shard_lm_head_backward(ctx.key, hidden, weight, operands, grads, ctx.budget_bytes, need_hidden,
                                      need_weight)
     return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(operands), None
 

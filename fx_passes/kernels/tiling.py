@@ -13,17 +13,18 @@ GEMM tiles and ``grad_weight`` column slices at aligned offsets either way).
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Optional
 
 import torch
 
 from .. import compat
+from ..reporting.report import say_once
 
 __all__ = ["forward_rows", "backward_tiles", "gpu_block_cols", "sweep_sizes", "accumulator_rows",
            "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
-           "resolve_budget", "ALIGN"]
+           "resolve_budget", "ALIGN", "chunk_rows", "sweep_step", "product_cols", "spans",
+           "BYTES_PER_ELEMENT", "SWEEP_BYTES_PER_ELEMENT"]
 
 log = logging.getLogger("fx_passes")
 
@@ -130,6 +131,41 @@ def accumulator_rows(budget_bytes: int, n: int, width: int) -> int:
     return n if rows >= n else aligned(rows)
 
 
+# Working set of a row-local chunk per element of its widest row input: what a top-p region's
+# compiled body keeps at once (a sort's FP32 values and int64 indices, the cumsum, the
+# masks, the scattered mask: measured about 25 bytes), so a chunk stays within the budget.
+BYTES_PER_ELEMENT = 32
+# Working set of a row chunk or a vocabulary block of a row-local sweep per logit: the logits
+# and their gradient in model precision and one FP32 temporary (a top-k's input), so that a
+# chunk of W-sized logits holds 128 rows at the CPU's 32 MiB: a GEMM that runs near its peak
+# (32-row GEMMs took 2.7x as long here).
+SWEEP_BYTES_PER_ELEMENT = 8
+
+
+def chunk_rows(rows: list, budget_bytes: int) -> int:
+    """Rows (indices of dim 0) per row-local chunk: the budget (``BY_DEVICE``: the device's,
+    ``device_budget``) over the widest row's working set, ``aligned``."""
+    width = max((r[0].numel() if r.dim() and r.shape[0] else 1 for r in rows), default=1)
+    return aligned(resolve_budget(budget_bytes, rows[0].device) // (BYTES_PER_ELEMENT * max(width, 1)))
+
+
+def sweep_step(n: int, width: int, budget_bytes: int, device: torch.device) -> int:
+    """Rows (or columns) per piece of a row-local sweep over ``n`` of them, each ``width``
+    logits wide (``SWEEP_BYTES_PER_ELEMENT`` each)."""
+    return max(1, min(n, resolve_budget(budget_bytes, device) // (SWEEP_BYTES_PER_ELEMENT * max(1, width))))
+
+
+def product_cols(budget_bytes: int, vocab: int, width: int) -> int:
+    """Columns per FP32 ``[cols, H]`` product of a gradient summed over row chunks
+    (``grad_weight += g[:, cols].T @ h``): at most the budget (resolved by the caller)."""
+    return max(1, min(vocab, budget_bytes // (4 * width)))
+
+
+def spans(total: int, most: int) -> list[tuple[int, int]]:
+    """:func:`even_splits`, with one empty span for no rows (a loop that runs once)."""
+    return even_splits(total, most) or [(0, 0)]
+
+
 def even_splits(total: int, most: int) -> list[tuple[int, int]]:
     """``[0, total)`` cut into the fewest pieces of at most ``most``: multiples of
     ``granule(most)`` but the last, as even as that allows (no 1-row remainder tile with
@@ -150,11 +186,10 @@ def even_splits(total: int, most: int) -> list[tuple[int, int]]:
     return [(a, min(total, a + size)) for a in range(0, total, size)]
 
 
-@functools.lru_cache(None)
 def _say_no_out_dtype(device_type: str) -> None:
     """(once per device type)"""
-    log.info("chunked_logits: lm_head_plan 'gpu' needs aten::mm.dtype on %s, which this torch %s "
-             "lacks: the backward runs 'blocks'", device_type, torch.__version__)
+    say_once(logging.INFO, "chunked_logits: lm_head_plan 'gpu' needs aten::mm.dtype on %s, which this torch "
+             "%s lacks: the backward runs 'blocks'", device_type, torch.__version__)
 
 
 # NOTE [lm_head backward plans]

@@ -11,6 +11,7 @@ decline, ``TORCH_LOGS="+fx_passes"`` adds the graphs before and after.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 
 from torch._dynamo.utils import counters
@@ -18,7 +19,7 @@ from torch._dynamo.utils import counters
 from .session import Event, session
 
 __all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline",
-           "record_left_to_stock", "record_near_miss"]
+           "record_left_to_stock", "record_near_miss", "say_once"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -58,6 +59,13 @@ class Decline(Exception):
         super().__init__(f"{reason.value}{': ' + detail if detail else ''}")
         self.reason = reason
         self.detail = detail
+
+
+@functools.lru_cache(None)
+def say_once(level: int, message: str, *args: object) -> None:
+    """``log.log(level, message, *args)`` the first time this process sees these values
+    (a run-time fall-back said once, not each step)."""
+    log.log(level, message, *args)
 
 
 def record_rewrite(where: str, what: str, fp32_bytes: int, report_only: bool) -> None:
