@@ -236,7 +236,7 @@ def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kern
 
 
 def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
-    """``lm_head_loss._forward``'s row chunks: logits and stats, the gradient tile, and
+    """``lm_head_loss._loop``'s row chunks: logits and stats, the gradient tile, and
     ``grad_hidden[chunk]`` in one GEMM (FP32 output on the ``gpu`` plan)."""
     ks = []
     for r in splits(T, tiling.forward_rows(budget, T, V)):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.cases import LM_HEAD_HIDDEN, LM_HEAD_WORKLOADS, limit_bytes, sizes  # noqa: E402
 from fx_passes.config import Config  # noqa: E402
 from fx_passes.kernels.chunk_gemm import row_chunk_logits  # noqa: E402
-from fx_passes.kernels.row_local_sweeps import step  # noqa: E402
+from fx_passes.kernels.tiling import sweep_step  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -52,7 +52,7 @@ def families(T: int, H: int, V: int, budget: int, rows: int = 0, cols: int = 0) 
     g = (torch.randn(T, V, generator=gen) * 1e-3).to(bf)  # (stands for the logits' gradient)
     grad_h, grad_w = torch.empty(T, H, dtype=bf), torch.empty(V, H, dtype=bf)
     acc = torch.zeros(V, H)
-    rows, cols = rows or step(T, V, budget, h.device), cols or step(V, T, budget, h.device)
+    rows, cols = rows or sweep_step(T, V, budget, h.device), cols or sweep_step(V, T, budget, h.device)
     row_chunks = [(a, min(a + rows, T)) for a in range(0, T, rows)]
     blocks = [(a, min(a + cols, V)) for a in range(0, V, cols)]
 
