@@ -27,15 +27,15 @@ from torch.fx import Graph, GraphModule, Node
 
 from . import compat, env
 from .config import Config
-from .distributed.vocab_parallel import find_shard_regions, rewrite_shard_region
+from .distributed.shard_stages import find_shard_regions, rewrite_shard_region
 from .fx.graph_ops import meta
 from .kernels.registry import cacheable_names
-from .match.logits import Region, find_regions
 from .match.near_miss import loss_outside
 from .match.region import Role
 from .match.region import where as _where
 from .match.row_local import find_row_region
 from .match.upcast import upcast_ancestor, upcast_behind, upcast_input
+from .match.upcast_regions import Region, find_regions
 from .match.worth import left_to_stock
 from .reporting.containment import contained
 from .reporting.outcome import LMHead, Outcome, counted
@@ -49,10 +49,10 @@ from .reporting.report import (
     record_rewrite,
 )
 from .reporting.session import session
-from .rewrite.logits import fp32_bytes, rewrite_region
 from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.unit_scale import remove_div_by_one
+from .rewrite.upcast_region import fp32_bytes, rewrite_region
 
 __all__ = ["run_passes", "transform", "ChunkedLogitsPass", "source_hash", "PASSES"]
 

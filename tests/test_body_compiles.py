@@ -1,4 +1,4 @@
-"""How the chunk bodies are compiled (``fx_passes/kernels/compiler.py``): the user's
+"""How the chunk bodies are compiled (``fx_passes/kernels/body_compiler.py``): the user's
 Inductor settings reach them (but CUDA graphs and custom passes); a body past Dynamo's
 recompile limit falls back to eager, counted and said once; a body never compiles
 inside a CUDA graph capture (checked with the capture query patched: CPU torch has none)."""
@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fx_passes import compat
-from fx_passes.kernels import compiler
+from fx_passes.kernels import body_compiler
 from fx_passes.reporting.report import COUNTER
 from tests.cases import lm_logprob_entropy
 
@@ -20,9 +20,9 @@ from tests.cases import lm_logprob_entropy
 @pytest.fixture(autouse=True)
 def _clean():
     counters.clear()
-    saved = compiler.user_options()
+    saved = body_compiler.user_options()
     yield
-    compiler.use_user_options(saved)
+    body_compiler.use_user_options(saved)
 
 
 def test_user_inductor_options_reach_the_bodies(monkeypatch):
@@ -44,7 +44,7 @@ def test_user_inductor_options_reach_the_bodies(monkeypatch):
     weight = torch.randn(256, 32, dtype=torch.bfloat16, requires_grad=True)
     tok, adv = torch.randint(0, 256, (64,)), torch.randn(64)
     user = {"coordinate_descent_tuning": True, "triton.cudagraphs": True, "post_grad_custom_post_pass": None}
-    with compiler.compiling_with(recording):
+    with body_compiler.compiling_with(recording):
         step = torch.compile(lm_logprob_entropy, backend="chunked_logits", fullgraph=True,
                              options={"chunk_budget_mib": 1, "inductor": user})
         step(hidden, weight, tok, adv).backward()
@@ -62,8 +62,8 @@ def test_mode_settings_for_bodies():
     from fx_passes.entry.backend import settings
 
     _, inductor = settings({}, "max-autotune")
-    compiler.use_user_options(inductor)
-    assert compiler.user_options() == {"max_autotune": True, "coordinate_descent_tuning": True}
+    body_compiler.use_user_options(inductor)
+    assert body_compiler.user_options() == {"max_autotune": True, "coordinate_descent_tuning": True}
 
 
 def _double(x):
@@ -75,7 +75,7 @@ def test_recompile_limit_is_counted_and_said_once(caplog):
     eagerly from then on: counted (``body_recompile_limit`` and the body's counter), one
     log line (before: only the generic compile-failure line, no such counter)."""
     assert hasattr(torch._dynamo.config, "recompile_limit")
-    body = compiler.compile_body(("test", "recompile_limit"), _double, "test_double", "test_body_eager")
+    body = body_compiler.compile_body(("test", "recompile_limit"), _double, "test_double", "test_body_eager")
     with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, "fx_passes"):
         x = torch.arange(6.0).reshape(2, 3)
         torch.testing.assert_close(body(x), x * 2)  # compiled (one entry)
@@ -99,8 +99,9 @@ def test_no_compile_inside_a_capture(monkeypatch, caplog):
             return fn(*args)
         return run
 
-    with compiler.compiling_with(compiled_marker):
-        body = compiler.compile_body(("test", "capture"), _double, "test_double_capture", "test_body_eager")
+    with body_compiler.compiling_with(compiled_marker):
+        body = body_compiler.compile_body(("test", "capture"), _double, "test_double_capture",
+                                          "test_body_eager")
     x = torch.ones(3)
     monkeypatch.setattr(compat, "_capturing", lambda kind: True)
     with caplog.at_level(logging.WARNING, "fx_passes"):

@@ -138,8 +138,8 @@ def test_vocab_parallel_rewrite_takes_the_devices_budget():
     same rule as the lm_head loop's) unless ``chunk_budget_mib`` is set."""
     import inspect
 
-    from fx_passes.distributed import vocab_parallel
-    assert "config.device_budget_bytes" in inspect.getsource(vocab_parallel.rewrite_shard_region)
+    from fx_passes.distributed import shard_stages
+    assert "config.device_budget_bytes" in inspect.getsource(shard_stages.rewrite_shard_region)
 
 
 # ---- the row-local loop on given logits ---------------------------------------------------------

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from fx_passes import Config, Reason
-from fx_passes.match.logits import find_regions
+from fx_passes.match.upcast_regions import find_regions
 from fx_passes.pipeline import ChunkedLogitsPass
 from fx_passes.reporting.report import Decline
-from fx_passes.rewrite.logits import rewrite_region
+from fx_passes.rewrite.upcast_region import rewrite_region
 from tests.helpers import chunked_counters, dynamo_graph, rewrite
 
 V = 64

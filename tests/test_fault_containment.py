@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import fx_passes
 import fx_passes.kernels.stats
 import fx_passes.pipeline
-import fx_passes.rewrite.logits
+import fx_passes.rewrite.upcast_region
 from fx_passes import ChunkedLogitsPass, Config
 from fx_passes.reporting.session import Event, session
 from tests.helpers import dynamo_graph
@@ -100,7 +100,8 @@ FAULTS = {
     # before anything is changed
     "find_regions": ("fx_passes.pipeline", "find_regions", lambda real: boom),
     # second region, after the first region has been rewritten and the second's views replayed
-    "emit_stats_second_region": ("fx_passes.rewrite.logits", "emit_stats", lambda real: on_call(2, real)),
+    "emit_stats_second_region": ("fx_passes.rewrite.upcast_region", "emit_stats",
+                                 lambda real: on_call(2, real)),
     # after every region is rewritten
     "remove_div_by_one": ("fx_passes.pipeline", "remove_div_by_one", lambda real: boom),
     # no exception from our code: the graph is left broken and graph.lint() raises

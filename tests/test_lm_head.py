@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels.body_compiler import compiling_with
 from fx_passes.kernels.op_args import Cotangents, Head, HeadOptions, RowValues
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from fx_passes.testing.workloads import WORKLOADS, run_step

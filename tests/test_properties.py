@@ -39,7 +39,7 @@ import torch
 from hypothesis import assume, example, given, reject, settings
 from torch._dynamo.utils import counters
 
-import fx_passes.rewrite.logits
+import fx_passes.rewrite.upcast_region
 from fx_passes.reporting.report import Decline, Reason
 from tests.codegen import full_fp32_buffers
 from tests.property_profiles import FULL_COMPILES, PROFILE
@@ -293,17 +293,17 @@ def test_harness_fails_a_pass_that_declines_everything(monkeypatch) -> None:
 
 
 def test_harness_fails_a_pass_that_changes_a_result(monkeypatch) -> None:
-    real = fx_passes.rewrite.logits.row_stats
+    real = fx_passes.rewrite.upcast_region.row_stats
 
     def off_by_a_bit(x, tokens, scale, is_div, want_entropy):  # forgets the temperature
         return real(x, tokens, None, is_div, want_entropy)
-    monkeypatch.setattr(fx_passes.rewrite.logits, "row_stats", off_by_a_bit)
+    monkeypatch.setattr(fx_passes.rewrite.upcast_region, "row_stats", off_by_a_bit)
     with pytest.raises(AssertionError, match="worse than stock"):
         check_transformed(EXAMPLES["logprob_W1"])
 
 
 def test_harness_fails_a_wrong_gradient(monkeypatch) -> None:
-    real = fx_passes.rewrite.logits.row_stats
+    real = fx_passes.rewrite.upcast_region.row_stats
 
     class Wrong(torch.autograd.Function):  # right values, gradient of half the size
         @staticmethod
@@ -316,7 +316,7 @@ def test_harness_fails_a_wrong_gradient(monkeypatch) -> None:
 
     def halved_grad(x, tokens, scale, is_div, want_entropy):
         return real(Wrong.apply(x), tokens, scale, is_div, want_entropy)
-    monkeypatch.setattr(fx_passes.rewrite.logits, "row_stats", halved_grad)
+    monkeypatch.setattr(fx_passes.rewrite.upcast_region, "row_stats", halved_grad)
     with pytest.raises(AssertionError, match="grad of x"):
         check_transformed(dataclasses.replace(EXAMPLES["logprob_W1"], train=True))
 

@@ -122,7 +122,7 @@ def test_uuid_carries_the_source_hash() -> None:
     assert fx_passes.pipeline.source_hash()[:16] in ChunkedLogitsPass().uuid()
 
 
-@pytest.mark.parametrize("file", ["pipeline.py", "kernels/stats.py", "match/logits.py", "config.py",
+@pytest.mark.parametrize("file", ["pipeline.py", "kernels/stats.py", "match/upcast_regions.py", "config.py",
                                   "distributed/one_pass.py"])
 def test_source_hash_changes_when_a_source_file_changes(package_copy, file) -> None:
     source_hash = fx_passes.pipeline.source_hash

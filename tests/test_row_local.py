@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from fx_passes import Reason
-from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels.body_compiler import compiling_with
 from fx_passes.kernels.tiling import BYTES_PER_ELEMENT
 from tests import row_local_cases as rl
 from tests.codegen import compiled_codes, full_fp32_buffers

@@ -23,8 +23,8 @@ from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fx_passes.kernels import graph_bodies
-from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels import user_bodies
+from fx_passes.kernels.body_compiler import compiling_with
 from fx_passes.kernels.row_local import _row_local_backward
 from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
 from fx_passes.reporting.session import session
@@ -175,7 +175,7 @@ def test_the_backward_writes_the_gradient_over_the_logits():
     lm_head's gradients are ``g @ W`` and ``g.T @ h`` of that gradient."""
     hidden, weight, _ = _lm_head()
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
-    key = graph_bodies.register(symbolic_trace(_kl_rows))
+    key = user_bodies.register(symbolic_trace(_kl_rows))
     budget = 8 * V * 32  # 8 rows a chunk
     grads = [torch.randn(T)]
     with compiling_with(EAGER):

@@ -20,8 +20,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 
-from fx_passes.kernels import graph_bodies, row_split
-from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels import row_split, user_bodies
+from fx_passes.kernels.body_compiler import compiling_with
 from fx_passes.kernels.row_local_loss import _row_local_loss, _row_local_loss_backward, row_bytes
 from fx_passes.kernels.row_local_sweeps import row_local_sweeps_backward
 from fx_passes.reporting.session import session
@@ -236,7 +236,7 @@ def _final_mean(m):
 def _inputs():
     hidden, weight = sweeps.head()
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
-    key = graph_bodies.register(symbolic_trace(sweeps.kl_rows))
+    key = user_bodies.register(symbolic_trace(sweeps.kl_rows))
     return hidden, weight, teacher, key
 
 
@@ -244,7 +244,7 @@ def _ops(inputs, budget, g, done=True):
     """The op's forward and backward, eagerly, on the distillation body (its loss: the
     mean of the per-row KL); ``done``: what the forward says of its split."""
     hidden, weight, teacher, key = inputs
-    final = graph_bodies.register(symbolic_trace(_final_mean))
+    final = user_bodies.register(symbolic_trace(_final_mean))
     split = row_split.split_of(key, [0], [0], 0, [hidden.new_empty(0, V), teacher], [], with_outputs=True)
     width = row_bytes(split)
     loss, gh, packed, ok, gw, gb = _row_local_loss._init_fn(key, [teacher], [], budget, 0, hidden, weight,

@@ -19,8 +19,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 
-from fx_passes.kernels import graph_bodies, row_split
-from fx_passes.kernels.compiler import compiling_with
+from fx_passes.kernels import row_split, user_bodies
+from fx_passes.kernels.body_compiler import compiling_with
 from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
 from fx_passes.kernels.row_local_sweeps import _row_local_sweeps, row_local_sweeps_backward
 from fx_passes.reporting.session import session
@@ -88,14 +88,14 @@ def test_the_split_rebuilds_the_whole_row_gradient_block_by_block():
     vector-Jacobian product, up to one bf16 rounding (ATen computes a slice's last
     columns with a scalar ``exp``, the row's with a vectorised one, and the body's
     ``log_softmax`` backward with its own kernel)."""
-    key = graph_bodies.register(symbolic_trace(_kl_rows))
+    key = user_bodies.register(symbolic_trace(_kl_rows))
     x = rl.distinct_logits(T, V, torch.bfloat16, seed=1)
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
     split = row_split.split_of(key, [0], [0], 0, [x, teacher], [])
     assert isinstance(split, row_split.Split) and split.values >= 2, split
     g = torch.randn(T)
     got = split.stats(x, teacher, g)
-    want = graph_bodies.vjp_function(_kl_rows, 2, (0,), (0,))(x, teacher, g)[0]
+    want = user_bodies.vjp_function(_kl_rows, 2, (0,), (0,))(x, teacher, g)[0]
     torch.testing.assert_close(got[0], want, rtol=2**-7, atol=1e-7)  # (ATen's fused log_softmax backward)
     args = [x, teacher, g]
     for v0, v1 in [(0, 100), (100, 101), (101, V)]:
@@ -107,7 +107,7 @@ def test_the_traced_graphs_make_their_tensors_on_the_inputs_device():
     """The split is traced on the inputs' device (a GPU's at run time; meta here, the
     one other device a CPU has): the zeros of a gather's backward and every constant
     tensor of both graphs are made there, not on the host."""
-    key = graph_bodies.register(symbolic_trace(_topk_rows))
+    key = user_bodies.register(symbolic_trace(_topk_rows))
     x = torch.empty(T, V, dtype=torch.bfloat16, device="meta")
     tokens = torch.empty(T, dtype=torch.int64, device="meta")
     split = row_split.split_of(key, [0], [0], 0, [x, tokens], [])
@@ -118,7 +118,7 @@ def test_the_traced_graphs_make_their_tensors_on_the_inputs_device():
 
 
 def test_a_sort_and_a_scatter_do_not_split_and_say_so():
-    key = graph_bodies.register(symbolic_trace(_topp_rows))
+    key = user_bodies.register(symbolic_trace(_topp_rows))
     x = rl.distinct_logits(T, V, torch.bfloat16, seed=1)
     why = row_split.split_of(key, [0], [0], 0, [x, rl.kept_tokens(x)], [])
     assert isinstance(why, str) and "is not pointwise" in why, why
@@ -131,7 +131,7 @@ def test_neither_the_logits_nor_their_gradient_exist_whole():
     with that call's (accuracy against FP64: the tests above)."""
     hidden, weight = _head()
     teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
-    key = graph_bodies.register(symbolic_trace(_kl_rows))
+    key = user_bodies.register(symbolic_trace(_kl_rows))
     budget = 8 * V * 16  # 16 rows a chunk, 16 * V / T columns a block
     grads = [torch.randn(T)]
     with compiling_with(EAGER):
@@ -160,7 +160,7 @@ def test_a_body_that_does_not_split_at_run_time_recomputes_the_logits(caplog):
     that keeps them: the same gradients, said in the log."""
     hidden, weight = _head()
     tokens = rl.kept_tokens(hidden @ weight.T)
-    key = graph_bodies.register(symbolic_trace(_topp_rows))
+    key = user_bodies.register(symbolic_trace(_topp_rows))
     budget = 8 * V * 16
     grads = [torch.randn(T)]
     got = row_local_sweeps_backward._init_fn(key, [], [0], [tokens], [], grads, budget, 0, hidden, weight,

@@ -421,7 +421,7 @@ def test_lm_head_graph_after_one_pass(head):
 def test_a_body_that_fails_to_compile_runs_eagerly(caplog):
     """A compile failure inside the step (the stage bodies compile on first use) must not
     end the user's step: the body runs eagerly, the same maths, with a warning."""
-    from fx_passes.kernels.compiler import compiling_with
+    from fx_passes.kernels.body_compiler import compiling_with
 
     def broken(fn, options):
         def call(*args):

@@ -14,7 +14,7 @@ pass over the rows] for the before/after graphs.
 """
 
 # NOTE [one pass over the rows]
-# With the lm_head fused each stage of a region (fx_passes.distributed.vocab_parallel)
+# With the lm_head fused each stage of a region (fx_passes.distributed.shard_stages)
 # computes every row chunk's logits again, because its per-row operands (the all-reduced
 # max) exist only after the previous stage has seen all rows.  But the glue between the
 # stages is per row, so one loop over row chunks computes a chunk's logits once and runs
@@ -43,12 +43,14 @@ from torch.fx import Graph, GraphModule, Node
 from .. import compat
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
-from ..kernels import graph_bodies
+from ..kernels import user_bodies
+from ..kernels.op_args import args_by_name, grads_by_name
+from ..kernels.op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from ..kernels.shard_lm_head import row_chunks, shard_lm_head_backward
 from ..kernels.tiling import CPU_BUDGET, even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
-from .regions import needs_grad
+from .shard_regions import needs_grad
 
 __all__ = ["OnePass", "plan_one_pass", "shard_lm_head_stages"]
 
@@ -325,13 +327,13 @@ def _splits(name: str, hidden, weight, budget_bytes: int) -> list[tuple[int, int
 def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     plan = ONE_PASS_PLANS[name]
     outs = row_chunks(hidden, weight, externals, _splits(name, hidden, weight, budget_bytes),
-                      lambda x, *chunk: _run(plan, x, list(chunk), graph_bodies.body))
+                      lambda x, *chunk: _run(plan, x, list(chunk), user_bodies.body))
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
 
 def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    got = _run(ONE_PASS_PLANS[name], x, list(externals), graph_bodies.function)
+    got = _run(ONE_PASS_PLANS[name], x, list(externals), user_bodies.function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
 
 
@@ -345,28 +347,23 @@ _stages.register_fake(_fake)
 
 
 def _setup(ctx, inputs, output):
-    name, hidden, weight, externals, budget_bytes = inputs
-    ctx.name, ctx.budget_bytes, ctx.n_externals = name, budget_bytes, len(externals)
-    ctx.outputs = [(o.shape, o.dtype) for o in output]
-    _, where, _ = ONE_PASS_PLANS[name].grad or (None, (), ())
+    plan = ONE_PASS_PLANS[args_by_name(_stages, inputs)["name"]]
+    _, where, _ = plan.grad or (None, (), ())
     saved = [output[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
-    ctx.save_for_backward(hidden, weight, *externals, *saved)
+    args = save_inputs(ctx, _stages, inputs, extra=saved)
+    keep_result_specs(ctx, output)
+    ctx.needs = {"need_hidden": args["hidden"].requires_grad, "need_weight": args["weight"].requires_grad}
 
 
 def _backward(ctx, grads):
-    hidden, weight, *saved = ctx.saved_tensors
-    externals, outputs = saved[:ctx.n_externals], iter(saved[ctx.n_externals:])
-    key, where, positions = ONE_PASS_PLANS[ctx.name].grad
-    operands = [externals[i] if kind == "in" else next(outputs) for kind, i in where]
-    stage_grads = []
-    for p in positions:
-        shape, dtype = ctx.outputs[p]
-        stage_grads.append(grads[p] if grads[p] is not None else
-                           torch.zeros(shape, dtype=dtype, device=hidden.device))
-    need_hidden, need_weight = ctx.needs_input_grad[1:3]
-    gh, gw = shard_lm_head_backward(key, hidden, weight, operands, stage_grads, ctx.budget_bytes,
-                                     need_hidden, need_weight)
-    return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(externals), None
+    args, saved = saved_inputs(ctx)
+    key, where, positions = ONE_PASS_PLANS[args["name"]].grad
+    outputs = iter(saved)
+    operands = [args["externals"][i] if kind == "in" else next(outputs) for kind, i in where]
+    gh, gw = call_by_name(shard_lm_head_backward, args, key=key, operands=operands,
+                          grads=grads_or_zeros(ctx, grads, args["hidden"].device, positions), **ctx.needs)
+    return grads_by_name(_stages, ctx.lengths, hidden=gh if ctx.needs["need_hidden"] else None,
+                         weight=gw if ctx.needs["need_weight"] else None)
 
 
 _stages.register_autograd(_backward, setup_context=_setup)

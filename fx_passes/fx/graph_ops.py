@@ -2,9 +2,10 @@
 
 A Dynamo graph spells one op many ways: ``x.float()``, ``x.to(torch.float32)``,
 ``torch.log_softmax(x, dim=-1)``, ``F.log_softmax(x, -1)``, ``x.log_softmax(-1)``,
-``operator.truediv`` ... :func:`canon` maps each spelling to one name and
-:func:`get_arg` reads an argument by position or keyword, so the matcher is
-written once per op, not once per spelling.
+``operator.truediv`` ... One naming scheme: :func:`op_name` is ATen's name of any call;
+:func:`canon` is that name for the matcher's known spellings, one op's spellings merged
+(``float`` / ``to`` -> "convert"), and :func:`get_arg` reads an argument by position or
+keyword, so the matcher is written once per op, not once per spelling.
 """
 
 from __future__ import annotations
@@ -110,16 +111,25 @@ def same_shape(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
+# ATen names that spell one canonical op of the matcher (everything else: ATen's own name)
+_ALIASES = {"float": "convert", "to": "convert", "type": "convert", "view": "reshape", "true_divide": "div",
+            "special_log_softmax": "log_softmax", "special_softmax": "softmax",
+            "special_logsumexp": "logsumexp"}
+
+
 def canon(node: Node) -> Optional[str]:
-    """The canonical op name of ``node``, or None for anything else."""
+    """The canonical op name of ``node`` (:func:`op_name`, with the spellings of one op
+    merged: ``x.float()`` / ``x.to(..)`` -> "convert", ``view`` -> "reshape"), or None for a
+    call that is not one of the matcher's known spellings (``_SPELLINGS``, by identity)."""
     try:
-        if node.op == "call_function":
-            return _BY_FUNCTION.get(node.target)
-        if node.op == "call_method":
-            return _BY_METHOD.get(node.target)
+        known = node.target in _BY_FUNCTION if node.op == "call_function" else (
+            node.op == "call_method" and node.target in _BY_METHOD)
     except TypeError:  # unhashable target
         return None
-    return None
+    if not known:
+        return None
+    name = op_name(node)
+    return _ALIASES.get(name, name)
 
 
 def tensor_input(node: Node) -> Any:

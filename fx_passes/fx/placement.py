@@ -30,8 +30,8 @@ mode switches in graph order.  See NOTE [placement].
 # Grad mode and autocast switches show in a Dynamo graph as calls
 # (``torch._C._set_grad_enabled``, ``_enter_autocast`` / ``_exit_autocast``,
 # ``_enter_inference_mode`` / ``_exit_inference_mode``); :func:`states` replays them in
-# graph order.  The single-process rewrite (:mod:`fx_passes.rewrite.logits`) and the
-# vocab-parallel one (:mod:`fx_passes.distributed.vocab_parallel`) both call this module.
+# graph order.  The single-process rewrite (:mod:`fx_passes.rewrite.upcast_region`) and the
+# vocab-parallel one (:mod:`fx_passes.distributed.shard_stages`) both call this module.
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ once; no FP32 ``[V, H]`` or ``[T, H]`` buffer exists.  See NOTE [lm_head loop].
 # adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
 #
 # Sizes come from :mod:`fx_passes.kernels.tiling`; the per-chunk bodies are compiled by
-# Inductor (:mod:`fx_passes.kernels.bodies`).  The loops run in Python, which is why the op is
+# Inductor (:mod:`fx_passes.kernels.lm_head_bodies`).  The loops run in Python, which is why the op is
 # opaque to the outer graph.
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from typing import Optional
 
 import torch
 
-from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
 from .gpu_plan import out_dtype_blocks
-from .op_args import Cotangents, Head, HeadOptions, LogitMap, RowValues, grads_by_name
+from .lm_head_bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
+from .op_args import Cotangents, Head, HeadOptions, LogitMap, RowValues, args_by_name, grads_by_name
+from .op_pair import call_by_name, save_inputs, saved_inputs
 from .registry import CAPTURE_SAFE, emitted
 from .stats import softmax_lse
 from .tiling import (
@@ -299,10 +300,9 @@ def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, s
 
 
 def _setup(ctx, inputs, output):
-    head, opts = Head(*inputs[:5]), HeadOptions(*inputs[5:])
     lse, _, entropy = output[:3]  # (not the returned logits: the backward recomputes them)
-    ctx.save_for_backward(*head, lse, entropy if opts.want_entropy else None)
-    ctx.opts, ctx.has_tokens = opts, head.tokens is not None
+    want_entropy = args_by_name(lm_head_stats, inputs)["want_entropy"]
+    save_inputs(ctx, lm_head_stats, inputs, extra=(lse, entropy if want_entropy else None))
     ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
 
 
@@ -311,23 +311,21 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     per tile.  Under AOTAutograd it is always a tensor: when nothing reads the logits'
     gradient the autograd engine passes zeros (``[T, V]``, allocated before the compiled
     backward runs), and adding them changes no bit of the result."""
-    *saved_head, lse, entropy = ctx.saved_tensors
-    hidden, weight, bias, tokens, scale = saved_head
+    args, (lse, entropy) = saved_inputs(ctx)
+    hidden, weight, bias, tokens = args["hidden"], args["weight"], args["bias"], args["tokens"]
     zeros = lse.new_zeros(lse.shape)
     g_lse = g_lse if g_lse is not None else zeros
-    g_logprob = g_logprob if (g_logprob is not None and ctx.has_tokens) else zeros
+    g_logprob = g_logprob if (g_logprob is not None and tokens is not None) else zeros
     g_entropy = g_entropy if (g_entropy is not None and entropy is not None) else zeros
-    lse = softmax_lse(lse, log_softmax=ctx.has_tokens or entropy is not None)
+    lse = softmax_lse(lse, log_softmax=tokens is not None or entropy is not None)
     if tokens is None:
         tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
         g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    opts = ctx.opts
-    gh, gw, gb = lm_head_stats_backward(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob,
-                                        g_entropy, scale, opts.scale_is_div, opts.budget_bytes,
-                                        opts.transforms, g_logits, need_hidden, need_weight or need_bias,
-                                        opts.plan)
+    gh, gw, gb = call_by_name(lm_head_stats_backward, args, tokens=tokens, lse=lse, entropy=entropy,
+                              g_lse=g_lse, g_logprob=g_logprob, g_entropy=g_entropy, g_logits=g_logits,
+                              need_hidden=need_hidden, need_weight=need_weight or need_bias)
     return grads_by_name(lm_head_stats, {}, hidden=gh if need_hidden else None,
                          weight=gw if need_weight else None,
                          bias=gb if bias is not None and need_bias else None)

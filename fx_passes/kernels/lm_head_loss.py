@@ -52,10 +52,10 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import compat
-from . import graph_bodies
 from . import rows as rows_of
-from .bodies import compiled, grad_through_transforms, transformed
+from . import user_bodies
 from .lm_head import lm_head_grads
+from .lm_head_bodies import compiled, grad_through_transforms, transformed
 from .op_args import (
     Cotangents,
     Head,
@@ -63,9 +63,9 @@ from .op_args import (
     LogitMap,
     LossOptions,
     RowValues,
-    args_by_name,
     grads_by_name,
 )
+from .op_pair import call_by_name, save_inputs, saved_inputs
 from .registry import CAPTURE_SAFE, emitted
 from .stats import grad_of_logits, softmax_lse, stats_of_logits
 from .tiling import even_splits, forward_rows, product_cols, resolve_budget
@@ -101,7 +101,7 @@ def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:
     product of the user's ops), traced to ATen ops here, at compile time (``examples``:
     tensors of the inputs' dtypes and ranks): eager functorch does not run inside a custom
     op under AOTAutograd's run-time checks, a traced graph runs anywhere."""
-    fn = graph_bodies.function(key)
+    fn = user_bodies.function(key)
 
     def tail(lse, logprob, entropy, *rest):
         ops, weights = rest[:n_ops], rest[n_ops:]
@@ -113,7 +113,7 @@ def trace_tail(key: str, n_ops: int, examples: list[torch.Tensor]) -> str:
         # (each chunk's sum in FP64, as the loop accumulates them: a model-precision sum
         # rounded per chunk would depend on the chunk count; rounded once, in loss_of_sums)
         return (*grads, *(o.sum(dtype=torch.float64) if o.is_floating_point() else o.sum() for o in outs))
-    return graph_bodies.register(make_fx(tail, tracing_mode="symbolic")(*examples))
+    return user_bodies.register(make_fx(tail, tracing_mode="symbolic")(*examples))
 
 
 def reductions_of(kinds: str) -> list[tuple[str, torch.dtype]]:
@@ -123,7 +123,7 @@ def reductions_of(kinds: str) -> list[tuple[str, torch.dtype]]:
 
 def final_loss(final_key: str, values, whole) -> torch.Tensor:
     """The loss from the reductions' ``values`` (the scalar part's first result)."""
-    return graph_bodies.function(final_key)(*values, *whole)[0]
+    return user_bodies.function(final_key)(*values, *whole)[0]
 
 
 def unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor]:
@@ -132,7 +132,7 @@ def unit_weights(final_key: str, kinds: str, whole, device) -> list[torch.Tensor
     from the values it reads whole (``rewrite/loss_tail.py``: a constant term, even an
     infinite one, plays no part)."""
     at = [torch.zeros((), dtype=dt, device=device) for _, dt in reductions_of(kinds)]
-    return [w.to(device=device, dtype=F32) for w in graph_bodies.function(final_key)(*at, *whole)[1:]]
+    return [w.to(device=device, dtype=F32) for w in user_bodies.function(final_key)(*at, *whole)[1:]]
 
 
 def row_weights(final_key: str, kinds: str, whole, n: int, device) -> list[torch.Tensor]:
@@ -236,7 +236,7 @@ def _kept_rows(head: Head, opts: HeadOptions, mask_key: str, rows: list[torch.Te
     if not mask_key or (opts.plan != "gpu" and hidden.device.type != "cpu"):
         return None
     z = rows_of.logit_bounds(hidden, weight, head.bias, head.scale, opts.scale_is_div, opts.transforms)
-    skip = graph_bodies.function(mask_key)(*rows_of.item_bounds(z, weight.shape[0]), *rows, *whole, *weights)
+    skip = user_bodies.function(mask_key)(*rows_of.item_bounds(z, weight.shape[0]), *rows, *whole, *weights)
     return rows_of.select(skip.expand(hidden.shape[0]))
 
 
@@ -256,7 +256,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
     log_softmax = head.tokens is not None or opts.want_entropy
     stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad)
-    tail = graph_bodies.body(loss.tail_key, COUNTER)
+    tail = user_bodies.body(loss.tail_key, COUNTER)
     logit_map = opts.logit_map(hidden.dtype, head.scale)
     cols = product_cols(budget_bytes, vocab, width)  # FP32 [cols, H] product per addmm
     for r0, r1 in even_splits(n, forward_rows(budget_bytes, n, vocab)):
@@ -382,28 +382,28 @@ def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
 
 
+# the forward's results past the loss, saved for the backward (its inputs of these names)
+_MADE = ("grad_hidden", "grad_weight", "grad_bias", "lse", "entropy", "c_lse", "c_lp", "c_ent", "index",
+         "count")
+
+
 def _setup(ctx, inputs, output):
-    args = args_by_name(_lm_head_loss, inputs)
-    head = Head(*(args[name] for name in Head._fields))
-    ctx.save_for_backward(*head, *output[1:])
-    ctx.opts, ctx.loss = HeadOptions.from_args(args), LossOptions.from_args(args)
-    ctx.lengths = {"rows": len(args["rows"]), "whole": len(args["whole"])}
+    save_inputs(ctx, _lm_head_loss, inputs, extra=output[1:], names=Head._fields)
 
 
 def _backward(ctx, g, *_):
-    *saved_head, gh, gw, gb, lse, ent, c_lse, c_lp, c_ent, index, count = ctx.saved_tensors
-    hidden, weight, bias, tokens, scale = saved_head
-    opts, loss = ctx.opts, ctx.loss
+    args, made = saved_inputs(ctx)
+    made = dict(zip(_MADE, made))
+    hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     g = g if g is not None else torch.zeros((), dtype=F32, device=hidden.device)
     want_h, want_w, want_b = ctx.needs_input_grad[:3]
-    if opts.plan == "gpu":  # FP32 gradients times g, rounded once
-        gh = (gh * g).to(hidden.dtype) if loss.need_hidden else None
-        gw = (gw * g).to(weight.dtype) if loss.need_weight else None
-        gb = (gb * g).to(bias.dtype) if loss.need_weight and bias is not None else None
+    if args["plan"] == "gpu":  # FP32 gradients times g, rounded once
+        gh = (made["grad_hidden"] * g).to(hidden.dtype) if args["need_hidden"] else None
+        gw = (made["grad_weight"] * g).to(weight.dtype) if args["need_weight"] else None
+        gb = (made["grad_bias"] * g).to(bias.dtype) if args["need_weight"] and bias is not None else None
     else:
-        gh, gw, gb = _lm_head_loss_backward(g, gh, *saved_head, opts.scale_is_div, opts.budget_bytes,
-                                            opts.transforms, lse, ent if opts.want_entropy else None, c_lse,
-                                            c_lp, c_ent, loss.need_hidden, loss.need_weight, index, count)
+        made["entropy"] = made["entropy"] if args["want_entropy"] else None
+        gh, gw, gb = call_by_name(_lm_head_loss_backward, args, g=g, **made)
     return grads_by_name(_lm_head_loss, ctx.lengths, hidden=gh if want_h else None,
                          weight=gw if want_w else None, bias=gb if want_b and bias is not None else None)
 

@@ -2,7 +2,7 @@
 custom op reads while the compiled graph runs, by a string key that the rewritten graph
 carries as a constant argument (a custom op takes tensors, numbers and strings, not
 Python objects).  Every such table of the package is here (compiled chunk bodies are
-cached by :mod:`fx_passes.kernels.compiler`).  Entries live as long as the process; keys
+cached by :mod:`fx_passes.kernels.body_compiler`).  Entries live as long as the process; keys
 are content hashes, the same in every process.  See NOTE [registries].
 """
 
@@ -10,9 +10,9 @@ are content hashes, the same in every process.  See NOTE [registries].
 # ========================  ====================================  ===================================
 # registry                  registered by (compile time)          read by (run time)
 # ========================  ====================================  ===================================
-# ``GRAPH_BODIES``          ``graph_bodies.register``: a          ``graph_bodies.body`` /
+# ``GRAPH_BODIES``          ``user_bodies.register``: a          ``user_bodies.body`` /
 #                           vocab-parallel stage's reductions,    ``backward_body`` (compile them),
-#                           or a row-local region, as an FX graph ``graph_bodies.function``
+#                           or a row-local region, as an FX graph ``user_bodies.function``
 # ``GATHER_INDEXES``        ``shard_lm_head.gather_index_         the lm_head stage loop (which
 #                           positions``                           operands are gather indexes)
 # ``ONE_PASS_PLANS``        ``distributed.one_pass.register``     ``shard_lm_head_stages``

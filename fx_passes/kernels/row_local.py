@@ -21,20 +21,21 @@ from typing import Any, Optional
 
 import torch
 
-from . import graph_bodies
-from .op_args import Region
+from . import user_bodies
+from .op_args import Region, args_by_name, grads_by_name
+from .op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
 from .tiling import chunk_rows, spans
 
 __all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "with_logits", "fill_rows",
-           "setup_outputs", "grads_of_outputs", "fake_results"]
+           "setup_outputs", "replay_args", "fake_results"]
 
 COUNTER = "row_local_body_eager"
 
 
 def fake_results(key: str, rows, whole) -> list[torch.Tensor]:
     """Empty tensors shaped like body ``key``'s results (the custom ops' fake kernels)."""
-    results = graph_bodies.function(key)(*rows, *whole)
+    results = user_bodies.function(key)(*rows, *whole)
     return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in results]
 
 
@@ -58,7 +59,7 @@ def run_chunks(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
     backward (packed masks, normalisers: ``rewrite/saved.py``) are results past the
     region's own.)"""
     n = rows[0].shape[0]
-    return fill_chunks(graph_bodies.body(key, COUNTER), spans(n, chunk_rows(rows, budget_bytes)), n,
+    return fill_chunks(user_bodies.body(key, COUNTER), spans(n, chunk_rows(rows, budget_bytes)), n,
                        lambda a, b: (*(r[a:b] for r in rows), *whole))
 
 
@@ -86,7 +87,7 @@ def backward_chunks(region: Region, wanted: list[int], outputs: list[int], saved
     storages = {r.untyped_storage().data_ptr() for r in rows}
     if any(t is None and o.untyped_storage().data_ptr() in storages for t, o in zip(into, out)):
         into = None  # (a buffer overlapping a row input some other way: returned, then copied)
-    vjp = graph_bodies.backward_body(region.key, tuple(wanted), tuple(outputs), COUNTER, into=into)
+    vjp = user_bodies.backward_body(region.key, tuple(wanted), tuple(outputs), COUNTER, into=into)
     for a, b in spans(rows[0].shape[0], chunk_rows(rows, region.budget_bytes)):
         args = (*(r[a:b] for r in rows), *whole, *(s[a:b] for s in saved), *(g[a:b] for g in grads))
         if into is not None:
@@ -123,11 +124,9 @@ def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes):
 
 
 def _setup(ctx, inputs, output):
-    key, rows, whole, budget_bytes = inputs
-    ctx.budget_bytes, ctx.n_rows, ctx.n_whole = budget_bytes, len(rows), len(whole)
-    state = setup_outputs(ctx, key, output)
-    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
-    ctx.save_for_backward(*rows, *whole, *state)
+    state = setup_outputs(ctx, args_by_name(_row_local, inputs)["key"], output)
+    args = save_inputs(ctx, _row_local, inputs, extra=state)
+    ctx.wanted = [i for i, r in enumerate(args["rows"]) if r.requires_grad]
 
 
 def setup_outputs(ctx, key: str, output) -> list[torch.Tensor]:
@@ -136,29 +135,27 @@ def setup_outputs(ctx, key: str, output) -> list[torch.Tensor]:
     ctx.key, n_saved = REPLAYING_BODIES.get(key, (key, 0))
     results = output[:len(output) - n_saved]
     ctx.outputs = [i for i, o in enumerate(results) if o.is_floating_point()]
-    ctx.shapes = [(results[i].shape, results[i].dtype) for i in ctx.outputs]
+    keep_result_specs(ctx, results)
     return list(output[len(results):])
 
 
-def grads_of_outputs(ctx, grads, device: torch.device) -> list[torch.Tensor]:
-    """The incoming gradients of the results that take one (zeros where none came)."""
-    picked = [grads[i] for i in ctx.outputs]
-    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-            for g, (shape, dtype) in zip(picked, ctx.shapes)]
+def replay_args(ctx, grads, device: torch.device) -> dict:
+    """The arguments of a row-local backward op that ``setup_outputs`` decided (the body it
+    replays, the row inputs ``ctx.wanted`` and results taking a gradient, their gradients)."""
+    return {"key": ctx.key, "wanted": ctx.wanted, "outputs": ctx.outputs,
+            "grads": grads_or_zeros(ctx, grads, device, ctx.outputs)}
 
 
 def _backward(ctx, grads):
-    saved = ctx.saved_tensors
-    rows, whole = list(saved[:ctx.n_rows]), list(saved[ctx.n_rows:ctx.n_rows + ctx.n_whole])
-    state = list(saved[ctx.n_rows + ctx.n_whole:])
-    picked = grads_of_outputs(ctx, grads, rows[0].device)
-    result: list[Optional[torch.Tensor]] = [None] * len(rows)
-    if ctx.wanted and ctx.outputs:
-        got = _row_local_backward(ctx.key, ctx.wanted, ctx.outputs, rows, whole, state, picked,
-                                  ctx.budget_bytes)
-        for i, g in zip(ctx.wanted, got):
-            result[i] = g
-    return None, result, [None] * len(whole), None
+    args, state = saved_inputs(ctx)
+    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
+    if not (ctx.wanted and ctx.outputs):
+        return grads_by_name(_row_local, ctx.lengths)
+    device = args["rows"][0].device
+    got = call_by_name(_row_local_backward, args, saved=state, **replay_args(ctx, grads, device))
+    for i, g in zip(ctx.wanted, got):
+        rows[i] = g
+    return grads_by_name(_row_local, ctx.lengths, rows=rows)
 
 
 _row_local.register_autograd(_backward, setup_context=_setup)

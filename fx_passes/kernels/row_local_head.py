@@ -23,12 +23,13 @@ from typing import Optional
 import torch
 
 from .chunk_gemm import head_logits
-from .op_args import Region
+from .op_args import Region, args_by_name, grads_by_name
+from .op_pair import HEAD, call_by_name, save_inputs, saved_inputs, taken
 from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
 from .row_local import (
     backward_chunks,
     fake_results,
-    grads_of_outputs,
+    replay_args,
     row_local,
     run_chunks,
     setup_outputs,
@@ -109,30 +110,24 @@ def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes, index, hidd
 
 
 def _setup(ctx, inputs, output):
-    key, rows, whole, budget_bytes, index, hidden, weight, bias, how, flatten = inputs
-    ctx.budget_bytes, ctx.index, ctx.how, ctx.flatten = budget_bytes, index, how, flatten
-    ctx.n_rows, ctx.n_whole = len(rows), len(whole)
-    state = setup_outputs(ctx, key, output[:-2])
-    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
-    ctx.needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    ctx.save_for_backward(*rows, *whole, *state, hidden, weight, bias, output[-2], output[-1])
+    # (the results, then the logits the call made and its flag: kept for the backward)
+    state = setup_outputs(ctx, args_by_name(_row_local_head, inputs)["key"], output[:-2])
+    args = save_inputs(ctx, _row_local_head, inputs, extra=[*state, output[-2], output[-1]])
+    ctx.wanted = [i for i, r in enumerate(args["rows"]) if r.requires_grad]
+    ctx.needs = [args[name] is not None and args[name].requires_grad for name in HEAD]
 
 
 def _backward(ctx, grads):
-    saved = list(ctx.saved_tensors)
-    n, m = ctx.n_rows, ctx.n_whole
-    rows, whole, state = saved[:n], saved[n:n + m], saved[n + m:-5]
-    hidden, weight, bias, x, flag = saved[-5:]
-    row_grads: list[Optional[torch.Tensor]] = [None] * n
-    head: list[Optional[torch.Tensor]] = [None] * 3
-    if ctx.outputs:
-        got = iter(_row_local_head_backward(
-            ctx.key, ctx.wanted, ctx.outputs, rows, whole, state, grads_of_outputs(ctx, grads, x.device),
-            ctx.budget_bytes, ctx.index, hidden, weight, bias, ctx.how, ctx.flatten, x, flag, ctx.needs))
-        for i in ctx.wanted:
-            row_grads[i] = next(got)
-        head = [next(got) if need else None for need in ctx.needs]
-    return None, row_grads, [None] * m, None, None, *head, None, None
+    args, extra = saved_inputs(ctx)
+    *state, x, flag = extra
+    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
+    if not ctx.outputs:
+        return grads_by_name(_row_local_head, ctx.lengths)
+    got = iter(call_by_name(_row_local_head_backward, args, saved=state, x=x, flag=flag, needs=ctx.needs,
+                            **replay_args(ctx, grads, x.device)))
+    for i in ctx.wanted:
+        rows[i] = next(got)
+    return grads_by_name(_row_local_head, ctx.lengths, rows=rows, **taken(got, ctx.needs, args))
 
 
 _row_local_head.register_autograd(_backward, setup_context=_setup)

@@ -32,7 +32,6 @@ from typing import Optional
 import torch
 
 from ..reporting.report import say_once
-from .chunk_gemm import row_chunk_logits
 from .lm_head_loss import (
     add_fp32_grads,
     final_loss,
@@ -43,12 +42,13 @@ from .lm_head_loss import (
     scale_exactly_,
     scaled_exactly,
 )
-from .op_args import LogitsInput, Region, RowLossOptions, args_by_name, grads_by_name
+from .op_args import LogitsInput, Region, RowLossOptions, grads_by_name
+from .op_pair import call_by_name, save_inputs, saved_inputs, taken
 from .registry import CAPTURE_SAFE, emitted
 from .row_local import with_logits
-from .row_local_sweeps import block_sweep, compiled, flat, forward, row_local_sweeps_backward
+from .row_local_sweeps import block_sweep, compiled, flat, forward, row_local_sweeps_backward, row_sweep
 from .row_split import Split, split_of
-from .tiling import even_splits, product_cols, resolve_budget, sweep_step
+from .tiling import even_splits, product_cols, resolve_budget
 
 __all__ = ["row_local_loss", "row_bytes"]
 
@@ -121,14 +121,10 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
         stats = compiled(split.stats, ("loss_stats", region.key, id(split)))
         k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
         cols = product_cols(resolve_budget(region.budget_bytes, dev), weight.shape[0], weight.shape[1])
-        spans = even_splits(n, sweep_step(n, weight.shape[0], region.budget_bytes, dev))
-        # (reordered once for the loop where grad_weight, made after it, takes as much)
-        chunk_logits = row_chunk_logits(weight, bias, lm.how, spans, plan != "gpu" and needs[1])
-        for a, b in spans:
-            x = chunk_logits(h[a:b])
-            cotangents = [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
-            got = stats(*with_logits(region.chunk(a, b), lm.index, x), *region.whole, *cotangents)
-            del x
+
+        def cotangents(a: int, b: int) -> list[torch.Tensor]:
+            return [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
+        for a, b, got in row_sweep(stats, region, lm, cotangents, plan != "gpu" and needs[1]):
             g, outs, per_row = got[0], got[1:1 + k], got[1 + k:]
             for s, o in zip(sums, outs):
                 s += o.sum(dtype=F64)
@@ -250,31 +246,22 @@ def _(g, key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final
     return [torch.empty_like(t) for need, t in zip(needs, (hidden, weight, bias)) if need and t is not None]
 
 
+# the forward's results past the loss, saved for the backward (its inputs of these names)
+_MADE = ("grad_hidden", "packed", "done", "grad_weight", "grad_bias")
+
+
 def _setup(ctx, inputs, output):
-    args = args_by_name(_row_local_loss, inputs)
-    ctx.args = {k: args[k] for k in ("key", "budget_bytes", "index", "how", "final_key", "kinds", "n_final",
-                                     "plan")}
-    ctx.lengths = {"rows": len(args["rows"]), "whole": len(args["whole"])}
-    ctx.needs = list(args["needs"])
-    ctx.save_for_backward(*args["rows"], *args["whole"], args["hidden"], args["weight"], args["bias"],
-                          *output[1:])
+    args = save_inputs(ctx, _row_local_loss, inputs, extra=output[1:])
+    ctx.needs = list(args["needs"])  # (which of hidden, weight, bias take a gradient)
 
 
 def _backward(ctx, grads):
     g = grads[0]  # (the loss's; the other results are the backward's own inputs)
-    saved = list(ctx.saved_tensors)
-    n, m = ctx.lengths["rows"], ctx.lengths["whole"]
-    rows, whole = saved[:n], saved[n:n + m]
-    hidden, weight, bias, grad_hidden, packed, done, grad_weight, grad_bias = saved[n + m:]
-    head: list[Optional[torch.Tensor]] = [None] * 3
-    if g is not None and any(ctx.needs):
-        got = iter(_row_local_loss_backward(g, rows=rows, whole=whole, hidden=hidden, weight=weight,
-                                            bias=bias, grad_hidden=grad_hidden, packed=packed, done=done,
-                                            grad_weight=grad_weight, grad_bias=grad_bias, needs=ctx.needs,
-                                            **ctx.args))
-        head = [next(got) if need and t is not None else None
-                for need, t in zip(ctx.needs, (hidden, weight, bias))]
-    return grads_by_name(_row_local_loss, ctx.lengths, hidden=head[0], weight=head[1], bias=head[2])
+    args, made = saved_inputs(ctx)
+    if g is None or not any(ctx.needs):
+        return grads_by_name(_row_local_loss, ctx.lengths)
+    got = call_by_name(_row_local_loss_backward, args, g=g, **dict(zip(_MADE, made)))
+    return grads_by_name(_row_local_loss, ctx.lengths, **taken(iter(got), ctx.needs, args))
 
 
 _row_local_loss.register_autograd(_backward, setup_context=_setup)

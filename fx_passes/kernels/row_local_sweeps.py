@@ -33,15 +33,16 @@ back to ``row_local_head``'s backward, said once in the log.  See NOTE [row-loca
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from ..reporting.report import say_once
-from . import graph_bodies
+from . import user_bodies
+from .body_compiler import compile_body
 from .chunk_gemm import head_logits, row_chunk_logits
-from .compiler import compile_body
-from .op_args import LogitsInput, Region
+from .op_args import LogitsInput, Region, args_by_name, grads_by_name
+from .op_pair import HEAD, call_by_name, save_inputs, saved_inputs, taken
 from .registry import CAPTURE_SAFE, emitted
 from .row_local import (
     COUNTER,
@@ -49,14 +50,14 @@ from .row_local import (
     fake_results,
     fill_chunks,
     fill_rows,
-    grads_of_outputs,
+    replay_args,
     setup_outputs,
     with_logits,
 )
 from .row_split import COLUMNS, Split, split_of
 from .tiling import even_splits, spans, sweep_step
 
-__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "block_sweep", "compiled", "forward",
+__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled", "forward",
            "flat"]
 
 
@@ -76,7 +77,7 @@ def forward(region: Region, lm: LogitsInput) -> list[torch.Tensor]:
     """The body's results over row chunks of the logits of ``lm.h`` (``[N, H]``)."""
     n = lm.h.shape[0]
     pieces = spans(n, sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device))
-    return fill_chunks(graph_bodies.body(region.key, COUNTER), pieces, n, lambda a, b: (
+    return fill_chunks(user_bodies.body(region.key, COUNTER), pieces, n, lambda a, b: (
         *with_logits(region.chunk(a, b), lm.index, head_logits(lm.h[a:b], lm.weight, lm.bias, lm.how, False)),
         *region.whole))
 
@@ -99,29 +100,36 @@ def _say_whole(key: str, why: str) -> None:
              "backward recomputes the logits whole (same results, stock's memory)", key, why)
 
 
+def row_sweep(stats, region: Region, lm: LogitsInput, cotangents, reorder: bool) -> Iterator[tuple]:
+    """Sweep 1's loop, for each row chunk ``(a, b)``: the chunk's logits (freed before the
+    chunk is yielded), the split's compiled ``stats`` graph on them, the region's inputs
+    and ``cotangents(a, b)``; yields ``(a, b, its results)``.  ``reorder``: lay the weight
+    out once for the loop (when ``grad_weight``, made after it, takes as much)."""
+    n = lm.h.shape[0]
+    pieces = even_splits(n, sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device))
+    chunk_logits = row_chunk_logits(lm.weight, lm.bias, lm.how, pieces, reorder)
+    for a, b in pieces:
+        x = chunk_logits(lm.h[a:b])
+        got = stats(*with_logits(region.chunk(a, b), lm.index, x), *region.whole, *cotangents(a, b))
+        del x
+        yield a, b, got
+
+
 def _sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], grads: list[torch.Tensor],
             needs: list[bool], out: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
     """Both sweeps; ``out``: the other wanted row inputs' gradients, written in sweep 1."""
-    h, weight = lm.h, lm.weight
-    n, vocab = h.shape[0], weight.shape[0]
+    n = lm.h.shape[0]
     # (a split per body, dtypes, wanted)
     stats = compiled(split.stats, ("sweep_stats", region.key, id(split)))
-    grad_h = torch.empty_like(h) if needs[0] else None
+    grad_h = torch.empty_like(lm.h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
-    pieces = even_splits(n, sweep_step(n, vocab, region.budget_bytes, h.device))
-    # (reordered once for the sweep where grad_weight, made after it, takes as much)
-    chunk_logits = row_chunk_logits(weight, lm.bias, lm.how, pieces, needs[1])
-    for a, b in pieces:
-        x = chunk_logits(h[a:b])
-        got = stats(*with_logits(region.chunk(a, b), lm.index, x), *region.whole, *(g[a:b] for g in grads))
-        del x
+    for a, b, got in row_sweep(stats, region, lm, lambda a, b: (g[a:b] for g in grads), needs[1]):
         g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
         if grad_h is not None:
-            torch.mm(g, weight, out=grad_h[a:b])
+            torch.mm(g, lm.weight, out=grad_h[a:b])
         for o, got_o in zip(out, others):
             o[a:b] = got_o
         fill_rows(values, per_row, a, b, n)
-    del chunk_logits  # (the reordered weight, before grad_weight is made)
     return (grad_h, *block_sweep(split, region, lm, grads, values, needs))
 
 
@@ -190,31 +198,22 @@ def _(key, wanted, outputs, rows, whole, grads, budget_bytes, index, hidden, wei
 
 
 def _setup(ctx, inputs, output):
-    key, rows, whole, budget_bytes, index, hidden, weight, bias, how = inputs
-    ctx.budget_bytes, ctx.index, ctx.how = budget_bytes, index, how
-    ctx.n_rows, ctx.n_whole = len(rows), len(whole)
-    setup_outputs(ctx, key, output)
-    ctx.wanted = [i for i, r in enumerate(rows) if r.requires_grad]
-    ctx.needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    ctx.save_for_backward(*rows, *whole, hidden, weight, bias)
+    setup_outputs(ctx, args_by_name(_row_local_sweeps, inputs)["key"], output)
+    args = save_inputs(ctx, _row_local_sweeps, inputs)
+    ctx.wanted = [i for i, r in enumerate(args["rows"]) if r.requires_grad]
+    ctx.needs = [args[name] is not None and args[name].requires_grad for name in HEAD]
 
 
 def _backward(ctx, grads):
-    saved = list(ctx.saved_tensors)
-    n, m = ctx.n_rows, ctx.n_whole
-    rows, whole = saved[:n], saved[n:n + m]
-    hidden, weight, bias = saved[-3:]
-    row_grads: list[Optional[torch.Tensor]] = [None] * n
-    head: list[Optional[torch.Tensor]] = [None] * 3
-    if ctx.outputs:
-        got = iter(row_local_sweeps_backward(
-            ctx.key, ctx.wanted, ctx.outputs, rows, whole, grads_of_outputs(ctx, grads, hidden.device),
-            ctx.budget_bytes, ctx.index, hidden, weight, bias, ctx.how, ctx.needs))
-        for i in ctx.wanted:
-            row_grads[i] = next(got)
-        head = [next(got) if need and t is not None else None
-                for need, t in zip(ctx.needs, (hidden, weight, bias))]
-    return None, row_grads, [None] * m, None, None, *head, None
+    args, _ = saved_inputs(ctx)
+    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
+    if not ctx.outputs:
+        return grads_by_name(_row_local_sweeps, ctx.lengths)
+    got = iter(call_by_name(row_local_sweeps_backward, args, needs=ctx.needs,
+                            **replay_args(ctx, grads, args["hidden"].device)))
+    for i in ctx.wanted:
+        rows[i] = next(got)
+    return grads_by_name(_row_local_sweeps, ctx.lengths, rows=rows, **taken(got, ctx.needs, args))
 
 
 _row_local_sweeps.register_autograd(_backward, setup_context=_setup)

@@ -46,7 +46,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..fx.op_rules import RESHAPES as _RESHAPES
 from ..fx.op_rules import Kind, block_rule, reads_row_length
-from . import graph_bodies
+from . import user_bodies
 
 __all__ = ["Split", "split_of", "split_of_spec", "spec_of", "COLUMNS"]
 
@@ -178,7 +178,7 @@ def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int
         return f"an input has a dimension of {_ROWS}, the traced rows"
     if outputs is None:
         ex_rows, ex_whole = _examples(list(rows), list(whole))
-        results = graph_bodies.function(key)(*ex_rows, *ex_whole)
+        results = user_bodies.function(key)(*ex_rows, *ex_whole)
         outputs = tuple(i for i, o in enumerate(results) if o.is_floating_point())
     return _traced_split(key, wanted, outputs, index, rows, whole, with_outputs)
 
@@ -191,7 +191,7 @@ def _traced_split(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...], i
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import _disable_current_modes
 
-    fn = graph_bodies.function(key)
+    fn = user_bodies.function(key)
     ex_rows, ex_whole = _examples(list(rows), list(whole))
     results = fn(*ex_rows, *ex_whole)
     grads = [torch.zeros_like(results[i]) for i in outputs]
@@ -200,7 +200,7 @@ def _traced_split(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...], i
         # the dispatch mode AOTAutograd's compiled forward runs under)
         with _disable_current_modes(), unset_fake_temporarily(), torch._guards.tracing(None), \
                 torch.enable_grad():
-            vjp = graph_bodies.vjp_function(fn, n, wanted, outputs, with_outputs)
+            vjp = user_bodies.vjp_function(fn, n, wanted, outputs, with_outputs)
             traced = make_fx(vjp, decomposition_table=select_decomp_table(),
                              tracing_mode="symbolic")(*ex_rows, *ex_whole, *grads)
         out = next(iter(traced.graph.find_nodes(op="output")))

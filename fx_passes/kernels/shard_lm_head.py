@@ -2,10 +2,10 @@
 
 :func:`shard_lm_head` takes ``hidden`` and the weight shard of a stage whose shard is
 ``hidden @ weight_shard.T`` read by nothing else, and returns what
-:func:`~fx_passes.distributed.vocab_parallel.shard_reduce` would on the logits: the stage's
+:func:`~fx_passes.distributed.shard_stages.shard_reduce` would on the logits: the stage's
 reductions, computed per row chunk on model-precision logits.  The backward (one stage at
 most) is local, as stock's, and rounds each gradient element once.
-``fx_passes.distributed.vocab_parallel._fusable_lm_head`` says whether a region qualifies.
+``fx_passes.distributed.shard_stages._fusable_lm_head`` says whether a region qualifies.
 
 See NOTE [shard lm_head loops].
 """
@@ -13,7 +13,7 @@ See NOTE [shard lm_head loops].
 # NOTE [shard lm_head loops]
 # * forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are computed
 #   in model precision and the stage's reductions (its compiled body,
-#   fx_passes.kernels.graph_bodies) run on them.  Called per stage, each stage computes its
+#   fx_passes.kernels.user_bodies) run on them.  Called per stage, each stage computes its
 #   chunks again (a stage's per-row operands, the all-reduced max, exist only after the
 #   previous stage); fx_passes.distributed.one_pass runs all stages in one such loop when
 #   the code between them is per row.
@@ -34,8 +34,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import graph_bodies
+from . import user_bodies
 from .lm_head import two_sweeps
+from .op_args import grads_by_name
+from .op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from .registry import CAPTURE_SAFE, GATHER_INDEXES, emitted
 from .tiling import even_splits, resolve_budget, sweep_sizes
 
@@ -81,13 +83,13 @@ def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Ten
 
 def _forward(key: str, hidden, weight, operands, budget_bytes: int) -> list[torch.Tensor]:
     rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), hidden.shape[0], weight.shape[0])
-    outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), graph_bodies.body(key))
+    outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), user_bodies.body(key))
     return outs if outs is not None else _fake(key, hidden, weight, operands)
 
 
 def _fake(key: str, hidden, weight, operands) -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    return [torch.empty_like(o) for o in graph_bodies.function(key)(x, *operands)]
+    return [torch.empty_like(o) for o in user_bodies.function(key)(x, *operands)]
 
 
 @torch.library.custom_op("chunked_logits::shard_lm_head", mutates_args=())
@@ -104,7 +106,7 @@ def _(key, hidden, weight, operands, budget_bytes):
 def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int, need_hidden: bool,
                     need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n, budget_bytes = hidden.shape[0], resolve_budget(budget_bytes, hidden.device)
-    vjp = graph_bodies.backward_body(key, (0,))
+    vjp = user_bodies.backward_body(key, (0,))
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
 
@@ -131,20 +133,17 @@ def _(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weig
 
 
 def _setup(ctx, inputs, output):
-    key, hidden, weight, operands, budget_bytes = inputs
-    ctx.key, ctx.budget_bytes = key, budget_bytes
-    ctx.outputs = [(o.shape, o.dtype) for o in output]
-    ctx.save_for_backward(hidden, weight, *operands)
+    args = save_inputs(ctx, _shard_lm_head, inputs)
+    keep_result_specs(ctx, output)
+    ctx.needs = {"need_hidden": args["hidden"].requires_grad, "need_weight": args["weight"].requires_grad}
 
 
 def _backward(ctx, grads):
-    hidden, weight, *operands = ctx.saved_tensors
-    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=hidden.device)
-             for g, (shape, dtype) in zip(grads, ctx.outputs)]
-    need_hidden, need_weight = ctx.needs_input_grad[1:3]
-    gh, gw = shard_lm_head_backward(ctx.key, hidden, weight, operands, grads, ctx.budget_bytes, need_hidden,
-                                     need_weight)
-    return None, (gh if need_hidden else None), (gw if need_weight else None), [None] * len(operands), None
+    args, _ = saved_inputs(ctx)
+    incoming = grads_or_zeros(ctx, grads, args["hidden"].device)
+    gh, gw = call_by_name(shard_lm_head_backward, args, grads=incoming, **ctx.needs)
+    return grads_by_name(_shard_lm_head, ctx.lengths, hidden=gh if ctx.needs["need_hidden"] else None,
+                         weight=gw if ctx.needs["need_weight"] else None)
 
 
 _shard_lm_head.register_autograd(_backward, setup_context=_setup)

@@ -162,7 +162,7 @@ def from_lm_head(x: Node) -> bool:
     return isinstance(src, Node) and _unwind(src, set(views))[0] is not None
 
 
-# why the matmul stays whole (rewrite/logits.py and rewrite/row_local.py say them too)
+# why the matmul stays whole (rewrite/upcast_region.py and rewrite/row_local.py say them too)
 NOT_MODEL_PRECISION = "the matmul's operands are not a model-precision [.., H] x [V, H] lm_head"
 READ_ELSEWHERE = "the logits are also used outside the region; the matmul runs once in full"
 FUSION_OFF = "fuse_lm_head is off"

@@ -1,6 +1,6 @@
 """Row-local regions: any loss on the logits whose ops act on each row on its own.
 
-What the hand-derived path (:mod:`fx_passes.match.logits`) declines for an op it does not
+What the hand-derived path (:mod:`fx_passes.match.upcast_regions`) declines for an op it does not
 know goes through here: the region is found by *row-locality* (rows are the indices of dim
 0 of the logits), not by a list of patterns, and runs as the user's own ops over chunks of
 rows (:mod:`fx_passes.kernels.row_local`).  A region whose tensors reach an op that is not

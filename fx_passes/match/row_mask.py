@@ -47,7 +47,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..fx.graph_ops import canon, meta, op_name
 from ..fx.op_rules import ZERO_ROWS, Kind
-from ..kernels import graph_bodies
+from ..kernels import user_bodies
 from .loss_tail import LossTail
 
 __all__ = ["skip_rows_body", "ITEMS"]
@@ -203,7 +203,7 @@ def skip_rows_body(tail: LossTail) -> Optional[str]:
     if skip is False:
         return None
     g.output(run.f.and_(skip, run.f.finite(bounds[1])))
-    return graph_bodies.register(GraphModule(torch.nn.Module(), g))
+    return user_bodies.register(GraphModule(torch.nn.Module(), g))
 
 
 def _sources(node: Node) -> set[Node]:

@@ -5,7 +5,7 @@ row views and scalar scalings between an upcast and a head (:func:`is_row_view`,
 :func:`scalar_operand`, :func:`walk_back`), the implicit upcast of autocast
 (:func:`implicit_root`), an upcast hidden behind an op the pass does not know
 (:func:`upcast_behind`), and candidates that are not logits at all (:func:`not_logits`).
-:mod:`fx_passes.match.logits` grows regions from what this module finds."""
+:mod:`fx_passes.match.upcast_regions` grows regions from what this module finds."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Gradients in the forward: a fused lm_head region and its loss tail become one call.
 
-Before (after the region's rewrite, :mod:`fx_passes.rewrite.logits`)::
+Before (after the region's rewrite, :mod:`fx_passes.rewrite.upcast_region`)::
 
     stats   = lm_head_row_stats(hidden, weight, None, tokens, None, True, False, ...)
     getitem = stats[1]
@@ -41,7 +41,7 @@ from ..fx.emitter import Emitter
 from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, op_name, requires_grad, same, scalar_tensor
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
-from ..kernels import graph_bodies
+from ..kernels import user_bodies
 from ..kernels.lm_head import lm_head_row_stats
 from ..kernels.lm_head_loss import PLANS, lm_head_loss, trace_tail
 from ..kernels.op_args import HeadOptions, LossOptions, head_of_node
@@ -94,7 +94,7 @@ def _bodies(tail: LossTail) -> tuple[str, str]:
     for o in [*tail.row_operands, *tail.whole]:
         env[o] = rows.placeholder(o.name)
     _copy_rows(rows, tail, env)
-    rows_key = graph_bodies.register(GraphModule(torch.nn.Module(), rows))
+    rows_key = user_bodies.register(GraphModule(torch.nn.Module(), rows))
     device = meta(head_of_node(tail.stats).hidden).device
     examples = [torch.zeros(3, device=device) for _ in range(3)]
     examples += [torch.zeros(3, dtype=meta(o).dtype, device=device) for o in tail.row_operands]
@@ -136,7 +136,7 @@ def _final(tail: LossTail) -> str:
     for n in tail.scalars:
         env[n] = final.node_copy(n, env.__getitem__)
     final.output((env[tail.loss], *_factors(final, tail, env)))
-    return graph_bodies.register(GraphModule(torch.nn.Module(), final))
+    return user_bodies.register(GraphModule(torch.nn.Module(), final))
 
 
 def _factors(g: Graph, tail: LossTail, env: dict) -> list[Node]:
@@ -267,14 +267,14 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
     args = bound_args(call)  # (row_local_sweeps' parameters)
     key, budget, n, index, how = (args[k] for k in ("key", "budget_bytes", "n_rows", "index", "how"))
     hidden, weight, bias, inputs = args["hidden"], args["weight"], args["bias"], list(args["inputs"])
-    body = graph_bodies.function(key)
+    body = user_bodies.function(key)
     n_out = len(next(iter(body.graph.find_nodes(op="output"))).args[0])
     try:
         tail = match_tail(graph, call, range(n_out))
         if not same(meta(next(iter(tail.items))).numel(), math.prod(meta(hidden).shape[:-1])):
             raise NoTail("its results are not one value per row of the logits")
         _check(graph, tail, [hidden, weight, bias], inputs)  # (the call saves its inputs too)
-        joined = graph_bodies.register(_joined(body, n, tail))
+        joined = user_bodies.register(_joined(body, n, tail))
         split = split_of_spec(joined, (index,), tuple(range(len(tail.reductions))), index,
                               rows + tuple(spec_of(meta(o), (0,)) for o in tail.row_operands),
                               whole + tuple(spec_of(meta(o)) for o in tail.whole), True)

@@ -50,7 +50,7 @@ from ..fx.graph_ops import (
     tensor_input,
 )
 from ..fx.placement import check_placement, states
-from ..kernels import graph_bodies
+from ..kernels import user_bodies
 from ..kernels.registry import REPLAYING_BODIES
 from ..kernels.row_local import row_local
 from ..kernels.row_local_head import row_local_head
@@ -233,8 +233,8 @@ def _saving_key(body: GraphModule, region: RowRegion, config: Config) -> tuple[s
                                config.save_normalizers)
     if split is None:
         return None, 0, 0
-    saving = graph_bodies.register(split.saving)
-    REPLAYING_BODIES.add(saving, (graph_bodies.register(split.replaying), split.count))
+    saving = user_bodies.register(split.saving)
+    REPLAYING_BODIES.add(saving, (user_bodies.register(split.replaying), split.count))
     return saving, split.masks, split.normalizers
 
 
@@ -350,7 +350,7 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     anchor, detach = plan_row_region(graph, region)
     head, why = _plan_head(graph, region, anchor, config)
     body = build_body(region)
-    key = graph_bodies.register(body)
+    key = user_bodies.register(body)
     specs = _call_specs(region) if head is not None else ((), ())
     whole_why = _whole_logits(region, head, key, config, specs) if head is not None else ""
     sweeps = head is not None and not whole_why

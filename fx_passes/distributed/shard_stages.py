@@ -69,7 +69,9 @@ from ..fx.graph_ops import (
     tensor_input,
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
-from ..kernels import graph_bodies
+from ..kernels import user_bodies
+from ..kernels.op_args import grads_by_name
+from ..kernels.op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.registry import CAPTURE_SAFE, emitted
 from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
 from ..match.lm_head import LMHead, producer
@@ -78,7 +80,7 @@ from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 from .one_pass import getitems, plan_one_pass, shard_lm_head_stages
 from .one_pass import register as register_one_pass
-from .regions import (
+from .shard_regions import (
     ShardRegion,
     ancestors,
     cone,
@@ -122,18 +124,18 @@ def _build(region: ShardRegion, reductions: list[Node], operands: list[Node]) ->
 
 @torch.library.custom_op("chunked_logits::shard_reduce", mutates_args=())
 def _shard_reduce(key: str, x: torch.Tensor, operands: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(graph_bodies.body(key)(x, *operands))
+    return list(user_bodies.body(key)(x, *operands))
 
 
 @_shard_reduce.register_fake
 def _(key, x, operands):
-    return list(graph_bodies.function(key)(x, *operands))
+    return list(user_bodies.function(key)(x, *operands))
 
 
 @torch.library.custom_op("chunked_logits::shard_reduce_backward", mutates_args=())
 def _shard_reduce_backward(key: str, wanted: list[int], x: torch.Tensor, operands: list[torch.Tensor],
                            grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list(graph_bodies.backward_body(key, tuple(wanted))(x, *operands, *grads))
+    return list(user_bodies.backward_body(key, tuple(wanted))(x, *operands, *grads))
 
 
 @_shard_reduce_backward.register_fake
@@ -143,22 +145,19 @@ def _(key, wanted, x, operands, grads):
 
 
 def _setup(ctx, inputs, output):
-    key, x, operands = inputs
-    ctx.key = key
-    ctx.wanted = [0] + [1 + i for i, o in enumerate(operands) if o.requires_grad]
-    ctx.outputs = [(o.shape, o.dtype) for o in output]
-    ctx.save_for_backward(x, *operands)
+    args = save_inputs(ctx, _shard_reduce, inputs)
+    keep_result_specs(ctx, output)
+    ctx.wanted = [0] + [1 + i for i, o in enumerate(args["operands"]) if o.requires_grad]
 
 
 def _backward(ctx, grads):
-    x, *operands = ctx.saved_tensors
-    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=x.device)
-             for g, (shape, dtype) in zip(grads, ctx.outputs)]
-    got = _shard_reduce_backward(ctx.key, ctx.wanted, x, operands, grads)
-    result: list[Optional[torch.Tensor]] = [None] * (1 + len(operands))
+    args, _ = saved_inputs(ctx)
+    got = call_by_name(_shard_reduce_backward, args, wanted=ctx.wanted,
+                       grads=grads_or_zeros(ctx, grads, args["x"].device))
+    result: list[Optional[torch.Tensor]] = [None] * (1 + len(args["operands"]))
     for i, g in zip(ctx.wanted, got):
         result[i] = g
-    return None, result[0], result[1:]
+    return grads_by_name(_shard_reduce, ctx.lengths, x=result[0], operands=result[1:])
 
 
 _shard_reduce.register_autograd(_backward, setup_context=_setup)
@@ -317,7 +316,7 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
         anchor = p.reductions[0]
         for n in p.late:
             anchor.prepend(n)
-        key = graph_bodies.register(p.body)
+        key = user_bodies.register(p.body)
         with graph.inserting_before(anchor):
             operands = [scalar_tensor(graph, o, region.x) if is_scalar(o) else o for o in p.operands]
         if head is not None:
@@ -337,7 +336,7 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
         anchor.prepend(n)
     keys = []
     for p in plans:
-        keys.append(graph_bodies.register(p.body))
+        keys.append(user_bodies.register(p.body))
         gather_index_positions(keys[-1], p.indexes)
     name = register_one_pass(one, [p.reductions for p in plans], keys)
     differentiable = any(p.differentiable for p in plans)

@@ -35,7 +35,7 @@ from ..fx.placement import check_placement
 from ..kernels.lm_head import lm_head_row_stats
 from ..kernels.stats import row_stats
 from ..match.lm_head import FUSION_OFF, LMHead, match_lm_head
-from ..match.logits import Region, Role
+from ..match.upcast_regions import Region, Role
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason

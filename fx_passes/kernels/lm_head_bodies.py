@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .compiler import compile_body
+from .body_compiler import compile_body
 from .op_args import Cotangents, LogitMap, RowValues
 from .stats import grad_of_logits, stats_of_logits
 
@@ -20,7 +20,7 @@ __all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block"
 
 
 def compiled(fn):
-    """``fn`` compiled once (:func:`fx_passes.kernels.compiler.compile_body`: detached
+    """``fn`` compiled once (:func:`fx_passes.kernels.body_compiler.compile_body`: detached
     inputs, one dispatch-key set, no_grad, eager if compiling fails)."""
     # emulate_precision_casts: round the logits to the model dtype where the bodies say
     # so (``.to(dtype)``), as the unfused graph does; without it Inductor keeps FP32 in

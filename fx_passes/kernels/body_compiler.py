@@ -1,6 +1,6 @@
 """The one way a chunk body is compiled: every per-chunk function the run-time loops call
-(the lm_head loop's bodies, :mod:`fx_passes.kernels.bodies`; the vocab-parallel stage
-bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.graph_bodies`).
+(the lm_head loop's bodies, :mod:`fx_passes.kernels.lm_head_bodies`; the vocab-parallel stage
+bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.user_bodies`).
 
 Stock Inductor compiles each body once (``dynamic=True``, ``fullgraph=True``, no pre-grad
 passes); a body that fails to compile or run runs eagerly from then on (logged once,

@@ -3,7 +3,7 @@ this rank's vocabulary shard (the upcast, elementwise ops with per-row or scalar
 the reductions over the last dim that end it), whose per-row results reach a functional
 collective; its *stages* (the reductions whose per-row operands are ready at the same
 time); and the placement checks of the region (:mod:`fx_passes.fx.placement`).
-:mod:`fx_passes.distributed.vocab_parallel` rewrites what this module finds."""
+:mod:`fx_passes.distributed.shard_stages` rewrites what this module finds."""
 
 from __future__ import annotations
 
