@@ -71,7 +71,8 @@ def taken(got: Iterator[Any], needs: Sequence[bool], args: dict[str, Any],
           names: Sequence[str] = HEAD) -> dict[str, Any]:
     """The gradients a backward op returned (``got``, in order) of the inputs ``names``
     that ``needs`` asks for and are not None, by name (None for the others)."""
-    return {name: next(got) if need and args[name] is not None else None for name, need in zip(names, needs)}
+    return {name: next(got) if need and args.get(name) is not None else None
+            for name, need in zip(names, needs)}
 
 
 def keep_result_specs(ctx: Any, results: Sequence[torch.Tensor]) -> None:

@@ -23,12 +23,12 @@ import torch
 
 from . import user_bodies
 from .op_args import Region, args_by_name, grads_by_name
-from .op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
+from .op_pair import HEAD, call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs, taken
 from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
 from .tiling import chunk_rows, spans
 
 __all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "with_logits", "fill_rows",
-           "setup_outputs", "replay_args", "fake_results"]
+           "setup_outputs", "setup_region", "region_grads", "replay_args", "fake_results"]
 
 COUNTER = "row_local_body_eager"
 
@@ -124,9 +124,30 @@ def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes):
 
 
 def _setup(ctx, inputs, output):
-    state = setup_outputs(ctx, args_by_name(_row_local, inputs)["key"], output)
-    args = save_inputs(ctx, _row_local, inputs, extra=state)
+    setup_region(ctx, _row_local, inputs, output)
+
+
+def setup_region(ctx, op, inputs, output, kept: int = 0) -> dict:
+    """A row-local op's ``setup_context``: the body its backward replays and the results
+    taking a gradient (:func:`setup_outputs`), the row inputs (``ctx.wanted``) and lm_head
+    inputs (``ctx.needs``) taking one; saves the inputs, the saving body's state and the
+    ``kept`` last results.  Returns the inputs by name."""
+    n = len(output) - kept
+    state = setup_outputs(ctx, args_by_name(op, inputs)["key"], output[:n])
+    args = save_inputs(ctx, op, inputs, extra=[*state, *output[n:]])
     ctx.wanted = [i for i, r in enumerate(args["rows"]) if r.requires_grad]
+    ctx.needs = [args.get(name) is not None and args[name].requires_grad for name in HEAD]
+    return args
+
+
+def region_grads(op, ctx, args: dict, got) -> tuple:
+    """A row-local op's gradients by name, from its backward op's results ``got``: the
+    wanted row inputs', then those of the lm_head inputs ``ctx.needs`` asks for."""
+    got = iter(got)
+    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
+    for i in ctx.wanted:
+        rows[i] = next(got)
+    return grads_by_name(op, ctx.lengths, rows=rows, **taken(got, ctx.needs, args))
 
 
 def setup_outputs(ctx, key: str, output) -> list[torch.Tensor]:
@@ -148,14 +169,11 @@ def replay_args(ctx, grads, device: torch.device) -> dict:
 
 def _backward(ctx, grads):
     args, state = saved_inputs(ctx)
-    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
     if not (ctx.wanted and ctx.outputs):
         return grads_by_name(_row_local, ctx.lengths)
     device = args["rows"][0].device
     got = call_by_name(_row_local_backward, args, saved=state, **replay_args(ctx, grads, device))
-    for i, g in zip(ctx.wanted, got):
-        rows[i] = g
-    return grads_by_name(_row_local, ctx.lengths, rows=rows)
+    return region_grads(_row_local, ctx, args, got)
 
 
 _row_local.register_autograd(_backward, setup_context=_setup)

@@ -23,16 +23,17 @@ from typing import Optional
 import torch
 
 from .chunk_gemm import head_logits
-from .op_args import Region, args_by_name, grads_by_name
-from .op_pair import HEAD, call_by_name, save_inputs, saved_inputs, taken
+from .op_args import Region, grads_by_name
+from .op_pair import call_by_name, saved_inputs
 from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
 from .row_local import (
     backward_chunks,
     fake_results,
+    region_grads,
     replay_args,
     row_local,
     run_chunks,
-    setup_outputs,
+    setup_region,
     with_logits,
 )
 
@@ -111,23 +112,17 @@ def _(key, wanted, outputs, rows, whole, saved, grads, budget_bytes, index, hidd
 
 def _setup(ctx, inputs, output):
     # (the results, then the logits the call made and its flag: kept for the backward)
-    state = setup_outputs(ctx, args_by_name(_row_local_head, inputs)["key"], output[:-2])
-    args = save_inputs(ctx, _row_local_head, inputs, extra=[*state, output[-2], output[-1]])
-    ctx.wanted = [i for i, r in enumerate(args["rows"]) if r.requires_grad]
-    ctx.needs = [args[name] is not None and args[name].requires_grad for name in HEAD]
+    setup_region(ctx, _row_local_head, inputs, output, kept=2)
 
 
 def _backward(ctx, grads):
     args, extra = saved_inputs(ctx)
     *state, x, flag = extra
-    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
     if not ctx.outputs:
         return grads_by_name(_row_local_head, ctx.lengths)
-    got = iter(call_by_name(_row_local_head_backward, args, saved=state, x=x, flag=flag, needs=ctx.needs,
-                            **replay_args(ctx, grads, x.device)))
-    for i in ctx.wanted:
-        rows[i] = next(got)
-    return grads_by_name(_row_local_head, ctx.lengths, rows=rows, **taken(got, ctx.needs, args))
+    got = call_by_name(_row_local_head_backward, args, saved=state, x=x, flag=flag, needs=ctx.needs,
+                       **replay_args(ctx, grads, x.device))
+    return region_grads(_row_local_head, ctx, args, got)
 
 
 _row_local_head.register_autograd(_backward, setup_context=_setup)

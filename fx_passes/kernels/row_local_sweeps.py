@@ -41,8 +41,8 @@ from ..reporting.report import say_once
 from . import user_bodies
 from .body_compiler import compile_body
 from .chunk_gemm import head_logits, row_chunk_logits
-from .op_args import LogitsInput, Region, args_by_name, grads_by_name
-from .op_pair import HEAD, call_by_name, save_inputs, saved_inputs, taken
+from .op_args import LogitsInput, Region, grads_by_name
+from .op_pair import call_by_name, saved_inputs
 from .registry import CAPTURE_SAFE, emitted
 from .row_local import (
     COUNTER,
@@ -50,8 +50,9 @@ from .row_local import (
     fake_results,
     fill_chunks,
     fill_rows,
+    region_grads,
     replay_args,
-    setup_outputs,
+    setup_region,
     with_logits,
 )
 from .row_split import COLUMNS, Split, split_of
@@ -198,22 +199,16 @@ def _(key, wanted, outputs, rows, whole, grads, budget_bytes, index, hidden, wei
 
 
 def _setup(ctx, inputs, output):
-    setup_outputs(ctx, args_by_name(_row_local_sweeps, inputs)["key"], output)
-    args = save_inputs(ctx, _row_local_sweeps, inputs)
-    ctx.wanted = [i for i, r in enumerate(args["rows"]) if r.requires_grad]
-    ctx.needs = [args[name] is not None and args[name].requires_grad for name in HEAD]
+    setup_region(ctx, _row_local_sweeps, inputs, output)
 
 
 def _backward(ctx, grads):
     args, _ = saved_inputs(ctx)
-    rows: list[Optional[torch.Tensor]] = [None] * len(args["rows"])
     if not ctx.outputs:
         return grads_by_name(_row_local_sweeps, ctx.lengths)
-    got = iter(call_by_name(row_local_sweeps_backward, args, needs=ctx.needs,
-                            **replay_args(ctx, grads, args["hidden"].device)))
-    for i in ctx.wanted:
-        rows[i] = next(got)
-    return grads_by_name(_row_local_sweeps, ctx.lengths, rows=rows, **taken(got, ctx.needs, args))
+    got = call_by_name(row_local_sweeps_backward, args, needs=ctx.needs,
+                       **replay_args(ctx, grads, args["hidden"].device))
+    return region_grads(_row_local_sweeps, ctx, args, got)
 
 
 _row_local_sweeps.register_autograd(_backward, setup_context=_setup)
