@@ -2,10 +2,13 @@
 
 A row-local region (:mod:`fx_passes.match.row_local`) is an FX graph
 ``fn(*rows, *whole) -> tuple`` of per-row results, registered in
-:data:`~fx_passes.kernels.registry.GRAPH_BODIES`.  :func:`row_local` runs it on slices of
-``rows`` along dim 0 with ``whole`` passed to every chunk, and concatenates the per-row
-results.  The backward recomputes each chunk and takes the vector-Jacobian product of the
-same ops, writing each row input's gradient in its own dtype (one rounding, as stock's cast
+:data:`~fx_passes.kernels.registry.GRAPH_BODIES`.  :func:`forward` is the one forward loop
+of every row-local op: the body on slices of ``rows`` along dim 0, ``whole`` passed to every
+chunk, the logits given or made per chunk (``row_local_head`` makes them whole first,
+``row_local_sweeps`` / ``row_local_loss`` per chunk).  :func:`setup_region` /
+:func:`region_grads` are their autograd's one setup and gradient mapping.  ``row_local``'s
+backward recomputes each chunk and takes the vector-Jacobian product of the same ops,
+writing each row input's gradient in its own dtype (one rounding, as stock's cast
 backward).  See NOTE [row-local chunks].
 """
 
@@ -22,12 +25,13 @@ from typing import Any, Optional
 import torch
 
 from . import user_bodies
-from .op_args import Region, args_by_name, grads_by_name
+from .chunk_gemm import head_logits
+from .op_args import LogitsInput, Region, args_by_name, grads_by_name
 from .op_pair import HEAD, call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs, taken
 from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
-from .tiling import chunk_rows, spans
+from .tiling import chunk_rows, spans, sweep_step
 
-__all__ = ["row_local", "run_chunks", "fill_chunks", "backward_chunks", "with_logits", "fill_rows",
+__all__ = ["row_local", "forward", "fill_chunks", "backward_chunks", "with_logits", "fill_rows",
            "setup_outputs", "setup_region", "region_grads", "replay_args", "fake_results"]
 
 COUNTER = "row_local_body_eager"
@@ -52,15 +56,27 @@ def fill_rows(out: list[Optional[torch.Tensor]], got, a: int, b: int, n: int) ->
         out[i][a:b] = g
 
 
-def run_chunks(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
-               budget_bytes: int) -> list[torch.Tensor]:
-    """The compiled body ``key`` on each chunk of rows, its results written in place (no
-    list of parts to concatenate).  (``key`` may name a saving body: what it saves for the
-    backward (packed masks, normalisers: ``rewrite/saved.py``) are results past the
-    region's own.)"""
-    n = rows[0].shape[0]
-    return fill_chunks(user_bodies.body(key, COUNTER), spans(n, chunk_rows(rows, budget_bytes)), n,
-                       lambda a, b: (*(r[a:b] for r in rows), *whole))
+def forward(region: Region, lm: Optional[LogitsInput] = None) -> list[torch.Tensor]:
+    """The one forward loop of the row-local ops: the compiled body ``region.key`` on each
+    chunk of rows, its results written in place (no list of parts to concatenate).  The row
+    inputs are given (``lm`` None: chunks of ``region.budget_bytes`` of them), or row input
+    ``lm.index`` is the lm_head's logits, made per chunk (chunks of the sweep's step).
+    (``region.key`` may name a saving body: what it saves for the backward, packed masks or
+    normalisers, ``rewrite/saved.py``, are results past the region's own.)"""
+    if lm is None:
+        n = region.rows[0].shape[0]
+        step = chunk_rows(region.rows, region.budget_bytes)
+
+        def inputs(a: int, b: int) -> tuple:
+            return (*region.chunk(a, b), *region.whole)
+    else:
+        n = lm.h.shape[0]
+        step = sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device)
+
+        def inputs(a: int, b: int) -> tuple:
+            x = head_logits(lm.h[a:b], lm.weight, lm.bias, lm.how, False)
+            return (*with_logits(region.chunk(a, b), lm.index, x), *region.whole)
+    return fill_chunks(user_bodies.body(region.key, COUNTER), spans(n, step), n, inputs)
 
 
 def fill_chunks(body, spans, n: int, inputs) -> list[torch.Tensor]:
@@ -100,7 +116,7 @@ def backward_chunks(region: Region, wanted: list[int], outputs: list[int], saved
 @torch.library.custom_op("chunked_logits::row_local", mutates_args=())
 def _row_local(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor],
                budget_bytes: int) -> list[torch.Tensor]:
-    return run_chunks(key, rows, whole, budget_bytes)
+    return forward(Region(key, rows, whole, budget_bytes))
 
 
 @_row_local.register_fake

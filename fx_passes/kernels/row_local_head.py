@@ -29,10 +29,10 @@ from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
 from .row_local import (
     backward_chunks,
     fake_results,
+    forward,
     region_grads,
     replay_args,
     row_local,
-    run_chunks,
     setup_region,
     with_logits,
 )
@@ -54,7 +54,7 @@ def _row_local_head(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor
     # -> the body's results, the logits (kept for the backward) and a flag (on the host):
     # 1 until a backward writes the gradient over the logits
     x = head_logits(hidden, weight, bias, how, flatten)
-    results = run_chunks(key, with_logits(rows, index, x), whole, budget_bytes)
+    results = forward(Region(key, with_logits(rows, index, x), whole, budget_bytes))
     return [*results, x, torch.ones(1, dtype=torch.uint8)]
 
 

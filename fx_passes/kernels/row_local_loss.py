@@ -45,8 +45,8 @@ from .lm_head_loss import (
 from .op_args import LogitsInput, Region, RowLossOptions, grads_by_name
 from .op_pair import call_by_name, save_inputs, saved_inputs, taken
 from .registry import CAPTURE_SAFE, emitted
-from .row_local import with_logits
-from .row_local_sweeps import block_sweep, compiled, flat, forward, row_local_sweeps_backward, row_sweep
+from .row_local import forward, with_logits
+from .row_local_sweeps import block_sweep, compiled, flat, row_local_sweeps_backward, row_sweep
 from .row_split import Split, split_of
 from .tiling import even_splits, product_cols, resolve_budget
 

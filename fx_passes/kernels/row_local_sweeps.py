@@ -38,7 +38,6 @@ from typing import Iterator, Optional
 import torch
 
 from ..reporting.report import say_once
-from . import user_bodies
 from .body_compiler import compile_body
 from .chunk_gemm import head_logits, row_chunk_logits
 from .op_args import LogitsInput, Region, grads_by_name
@@ -48,18 +47,17 @@ from .row_local import (
     COUNTER,
     backward_chunks,
     fake_results,
-    fill_chunks,
     fill_rows,
+    forward,
     region_grads,
     replay_args,
     setup_region,
     with_logits,
 )
 from .row_split import COLUMNS, Split, split_of
-from .tiling import even_splits, spans, sweep_step
+from .tiling import even_splits, sweep_step
 
-__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled", "forward",
-           "flat"]
+__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled", "flat"]
 
 
 def flat(hidden: torch.Tensor) -> torch.Tensor:
@@ -72,15 +70,6 @@ def _row_local_sweeps(key: str, rows: list[torch.Tensor], whole: list[torch.Tens
                       how: str) -> list[torch.Tensor]:
     lm = LogitsInput(index, flat(hidden), weight, bias, how)
     return forward(Region(key, rows, whole, budget_bytes), lm)
-
-
-def forward(region: Region, lm: LogitsInput) -> list[torch.Tensor]:
-    """The body's results over row chunks of the logits of ``lm.h`` (``[N, H]``)."""
-    n = lm.h.shape[0]
-    pieces = spans(n, sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device))
-    return fill_chunks(user_bodies.body(region.key, COUNTER), pieces, n, lambda a, b: (
-        *with_logits(region.chunk(a, b), lm.index, head_logits(lm.h[a:b], lm.weight, lm.bias, lm.how, False)),
-        *region.whole))
 
 
 @_row_local_sweeps.register_fake
