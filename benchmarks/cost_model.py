@@ -17,11 +17,11 @@ per kernel) plus a launch overhead, and a step the sum over its kernels.  The ke
   the gradient.
 * chunked_logits: W3 reads the logits in the forward and reads them and writes their
   gradient in the backward.  With the lm_head fused, the loops of
-  ``fx_passes/kernels/lm_head.py`` and ``gpu_plan.py`` at the device's chunk budget
+  ``fx_passes/kernels/log_softmax/lm_head.py`` and ``gpu_plan.py`` at the device's chunk budget
   (``kernels.tiling``'s sizes): per chunk or block a GEMM that writes the logits tile,
   a body that reads it (and writes its gradient in the backward), the gradient GEMMs,
   the FP32 accumulators they read and write, and the FP32 copies of ``fp32_tiles`` /
-  ``blocks``.  ``gradients_in_forward`` (the loss in the graph): ``fx_passes/kernels/lm_head_loss.py``,
+  ``blocks``.  ``gradients_in_forward`` (the loss in the graph): ``fx_passes/kernels/log_softmax/loss.py``,
   row chunks that also form the gradient tile and write ``grad_hidden`` in one GEMM,
   then on ``gpu`` each chunk's ``grad_weight`` added into an FP32 ``[V, H]`` buffer
   (``out_dtype``; 3 GEMMs), on ``two_sweeps`` a vocabulary sweep in the backward

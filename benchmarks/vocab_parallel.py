@@ -16,7 +16,7 @@ exists whole, the bf16 gradients of the rank's weight shard and of ``h``, plus o
 of the loop (the default budget, 32 MiB), plus the copies of ``h`` and of the weight shard
 that the example's step makes (its inputs).  With the lm_head matmul in the compiled
 loss (``h @ w_shard.T``, as here) the pass computes the logits per chunk
-(:mod:`fx_passes.kernels.shard_lm_head`).  Times are ratios to stock Inductor from the same run
+(:mod:`fx_passes.kernels.log_softmax.shard`).  Times are ratios to stock Inductor from the same run
 (the machine is shared and noisy: a rough guide).
 """
 

@@ -31,7 +31,7 @@ class Config:
             ``logsumexp`` / ``cross_entropy`` over the vocabulary in FP32, per row, returning
             FP32: changes results and dtypes on purpose, so off by default.
         fuse_lm_head: when an lm_head matmul ``hidden @ weight.T`` read by nothing else makes
-            the logits, compute them chunk by chunk inside the region (``lm_head.py``).
+            the logits, compute them chunk by chunk inside the region (``kernels/log_softmax/lm_head.py``).
         chunk_budget_mib: working-set budget of one chunk / block of the chunk loops.  None:
             the device's (``kernels.tiling.device_budget``; docs/gpu.md).
         row_local: run a region the hand-derived path declines as its own ops over chunks
@@ -40,7 +40,7 @@ class Config:
             fuses into its row reductions (``match/worth.py``) is left to stock, which holds
             no FP32 ``[T, V]`` tensor there either and is faster; False rewrites it too.
         row_local_sweeps: a row-local region whose lm_head matmul the call runs runs it
-            chunk by chunk when the body's gradient splits (``kernels/row_split.py``);
+            chunk by chunk when the body's gradient splits (``kernels/row_local/split.py``);
             False runs it whole (stock's memory and GEMMs).
         save_masks: a row-local region's forward saves the boolean masks its sorts / top-k /
             scans make (bit-packed) for its backward (``rewrite/saved.py``); False recomputes.

@@ -29,7 +29,7 @@ from . import compat, env
 from .config import Config
 from .distributed.shard_stages import find_shard_regions, rewrite_shard_region
 from .fx.graph_ops import meta
-from .kernels.registry import cacheable_names
+from .kernels.ops.registry import cacheable_names
 from .match.near_miss import loss_outside
 from .match.region import Role
 from .match.region import where as _where
@@ -280,7 +280,7 @@ def transform(gm: GraphModule, config: Config) -> GraphModule:
 
 
 # The functions a rewritten graph calls, each registered where it is defined
-# (``kernels.registry.emitted``; NOTE [emitted functions]).  AOTAutograd's cache stores only
+# (``kernels.ops.registry.emitted``; NOTE [emitted functions]).  AOTAutograd's cache stores only
 # graphs whose calls it can vouch for; these are marked cacheable (Inductor's
 # ``unsafe_marked_cacheable_functions``) with a value that changes with this package's
 # sources (the value is part of the cache key), so a warm start reuses the compiled

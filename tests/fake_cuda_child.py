@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fx_passes import Config
 from fx_passes.fx.graph_ops import meta
-from fx_passes.kernels import registry, tiling
+from fx_passes.kernels import tiling
+from fx_passes.kernels.ops import registry
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER
 from tests import row_local_cases as rl

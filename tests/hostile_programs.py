@@ -62,8 +62,8 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "loss = ce + 1e-4 * zl.mean()",
     ], "loss", 1),
     # row-local regions on the lm_head's logits: the call runs the matmul chunk by chunk
-    # (a body that splits: kernels/row_local_sweeps.py) or whole (a top-p mask's sort:
-    # kernels/row_local_head.py)
+    # (a body that splits: kernels/row_local/sweeps.py) or whole (a top-p mask's sort:
+    # kernels/row_local/head.py)
     "head_smoothing": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
@@ -89,7 +89,7 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
         "ent = -(lp.exp() * lp).sum(-1)",
     ], "picked, ent", 2),
-    # the loss in the graph: the gradients computed in the forward (issue 22, kernels/lm_head_loss.py)
+    # the loss in the graph: the gradients computed in the forward (issue 22, kernels/log_softmax/loss.py)
     "loss": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",

@@ -31,10 +31,10 @@ from torch._dynamo.utils import counters
 
 from fx_passes.config import Config
 from fx_passes.fx.graph_ops import canon
-from fx_passes.kernels.body_compiler import compiling_with
-from fx_passes.kernels.lm_head import lm_head_row_stats
-from fx_passes.kernels.lm_head_loss import lm_head_loss
-from fx_passes.kernels.stats import row_stats
+from fx_passes.kernels.log_softmax.given import row_stats
+from fx_passes.kernels.log_softmax.lm_head import lm_head_row_stats
+from fx_passes.kernels.log_softmax.loss import lm_head_loss
+from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER, Reason
 
@@ -743,7 +743,7 @@ class CaptureAndTransform:
 def eager_lm_head_chunks():
     """Run the chunk loops' bodies eagerly (Inductor compiles each, seconds per variant):
     the cheap path checks the rewrite and the loop, the full-compile tests check the
-    compiled bodies.  (``fx_passes.kernels.body_compiler.compiling_with``, the documented seam.)"""
+    compiled bodies.  (``fx_passes.kernels.ops.body_compiler.compiling_with``, the documented seam.)"""
     with compiling_with(lambda fn, options: fn):
         yield
 

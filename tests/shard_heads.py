@@ -79,7 +79,7 @@ def inputs(dtype):
     return [x, tok]
 
 
-# --- the lm_head matmul inside the loop (fx_passes.kernels.shard_lm_head) ---------------------
+# --- the lm_head matmul inside the loop (fx_passes.kernels.log_softmax.shard) ---------------------
 
 H = 32
 

@@ -2,7 +2,7 @@
 
 A row's token log-prob and entropy must be bitwise identical whether the row is
 computed alone, in a batch of 7 or in a batch of 4096.  The pass computes each row
-independently (fx_passes/kernels/stats.py), so the only thing that can break this is the order in
+independently (fx_passes/kernels/log_softmax/given.py), so the only thing that can break this is the order in
 which Inductor's generated kernels reduce over the vocabulary.  On CPU that order
 changes exactly when Inductor parallelizes the vocabulary reduction across threads,
 which docs/batch-invariance.md spells out; the tests here pin both sides of that line.

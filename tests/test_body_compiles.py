@@ -1,4 +1,4 @@
-"""How the chunk bodies are compiled (``fx_passes/kernels/body_compiler.py``): the user's
+"""How the chunk bodies are compiled (``fx_passes/kernels/ops/body_compiler.py``): the user's
 Inductor settings reach them (but CUDA graphs and custom passes); a body past Dynamo's
 recompile limit falls back to eager, counted and said once; a body never compiles
 inside a CUDA graph capture (checked with the capture query patched: CPU torch has none)."""
@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fx_passes import compat
-from fx_passes.kernels import body_compiler
+from fx_passes.kernels.ops import body_compiler
 from fx_passes.reporting.report import COUNTER
 from tests.cases import lm_logprob_entropy
 

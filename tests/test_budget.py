@@ -146,7 +146,7 @@ def test_vocab_parallel_rewrite_takes_the_devices_budget():
 
 @pytest.mark.parametrize("budget", [tiling.BY_DEVICE, 256 * MIB, 32 * MIB, MIB])
 def test_row_local_chunks_are_aligned(budget):
-    """The given-logits row-local loop (``kernels/row_local.py``) cuts its rows by the
+    """The given-logits row-local loop (``kernels/row_local/engine.py``) cuts its rows by the
     same rule as the lm_head loop: ``tiling.aligned`` rows per chunk, ``tiling.even_splits``
     offsets (before: 1048-row chunks at V 1000 with the CPU's 32 MiB, offsets off the
     128-row grid; now 1024)."""

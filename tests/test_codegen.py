@@ -23,7 +23,8 @@ def _codes(name, backend, dynamic, **options):
 
 
 # W4 twice: its loss is in the graph, so by default the loop computes the gradients in
-# the forward (kernels/lm_head_loss.py); without that, the recomputing backward (kernels/lm_head.py)
+# the forward (kernels/log_softmax/loss.py); without that, the recomputing backward
+# (kernels/log_softmax/lm_head.py)
 CASES = [*sorted(WORKLOADS), "W4-recompute"]
 
 

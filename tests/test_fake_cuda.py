@@ -19,7 +19,7 @@ What a CPU-only torch cannot run, and why (so not checked here; the GPU check ru
   fake kernel, which runs the region's body (indexing included), is refused;
 * the loss-tail rewrite (``lm_head_loss``, the ``"gpu"`` plan's loss in the graph,
   ``rewrite/loss_tail.py`` ``_bodies``) and the lm_head row-local loss
-  (``kernels/row_split.py`` ``_examples``) trace their bodies on real tensors of the
+  (``kernels/row_local/split.py`` ``_examples``) trace their bodies on real tensors of the
   inputs' device at compile time: "Torch not compiled with CUDA enabled".  There the pass
   fails and leaves the user's graph as it was (checked: never a broken compile).
 * vocab-parallel: its rewrite needs the process group of a sharded lm_head
@@ -42,12 +42,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = ["cuda:0"]
 # (path, what the rewrite emits) that a CPU-only torch runs through
 RUNS = {
-    "given_logits_stats": "fx_passes.kernels.stats.row_stats",
-    "given_logits_stats_dynamic": "fx_passes.kernels.stats.row_stats",
-    "lm_head_per_token": "fx_passes.kernels.lm_head.lm_head_row_stats",
-    "row_local_given_logits": "fx_passes.kernels.row_local.row_local",
-    "row_local_given_logits_symbolic_scalar": "fx_passes.kernels.row_local.row_local",
-    "row_local_lm_head_sweeps": "fx_passes.kernels.row_local_sweeps.row_local_sweeps",
+    "given_logits_stats": "fx_passes.kernels.log_softmax.given.row_stats",
+    "given_logits_stats_dynamic": "fx_passes.kernels.log_softmax.given.row_stats",
+    "lm_head_per_token": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
+    "row_local_given_logits": "fx_passes.kernels.row_local.engine.row_local",
+    "row_local_given_logits_symbolic_scalar": "fx_passes.kernels.row_local.engine.row_local",
+    "row_local_lm_head_sweeps": "fx_passes.kernels.row_local.sweeps.row_local_sweeps",
 }
 # the paths whose rewrite traces on real tensors of the device (see the docstring)
 TRACED_ON_THE_DEVICE = {"row_local_lm_head_loss"}
@@ -91,7 +91,7 @@ def test_lm_head_loss_in_graph(result):
     stats call); "gpu" takes the loss tail, whose rewrite traces on the device (left as
     is here, the user's graph compiled unchanged)."""
     blocks = result["as_built"]["paths"]["lm_head_loss_in_graph"]
-    assert blocks["emitted"] == ["fx_passes.kernels.lm_head.lm_head_row_stats"], blocks
+    assert blocks["emitted"] == ["fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats"], blocks
     assert blocks["value_devices"] == CUDA and blocks["output_devices"] == CUDA, blocks
     gpu = result["gpu_kernels"]["paths"]["lm_head_loss_in_graph"]
     assert gpu["unchanged"] and gpu["failed_for_no_cuda"] and gpu["counters"] == {"pass_failed": 1}, gpu

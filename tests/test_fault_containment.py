@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fx_passes
-import fx_passes.kernels.stats
+import fx_passes.kernels.log_softmax.given
 import fx_passes.pipeline
 import fx_passes.rewrite.upcast_region
 from fx_passes import ChunkedLogitsPass, Config
@@ -266,7 +266,7 @@ INDUCTOR_WARNING = ("chunked_logits: Inductor failed on the rewritten graph; com
 
 
 def test_backend_falls_back_when_compiling_the_rewritten_graph_fails(monkeypatch, caplog, stock) -> None:
-    row_stats = fx_passes.kernels.stats.RowStats
+    row_stats = fx_passes.kernels.log_softmax.given.RowStats
     monkeypatch.setattr(row_stats, "forward", _fails_under_aot(row_stats.forward))
     caplog.set_level(logging.WARNING, logger="fx_passes")
     counters.clear()
@@ -284,7 +284,7 @@ def test_backend_falls_back_when_compiling_the_rewritten_graph_fails(monkeypatch
 
 
 def test_backend_strict_raises_when_compiling_the_rewritten_graph_fails(monkeypatch) -> None:
-    row_stats = fx_passes.kernels.stats.RowStats
+    row_stats = fx_passes.kernels.log_softmax.given.RowStats
     monkeypatch.setattr(row_stats, "forward", _fails_under_aot(row_stats.forward))
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
                        match="injected fault while Inductor compiles the rewritten graph"):
@@ -298,7 +298,7 @@ def test_backend_strict_raises_when_compiling_the_rewritten_graph_fails(monkeypa
                           "compiles the rewritten graph (e.g. tracing RowStats under AOTAutograd) fails the "
                           "compile, there is no untouched graph to retry with")
 def test_pre_grad_pass_falls_back_when_compiling_the_rewritten_graph_fails(monkeypatch, stock) -> None:
-    row_stats = fx_passes.kernels.stats.RowStats
+    row_stats = fx_passes.kernels.log_softmax.given.RowStats
     monkeypatch.setattr(row_stats, "forward", _fails_under_aot(row_stats.forward))
     with no_caches(), torch._inductor.config.patch(pre_grad_custom_pass=ChunkedLogitsPass()), \
             warnings.catch_warnings(record=True):

@@ -41,7 +41,7 @@ class TestGolden(TestCase):
 def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
     l_x_ = L_x_
     l_tok_ = L_tok_
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, l_tok_, 0.7, True, False);  l_x_ = l_tok_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, l_tok_, 0.7, True, False);  l_x_ = l_tok_ = None
     getitem = row_stats[1];  row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
@@ -59,7 +59,7 @@ def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
 def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
     l_x_ = L_x_
     l_tok_ = L_tok_
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, l_tok_, None, True, False);  l_x_ = l_tok_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, l_tok_, None, True, False);  l_x_ = l_tok_ = None
     getitem = row_stats[1];  row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
@@ -77,7 +77,7 @@ def forward(self, L_x_ : torch.Tensor, L_t_ : torch.Tensor, L_tok_ : torch.Tenso
     l_x_ = L_x_
     l_t_ = L_t_
     l_tok_ = L_tok_
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, l_tok_, l_t_, True, False);  l_x_ = l_tok_ = l_t_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, l_tok_, l_t_, True, False);  l_x_ = l_tok_ = l_t_ = None
     getitem = row_stats[1];  row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
@@ -95,7 +95,7 @@ def forward(self, L_x_ : torch.Tensor, L_t_ : torch.Tensor, L_tok_ : torch.Tenso
     l_t_ = L_t_
     l_tok_ = L_tok_
     truediv = l_x_ / l_t_;  l_x_ = l_t_ = None
-    row_stats = fx_passes_kernels_stats_row_stats(truediv, l_tok_, None, True, False);  truediv = l_tok_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(truediv, l_tok_, None, True, False);  truediv = l_tok_ = None
     getitem = row_stats[1];  row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
@@ -115,7 +115,7 @@ def forward(self, L_x_ : torch.Tensor, L_t_ : torch.Tensor, L_tok_ : torch.Tenso
         self.assertExpectedInline(after, """\
 def forward(self, L_x_ : torch.Tensor):
     l_x_ = L_x_
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, None, None, True, True);  l_x_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, None, None, True, True);  l_x_ = None
     getitem = row_stats[2];  row_stats = None
     neg = -getitem;  getitem = None
     a = -neg;  neg = None
@@ -124,7 +124,7 @@ def forward(self, L_x_ : torch.Tensor):
         self.assertExpectedInline(after, """\
 def forward(self, L_x_ : torch.Tensor):
     l_x_ = L_x_
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, None, None, True, True);  l_x_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, None, None, True, True);  l_x_ = None
     getitem = row_stats[2];  row_stats = None
     return (getitem,)""")
 
@@ -143,7 +143,7 @@ def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
     l_tok_ = L_tok_
     getitem = l_x_[(slice(None, None, None), slice(None, -1, None))];  l_x_ = None
     getitem_1 = l_tok_[(slice(None, None, None), slice(1, None, None))];  l_tok_ = None
-    row_stats = fx_passes_kernels_stats_row_stats(getitem, getitem_1, 0.7, True, True);  getitem = getitem_1 = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(getitem, getitem_1, 0.7, True, True);  getitem = getitem_1 = None
     getitem_2 = row_stats[1]
     unsqueeze_1 = getitem_2.unsqueeze(-1);  getitem_2 = None
     getitem_3 = row_stats[2];  row_stats = None
@@ -170,7 +170,7 @@ def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
     reshape_1 = torch.reshape(l_x_, (-1, 16));  l_x_ = None
     ne = reshape != -100
     where = torch.where(ne, reshape, 0);  reshape = None
-    row_stats = fx_passes_kernels_stats_row_stats(reshape_1, where, None, True, False);  reshape_1 = where = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(reshape_1, where, None, True, False);  reshape_1 = where = None
     getitem = row_stats[1];  row_stats = None
     neg = -getitem;  getitem = None
     where_1 = torch.where(ne, neg, 0.0);  ne = neg = None
@@ -188,7 +188,7 @@ def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_labels_ = L_labels_
     ne = l_labels_ != 3
     where = torch.where(ne, l_labels_, 0);  l_labels_ = None
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, where, None, True, False);  l_x_ = where = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, where, None, True, False);  l_x_ = where = None
     getitem = row_stats[1];  row_stats = None
     neg = -getitem;  getitem = None
     where_1 = torch.where(ne, neg, 0.0);  neg = None
@@ -204,7 +204,7 @@ def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
 def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
     l_x_ = L_x_
     l_tok_ = L_tok_
-    row_stats = fx_passes_kernels_stats_row_stats(l_x_, l_tok_, 0.7, True, False);  l_x_ = l_tok_ = None
+    row_stats = fx_passes_kernels_log_softmax_given_row_stats(l_x_, l_tok_, 0.7, True, False);  l_x_ = l_tok_ = None
     getitem = row_stats[1];  row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
@@ -223,7 +223,7 @@ def forward(self, L_w_ : torch.Tensor, L_h_ : torch.Tensor, L_tok_ : torch.Tenso
     l_w_ = L_w_
     l_h_ = L_h_
     l_tok_ = L_tok_
-    lm_head_row_stats = fx_passes_kernels_lm_head_lm_head_row_stats(l_h_, l_w_, None, l_tok_, 0.7, True, False, 1048576, '', 'auto');  l_h_ = l_w_ = l_tok_ = None
+    lm_head_row_stats = fx_passes_kernels_log_softmax_lm_head_lm_head_row_stats(l_h_, l_w_, None, l_tok_, 0.7, True, False, 1048576, '', 'auto');  l_h_ = l_w_ = l_tok_ = None
     getitem = lm_head_row_stats[1];  lm_head_row_stats = None
     unsqueeze_1 = getitem.unsqueeze(-1);  getitem = None
     squeeze = unsqueeze_1.squeeze(-1);  unsqueeze_1 = None
@@ -248,7 +248,7 @@ def forward(self, L_x_ : torch.Tensor, L_tok_ : torch.Tensor):
     l_x_ = L_x_
     l_tok_ = L_tok_
     unsqueeze = l_tok_.unsqueeze(-1);  l_tok_ = None
-    row_local = fx_passes_kernels_row_local_row_local('<key>', 0, 2, l_x_, unsqueeze);  l_x_ = unsqueeze = None
+    row_local = fx_passes_kernels_row_local_engine_row_local('<key>', 0, 2, l_x_, unsqueeze);  l_x_ = unsqueeze = None
     getitem_1 = row_local[0];  row_local = None
     return (getitem_1,)""")
         self.assertEqual(chunked_counters(), {"rewritten": 1, "row_local": 1})
@@ -267,7 +267,7 @@ def forward(self, L_x_ : torch.Tensor, L_labels_ : torch.Tensor):
     l_labels_ = L_labels_
     view_1 = l_labels_.view(-1);  l_labels_ = None
     flatten = l_x_.flatten(0, -2);  l_x_ = None
-    row_local = fx_passes_kernels_row_local_row_local('<key>', 0, 2, flatten, view_1);  flatten = None
+    row_local = fx_passes_kernels_row_local_engine_row_local('<key>', 0, 2, flatten, view_1);  flatten = None
     getitem = row_local[0];  row_local = None
     sum_1 = getitem.sum();  getitem = None
     ne = view_1 != -100;  view_1 = None

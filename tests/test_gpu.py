@@ -116,9 +116,9 @@ def _codes(name, backend, dynamic):
 
 def lm_head_op(device=CUDA) -> str:
     """The op W4's outer graph calls on ``device``: its loss reaches the graph's output, so
-    where the auto plan computes gradients in the forward (``kernels.lm_head_loss.PLANS``:
+    where the auto plan computes gradients in the forward (``kernels.log_softmax.loss.PLANS``:
     "gpu" on a GPU with ``mm(.., out_dtype=)``) the loss-in-graph op, else the per-token one."""
-    from fx_passes.kernels.lm_head_loss import PLANS
+    from fx_passes.kernels.log_softmax.loss import PLANS
     from fx_passes.kernels.tiling import backward_plan
     return "lm_head_loss" if backward_plan(device, torch.bfloat16) in PLANS else "lm_head_stats"
 

@@ -1,7 +1,7 @@
 """Register where defined (issue 34, item 3) and the CUDA graph decision (issue 35, item 2).
 
 Every function a rewritten graph calls carries ``@emitted`` where it is defined
-(``fx_passes.kernels.registry``): the registry feeds Inductor's cacheable marks and
+(``fx_passes.kernels.ops.registry``): the registry feeds Inductor's cacheable marks and
 records, per custom op, whether it is capture-safe or tagged ``cudagraph_unsafe``.
 
 * the ``call_function`` targets of graphs rewritten from a set of representative programs
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from fx_passes import pipeline
-from fx_passes.kernels import registry
+from fx_passes.kernels.ops import registry
 from tests import row_local_cases as rl
 from tests import shard_heads
 from tests import sweep_cases as sweeps
@@ -133,11 +133,12 @@ def test_every_emitted_target_is_registered(rewritten):
     targets = {registry.target_name(n.target) for gm in rewritten.values() for n in gm.graph.nodes
                if n.op == "call_function" and _ours_or_foreign(n.target)}
     # the paths above emit these (the three the hand-kept list missed among them)
-    assert {"fx_passes.kernels.row_local_head.row_local_head",
-            "fx_passes.kernels.row_local_sweeps.row_local_sweeps",
-            "fx_passes.kernels.row_local_loss.row_local_loss",
-            "fx_passes.kernels.lm_head_loss.lm_head_loss",
-            "fx_passes.kernels.lm_head.lm_head_row_stats", "fx_passes.kernels.row_local.row_local",
+    assert {"fx_passes.kernels.row_local.head.row_local_head",
+            "fx_passes.kernels.row_local.sweeps.row_local_sweeps",
+            "fx_passes.kernels.row_local.loss.row_local_loss",
+            "fx_passes.kernels.log_softmax.loss.lm_head_loss",
+            "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
+            "fx_passes.kernels.row_local.engine.row_local",
             "fx_passes.distributed.shard_stages.shard_reduce",
             "fx_passes.distributed.one_pass.shard_lm_head_stages"} <= targets, targets
     assert unregistered(rewritten.values()) == set()
@@ -147,7 +148,7 @@ def test_every_emitted_target_is_registered(rewritten):
 
 def test_the_check_fails_on_an_unregistered_target(rewritten, monkeypatch):
     """Drop one entry (as a new op without ``@emitted`` would be): the check names it."""
-    name = "fx_passes.kernels.row_local_head.row_local_head"
+    name = "fx_passes.kernels.row_local.head.row_local_head"
     items = dict(registry.EMITTED._items)
     del items[name]
     monkeypatch.setattr(registry.EMITTED, "_items", items)

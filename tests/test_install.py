@@ -417,8 +417,8 @@ def test_install_marks_row_stats_cacheable_and_uninstall_restores():
     with inductor_config.patch(unsafe_marked_cacheable_functions={"mine.op": "1"}):
         with fx_passes.install():
             marks = dict(inductor_config.unsafe_marked_cacheable_functions)
-            assert marks["mine.op"] == "1" and "fx_passes.kernels.stats.row_stats" in marks
-            assert marks["fx_passes.kernels.stats.row_stats"].startswith("chunked_logits-")
+            assert marks["mine.op"] == "1" and "fx_passes.kernels.log_softmax.given.row_stats" in marks
+            assert marks["fx_passes.kernels.log_softmax.given.row_stats"].startswith("chunked_logits-")
         assert inductor_config.unsafe_marked_cacheable_functions == {"mine.op": "1"}
 
 

@@ -149,7 +149,7 @@ def test_docstrings_state_the_contract(path):
     assert docstring_problems(path) == []
 
 
-# Issue 34 (item 2): options travel as named fields (``kernels/op_args.py``), so no function
+# Issue 34 (item 2): options travel as named fields (``kernels/ops/args.py``), so no function
 # takes more than MOST parameters, but the thin ones at an op's flat edge: a custom op's
 # implementation or fake, or a function a rewritten graph calls (decorated ``custom_op``,
 # ``register_fake`` or ``emitted``), each at most THIN statements that unpack and call on.
@@ -192,3 +192,14 @@ def test_a_wide_function_is_caught(tmp_path):
                                    "@torch.library.custom_op('x::y', mutates_args=())\n"
                                    "def op(a, b, c, d, e, f, g, h, i):\n    return call(a)\n")
     assert wide_functions(tmp_path) == {"m.py::f"}
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject.toml lists the packages explicitly: a folder missing there is missing from a
+    normal (non-editable) install, and its imports fail only for users."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    folders = {_module(p.parent) for p in PACKAGE.rglob("__init__.py")}
+    assert folders == listed, f"not in pyproject: {folders - listed}; not a folder: {listed - folders}"

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fx_passes.kernels.body_compiler import compiling_with
-from fx_passes.kernels.op_args import Cotangents, Head, HeadOptions, RowValues
+from fx_passes.kernels.ops.args import Cotangents, Head, HeadOptions, RowValues
+from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from fx_passes.testing.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
@@ -201,7 +201,7 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget):
     """Was a gap (issue 10): grad_hidden was accumulated in an FP32 [T, H] buffer.  Now
     a group of rows at a time is (an FP32 [S, H] buffer, S from the budget), and the
     gradients are the same with one sweep or several."""
-    import fx_passes.kernels.lm_head as lm_head
+    import fx_passes.kernels.log_softmax.lm_head as lm_head
     T, H, V = 300, 64, 512
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
     with LargestFP32() as mode, compiling_with(EAGER):  # eager bodies: every op is seen
@@ -237,7 +237,7 @@ def test_two_sweeps_model_precision_matmuls_each_a_whole_sum():
     """On a CPU with bf16 units (issue 10): no FP32 matmul and no FP32 buffer of [T, H];
     every matmul writing a gradient covers its whole sum (all V for a row chunk of
     grad_hidden, all T for a block of grad_weight), so each element is rounded once."""
-    import fx_passes.kernels.lm_head as lm_head
+    import fx_passes.kernels.log_softmax.lm_head as lm_head
     T, H, V = 300, 64, 512
     budget = 48 * 2**10  # several row chunks and several blocks
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)

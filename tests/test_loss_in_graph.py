@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from fx_passes.kernels.body_compiler import compiling_with
+from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests.helpers import ops, rewrite_graphs
 from tests.numerics import F32, TOLERANCES, assert_no_less_accurate

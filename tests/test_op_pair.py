@@ -1,4 +1,4 @@
-"""kernels/op_pair.py: a custom op's autograd by its schema's names (what the forward saves,
+"""kernels/ops/pair.py: a custom op's autograd by its schema's names (what the forward saves,
 what the backward reads), and every custom op of the package going through it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from fx_passes.kernels.op_args import grads_by_name
-from fx_passes.kernels.op_pair import (
+from fx_passes.kernels.ops.args import grads_by_name
+from fx_passes.kernels.ops.pair import (
     call_by_name,
     grads_or_zeros,
     keep_result_specs,

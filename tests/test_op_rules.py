@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes import Config
 from fx_passes.fx.op_rules import TAIL as TAIL_RULES
-from fx_passes.kernels.op_args import Cotangents, Head, HeadOptions, LogitsInput, Region, RowValues
+from fx_passes.kernels.ops.args import Cotangents, Head, HeadOptions, LogitsInput, Region, RowValues
 from tests.op_rule_programs import (
     BODIES,
     LM_HEAD_BUDGETS,
@@ -152,7 +152,7 @@ def test_an_empty_batch_does_no_per_block_work(plan, monkeypatch):
     """0 rows: no vocabulary block is computed (``two_sweeps`` looped over 2048 one-column
     blocks at this vocabulary), and the gradients are zeros (``blocks`` / ``fp32_tiles``
     left ``grad_weight`` unwritten when ``grad_hidden`` was wanted too)."""
-    from fx_passes.kernels import lm_head
+    from fx_passes.kernels.log_softmax import lm_head
     from fx_passes.testing.gemms import cpu_out_dtype_kernels
 
     tiles = []
@@ -170,7 +170,7 @@ def test_an_empty_batch_does_no_per_block_work(plan, monkeypatch):
 
 
 def test_an_empty_batch_does_no_per_block_work_in_the_row_local_sweep(monkeypatch):
-    from fx_passes.kernels import row_local_sweeps
+    from fx_passes.kernels.row_local import sweeps as row_local_sweeps
 
     blocks = []
     monkeypatch.setattr(row_local_sweeps, "head_logits",

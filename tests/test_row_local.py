@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from fx_passes import Reason
-from fx_passes.kernels.body_compiler import compiling_with
+from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.kernels.tiling import BYTES_PER_ELEMENT
 from tests import row_local_cases as rl
 from tests.codegen import compiled_codes, full_fp32_buffers
@@ -180,8 +180,8 @@ def test_chunks_take_the_devices_budget_unless_one_is_set(monkeypatch):
     """Unset, ``chunk_budget_mib`` leaves the budget to the device where the call runs
     (``tiling.device_budget``: 32 MiB on a CPU, up to 4 GiB on a GPU, where 32 MiB would
     make a step thousands of chunks of a few rows at V 151936); set, it is used as is."""
-    from fx_passes.kernels import row_local as kernel
     from fx_passes.kernels import tiling
+    from fx_passes.kernels.row_local import engine as kernel
 
     fn, inputs, _ = _inputs("topk", torch.bfloat16)
     budgets = []

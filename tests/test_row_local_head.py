@@ -1,6 +1,6 @@
 """A row-local region whose logits are ``hidden @ weight.T`` in the graph (issue 21, WD):
 the call runs the matmul and its backward writes the logits' gradient over them
-(``fx_passes/kernels/row_local_head.py``), so the backward holds one ``[T, V]``
+(``fx_passes/kernels/row_local/head.py``), so the backward holds one ``[T, V]``
 model-precision buffer where the plain call held two.  This is the path of a body whose
 gradient does not split into per-row values (a sort, a scan) and of
 ``row_local_sweeps=False``, which the tests here set (tests/test_row_local_sweeps.py: the
@@ -23,10 +23,10 @@ from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fx_passes.kernels import user_bodies
-from fx_passes.kernels.body_compiler import compiling_with
-from fx_passes.kernels.row_local import _row_local_backward
-from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
+from fx_passes.kernels.ops import user_bodies
+from fx_passes.kernels.ops.body_compiler import compiling_with
+from fx_passes.kernels.row_local.engine import _row_local_backward
+from fx_passes.kernels.row_local.head import _row_local_head, _row_local_head_backward
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
 from tests.helpers import assert_retained_backward_repeats, chunked_counters

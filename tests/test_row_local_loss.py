@@ -3,7 +3,7 @@
 loss it returns, the region's body and the loss's row part become one body whose
 cotangents are known in the forward, so the forward's row chunks also compute
 ``grad_hidden`` and the per-row values, and the backward runs only the vocabulary sweep:
-four ``[T, H] x [H, V]`` GEMMs a step instead of five (``kernels/row_local_loss.py``).
+four ``[T, H] x [H, V]`` GEMMs a step instead of five (``kernels/row_local/loss.py``).
 
 Each loss is rewritten so (counter ``gradients_in_forward``) and is no further from FP64
 than stock Inductor, static and dynamic, bf16 and fp16, for an incoming gradient of one,
@@ -20,10 +20,11 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 
-from fx_passes.kernels import row_split, user_bodies
-from fx_passes.kernels.body_compiler import compiling_with
-from fx_passes.kernels.row_local_loss import _row_local_loss, _row_local_loss_backward, row_bytes
-from fx_passes.kernels.row_local_sweeps import row_local_sweeps_backward
+from fx_passes.kernels.ops import user_bodies
+from fx_passes.kernels.ops.body_compiler import compiling_with
+from fx_passes.kernels.row_local import split as row_split
+from fx_passes.kernels.row_local.loss import _row_local_loss, _row_local_loss_backward, row_bytes
+from fx_passes.kernels.row_local.sweeps import row_local_sweeps_backward
 from fx_passes.reporting.session import session
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests import row_local_cases as rl

@@ -2,7 +2,7 @@
 memory limit): the forward computes each row chunk's logits, the backward runs row chunks
 over the whole vocabulary (``grad_hidden``) and vocabulary blocks over all rows
 (``grad_weight``) on the body's gradient split into per-row values and a pointwise
-function (``fx_passes/kernels/row_split.py``, ``row_local_sweeps.py``).
+function (``fx_passes/kernels/row_local/split.py``, ``row_local_sweeps.py``).
 
 Each loss whose gradient splits is rewritten so (counter ``row_local_lm_head``) and is no
 further from FP64 than stock Inductor, static and dynamic, bf16 and fp16; neither the
@@ -19,10 +19,11 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import symbolic_trace
 
-from fx_passes.kernels import row_split, user_bodies
-from fx_passes.kernels.body_compiler import compiling_with
-from fx_passes.kernels.row_local_head import _row_local_head, _row_local_head_backward
-from fx_passes.kernels.row_local_sweeps import _row_local_sweeps, row_local_sweeps_backward
+from fx_passes.kernels.ops import user_bodies
+from fx_passes.kernels.ops.body_compiler import compiling_with
+from fx_passes.kernels.row_local import split as row_split
+from fx_passes.kernels.row_local.head import _row_local_head, _row_local_head_backward
+from fx_passes.kernels.row_local.sweeps import _row_local_sweeps, row_local_sweeps_backward
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
 from tests.helpers import assert_retained_backward_repeats, chunked_counters

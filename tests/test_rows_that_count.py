@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fx_passes
 from fx_passes import compat
-from fx_passes.kernels.body_compiler import compiling_with
+from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests.numerics import F32, TOLERANCES, assert_no_less_accurate
 

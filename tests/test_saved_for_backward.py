@@ -10,11 +10,16 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fx_passes.kernels.bitmask import pack_bits, unpack_bits
-from fx_passes.kernels.body_compiler import compiling_with
-from fx_passes.kernels.normalizers import log_softmax_given, log_softmax_stats, softmax_given, softmax_stats
-from fx_passes.kernels.registry import REPLAYING_BODIES
-from fx_passes.kernels.row_local import row_local
+from fx_passes.kernels.ops.body_compiler import compiling_with
+from fx_passes.kernels.ops.registry import REPLAYING_BODIES
+from fx_passes.kernels.row_local.bitmask import pack_bits, unpack_bits
+from fx_passes.kernels.row_local.engine import row_local
+from fx_passes.kernels.row_local.normalizers import (
+    log_softmax_given,
+    log_softmax_stats,
+    softmax_given,
+    softmax_stats,
+)
 from tests import row_local_cases as rl
 from tests.helpers import chunked_counters, rewrite_graphs
 from tests.numerics import run

@@ -156,7 +156,7 @@ def test_a_loss_all_reduced_for_logging_stays_single_process(spelling):
     assert chunked_counters() == {"rewritten": 1}
 
 
-# --- the lm_head matmul inside the loop (fx_passes.kernels.shard_lm_head) ---------------------
+# --- the lm_head matmul inside the loop (fx_passes.kernels.log_softmax.shard) ---------------------
 
 @pytest.mark.parametrize("head", HEADS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
@@ -421,7 +421,7 @@ def test_lm_head_graph_after_one_pass(head):
 def test_a_body_that_fails_to_compile_runs_eagerly(caplog):
     """A compile failure inside the step (the stage bodies compile on first use) must not
     end the user's step: the body runs eagerly, the same maths, with a warning."""
-    from fx_passes.kernels.body_compiler import compiling_with
+    from fx_passes.kernels.ops.body_compiler import compiling_with
 
     def broken(fn, options):
         def call(*args):

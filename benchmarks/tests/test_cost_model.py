@@ -71,10 +71,10 @@ def _shapes(gemms) -> collections.Counter:
 @pytest.mark.parametrize("plan", ["gpu", "two_sweeps"])
 def test_backward_gemms_match_the_loops_recorded(plan):
     """The modelled backward of each plan against its loop run eagerly (bf16, tiny)."""
-    from fx_passes.kernels import lm_head
+    from fx_passes.kernels.log_softmax import lm_head
     loops = {"two_sweeps": lm_head.two_sweeps}
     if plan == "gpu":
-        gpu_plan = pytest.importorskip("fx_passes.kernels.gpu_plan")
+        gpu_plan = pytest.importorskip("fx_passes.kernels.log_softmax.gpu_plan")
         loops["gpu"] = gpu_plan.out_dtype_blocks
     t, h, v, budget = 96, 16, 200, 8192
     hidden, weight = torch.randn(t, h, dtype=torch.bfloat16), torch.randn(v, h, dtype=torch.bfloat16)

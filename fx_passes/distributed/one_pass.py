@@ -2,7 +2,7 @@
 logits are computed once in the forward, not once per stage.
 
 Contract: ``shard_lm_head_stages(plan, train, budget, h, w, *operands)`` returns what the
-per-stage :func:`~fx_passes.kernels.shard_lm_head.shard_lm_head` calls and the *glue*
+per-stage :func:`~fx_passes.kernels.log_softmax.shard.shard_lm_head` calls and the *glue*
 between them (all-reduces of per-row values, ``wait_tensor``, views that keep the rows)
 returned, with the same values: every op is the user's, on the same elements.  Only glue
 that is per row and needs no gradient moves into the loop; anything else (an in-place
@@ -43,11 +43,11 @@ from torch.fx import Graph, GraphModule, Node
 from .. import compat
 from ..fx.graph_ops import is_collective, is_elementwise, meta
 from ..fx.placement import changes_state
-from ..kernels import user_bodies
-from ..kernels.op_args import args_by_name, grads_by_name
-from ..kernels.op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
-from ..kernels.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
-from ..kernels.shard_lm_head import row_chunks, shard_lm_head_backward
+from ..kernels.log_softmax.shard import row_chunks, shard_lm_head_backward
+from ..kernels.ops import user_bodies
+from ..kernels.ops.args import args_by_name, grads_by_name
+from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
+from ..kernels.ops.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from ..kernels.tiling import CPU_BUDGET, even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
 from .shard_regions import needs_grad

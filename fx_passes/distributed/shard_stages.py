@@ -69,11 +69,11 @@ from ..fx.graph_ops import (
     tensor_input,
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
-from ..kernels import user_bodies
-from ..kernels.op_args import grads_by_name
-from ..kernels.op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
-from ..kernels.registry import CAPTURE_SAFE, emitted
-from ..kernels.shard_lm_head import gather_index_positions, shard_lm_head
+from ..kernels.log_softmax.shard import gather_index_positions, shard_lm_head
+from ..kernels.ops import user_bodies
+from ..kernels.ops.args import grads_by_name
+from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
+from ..kernels.ops.registry import CAPTURE_SAFE, emitted
 from ..match.lm_head import LMHead, producer
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
@@ -182,7 +182,7 @@ def _reduction_copy(n: Node, region: ShardRegion) -> bool:
 
 def _fusable_lm_head(region: ShardRegion) -> tuple[Optional[LMHead], str]:
     """The lm_head matmul that makes the shard, when every stage can compute it per
-    chunk (:mod:`fx_passes.kernels.shard_lm_head`); else None and why not."""
+    chunk (:mod:`fx_passes.kernels.log_softmax.shard`); else None and why not."""
     head = producer(region.x) if isinstance(region.x, Node) else None
     if head is None:
         return None, ""  # no matmul: nothing to say

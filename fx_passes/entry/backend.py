@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from .. import compat, env
 from ..config import Config
-from ..kernels import body_compiler
+from ..kernels.ops import body_compiler
 from ..pipeline import transform, with_cacheable_marks
 from ..reporting.containment import contained
 from ..reporting.session import session
@@ -120,7 +120,8 @@ def chunked_logits(
         session.count_graph()
         rewritten = transform(gm, config)
     patches = inductor_options or None
-    body_compiler.use_user_options(inductor_options)  # (the chunk bodies' settings: kernels/body_compiler.py)
+    # (the chunk bodies' settings: kernels/ops/body_compiler.py)
+    body_compiler.use_user_options(inductor_options)
     with backend_compiling():
         if rewritten is gm:
             return compile_fx(gm, example_inputs, config_patches=patches)

@@ -2,7 +2,7 @@
 they re-derive the user's maths instead of running the user's ops.
 
 :data:`TAIL` serves the loss tail (``match/loss_tail.py``, ``rewrite/loss_tail.py``),
-:data:`BLOCK` the vocabulary-block split (``kernels/row_split.py``).  An op not in the
+:data:`BLOCK` the vocabulary-block split (``kernels/row_local/split.py``).  An op not in the
 table, or a keyword argument (or value) the table does not list for it, declines the
 derivation, the op and the argument named in the reason: the region keeps the recompute
 path (or its whole rows), never a silently different answer.  See NOTE [derivations].
@@ -17,7 +17,7 @@ path (or its whole rows), never a silently different answer.  See NOTE [derivati
 #   (:data:`TAIL`'s ``REDUCE_ROWS``) are accumulated over the row chunks.  The row part
 #   (one value per row) runs the user's own ops on each chunk with autograd's gradient, so
 #   any pointwise op is taken there as it is (:func:`tail_row_rule`);
-# * the **vocabulary-block split** (``kernels/row_split.py``): a row-local body's gradient
+# * the **vocabulary-block split** (``kernels/row_local/split.py``): a row-local body's gradient
 #   computed per block of columns from per-row statistics (:data:`BLOCK`, ATen ops after
 #   Inductor's decompositions).  A reduction over the row is a per-row statistic, computed
 #   over whole rows by the split's stats graph; an op that reads the row's *length* (the

@@ -1,16 +1,11 @@
-"""What rewritten graphs call at run time: ``stats`` (``row_stats``, the fused per-row
-log-softmax statistics), ``lm_head`` (the lm_head chunk loop and its backward),
-``lm_head_bodies`` (its per-chunk bodies), ``body_compiler`` (the one way a chunk body is
-compiled), ``tiling`` (chunk sizes and backward plans), ``gpu_plan`` (the ``"gpu"``
-backward: model-precision GEMMs, FP32 sums through ``out_dtype``), ``lm_head_loss`` (the
-lm_head loop that also computes the gradients in the forward when the loss is in the graph),
-``row_local`` (a row-local region's loop over row chunks; ``row_local_head`` and
-``row_local_sweeps`` when it runs the lm_head matmul, whole or chunk by chunk, the latter on
-the body's gradient split by ``row_split``), ``user_bodies`` and ``shard_lm_head`` (bodies
-made of the user's own ops, for vocab-parallel stages and row-local regions, and the
-vocab-parallel lm_head loop); ``op_args`` (the ops' arguments by name: a custom op's flat
-schema is unpacked there, and rewrites read an emitted call's arguments through it),
-``op_pair`` (each op's autograd by name: what the forward saves, what the backward reads and
-passes on). Kernels know no graph matching.
+"""What rewritten graphs call at run time, one folder per kind of loop:
+``log_softmax/`` (the hand-derived log-softmax statistics: on given logits, with the lm_head
+matmul chunk by chunk, with the loss's gradients in the forward, per vocab-parallel shard),
+``row_local/`` (the row-local engine: one chunk loop and the op of each place its logits come
+from or its gradients are made), ``ops/`` (how an op is built: arguments and autograd by
+name, the run-time registries, the one body compiler, bodies made of the user's own ops).
+What every loop shares is here: ``tiling`` (the sizing rules: a budget to chunk rows, vocabulary
+blocks and backward plans), ``chunk_gemm`` (the logits of row chunks against one weight) and
+``rows`` (the rows a loss leaves out, read once a step).  Kernels know no graph matching.
 
 May import: fx (no graph of the user's), reporting, config, env, compat."""

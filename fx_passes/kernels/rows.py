@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .. import compat
-from .lm_head_bodies import parse_transforms
+from .log_softmax.bodies import parse_transforms
 from .tiling import granule
 
 __all__ = ["logit_bounds", "item_bounds", "select", "COUNTER"]

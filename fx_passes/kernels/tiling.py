@@ -214,7 +214,7 @@ def _say_no_out_dtype(device_type: str) -> None:
 #   it), and ``grad_hidden`` is accumulated across the blocks by GEMMs with an FP32
 #   output (``out_dtype``) into an FP32 buffer for a bounded group of rows, rounded
 #   once.  Four ``[T, H] x [H, V]`` GEMMs a step with the forward's, when the group
-#   holds all rows (``kernels/gpu_plan.py``).
+#   holds all rows (``kernels/log_softmax/gpu_plan.py``).
 # * ``"blocks"`` (GPUs whose torch has no ``mm.dtype``): as ``"gpu"``, but the FP32
 #   accumulation of ``grad_hidden`` runs on FP32 copies of the gradient and the
 #   weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).

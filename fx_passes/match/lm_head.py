@@ -2,7 +2,7 @@
 
 A region's logits are ``hidden @ weight.T`` (``linear`` / ``matmul``, with or without
 bias) when this module says so: then the rewrite calls
-:func:`fx_passes.kernels.lm_head.lm_head_row_stats` on ``hidden`` and the logits never exist.
+:func:`fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats` on ``hidden`` and the logits never exist.
 A chain of constant scalings and ``tanh`` between the matmul and the upcast is carried into
 the loop (``LMHead.transforms``); logits the graph also returns are written by the loop
 (``LMHead.returned``); anything else keeps the matmul whole, the reason naming the op.

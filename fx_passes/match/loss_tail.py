@@ -3,7 +3,7 @@
 The tail is taken when every node that depends on the region's call (its lse, token log-prob
 and entropy per row) leads to the scalar loss the graph returns through row nodes, sums /
 means over all rows, and an affine scalar part; then each row's cotangent for a unit loss is
-known in the forward (:mod:`fx_passes.kernels.lm_head_loss`).  Anything else is
+known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else is
 :class:`NoTail`: the region keeps the recompute path.  See NOTE [loss tail nodes].
 """
 
@@ -12,7 +12,7 @@ known in the forward (:mod:`fx_passes.kernels.lm_head_loss`).  Anything else is
 # whose items ``stats[0..2]`` (lse, token log-prob, entropy per row) the rest of the graph
 # reads.  When everything that reads them leads to the scalar loss the graph returns, and
 # only so, each row's cotangent for a unit loss is known in the forward
-# (:mod:`fx_passes.kernels.lm_head_loss`).  The tail is taken when every node that depends
+# (:mod:`fx_passes.kernels.log_softmax.loss`).  The tail is taken when every node that depends
 # on the region is one of:
 #
 # * *row* nodes: pointwise ops (ATen's ``pointwise`` tag, :func:`fx.graph_ops.op_name`),
@@ -40,7 +40,7 @@ from torch.fx import Graph, Node
 
 from ..fx.graph_ops import canon, is_pure, is_scalar, meta, op_name, requires_grad, same, same_shape
 from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
-from ..kernels.lm_head import lm_head_row_stats
+from ..kernels.log_softmax.lm_head import lm_head_row_stats
 
 __all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "VIEWS"]
 

@@ -3,7 +3,7 @@
 What the hand-derived path (:mod:`fx_passes.match.upcast_regions`) declines for an op it does not
 know goes through here: the region is found by *row-locality* (rows are the indices of dim
 0 of the logits), not by a list of patterns, and runs as the user's own ops over chunks of
-rows (:mod:`fx_passes.kernels.row_local`).  A region whose tensors reach an op that is not
+rows (:mod:`fx_passes.kernels.row_local.engine`).  A region whose tensors reach an op that is not
 row-local other than as per-row results is declined naming that op (``NOT_ROW_LOCAL``).
 See NOTE [row-locality].
 """

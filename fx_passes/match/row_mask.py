@@ -47,7 +47,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..fx.graph_ops import canon, meta, op_name
 from ..fx.op_rules import ZERO_ROWS, Kind
-from ..kernels import user_bodies
+from ..kernels.ops import user_bodies
 from .loss_tail import LossTail
 
 __all__ = ["skip_rows_body", "ITEMS"]

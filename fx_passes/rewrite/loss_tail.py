@@ -41,12 +41,12 @@ from ..fx.emitter import Emitter
 from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, op_name, requires_grad, same, scalar_tensor
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
-from ..kernels import user_bodies
-from ..kernels.lm_head import lm_head_row_stats
-from ..kernels.lm_head_loss import PLANS, lm_head_loss, trace_tail
-from ..kernels.op_args import HeadOptions, LossOptions, head_of_node
-from ..kernels.row_local_loss import row_bytes, row_local_loss
-from ..kernels.row_split import Split, spec_of, split_of_spec
+from ..kernels.log_softmax.lm_head import lm_head_row_stats
+from ..kernels.log_softmax.loss import PLANS, lm_head_loss, trace_tail
+from ..kernels.ops import user_bodies
+from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
+from ..kernels.row_local.loss import row_bytes, row_local_loss
+from ..kernels.row_local.split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
 from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_tail
 from ..match.row_mask import skip_rows_body

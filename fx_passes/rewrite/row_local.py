@@ -1,5 +1,5 @@
 """A row-local region (:mod:`fx_passes.match.row_local`) becomes one call of
-:func:`fx_passes.kernels.row_local.row_local`.
+:func:`fx_passes.kernels.row_local.engine.row_local`.
 
 Before (top-k masked token log-prob)::
 
@@ -50,12 +50,12 @@ from ..fx.graph_ops import (
     tensor_input,
 )
 from ..fx.placement import check_placement, states
-from ..kernels import user_bodies
-from ..kernels.registry import REPLAYING_BODIES
-from ..kernels.row_local import row_local
-from ..kernels.row_local_head import row_local_head
-from ..kernels.row_local_sweeps import row_local_sweeps
-from ..kernels.row_split import Split, spec_of, split_of_spec
+from ..kernels.ops import user_bodies
+from ..kernels.ops.registry import REPLAYING_BODIES
+from ..kernels.row_local.engine import row_local
+from ..kernels.row_local.head import row_local_head
+from ..kernels.row_local.split import Split, spec_of, split_of_spec
+from ..kernels.row_local.sweeps import row_local_sweeps
 from ..match.lm_head import (
     FUSION_OFF,
     NOT_MODEL_PRECISION,

@@ -17,13 +17,13 @@ extra per-row inputs in place of the nodes that made it.  See NOTE [saved state]
 #   that no gradient goes through.  A boolean node of the body shaped like one of its row
 #   inputs, read by a node that is not boolean (the boundary of the mask-making ops), and
 #   made with at least one sort, top-k or scan (:data:`REORDERING`) is saved, packed eight
-#   to a byte (:func:`fx_passes.kernels.bitmask.pack_bits`: ``V / 8`` bytes a row).  A mask
+#   to a byte (:func:`fx_passes.kernels.row_local.bitmask.pack_bits`: ``V / 8`` bytes a row).  A mask
 #   made by pointwise ops and reductions alone (min-p's) is cheaper to recompute.
 # * **normalisers**.  A ``softmax`` / ``log_softmax`` over a row is two reductions (a max,
 #   a sum of exponentials) before its pointwise result; the saving body computes it as
 #   ATen decomposes it and also returns the two reductions (one number a row each, from
 #   the same fused loop), and the backward computes the values pointwise from them, bit
-#   for bit the forward's, with the op's own gradient (:mod:`fx_passes.kernels.normalizers`).
+#   for bit the forward's, with the op's own gradient (:mod:`fx_passes.kernels.row_local.normalizers`).
 #
 # The *saving* body is the region's body that also returns what is saved; the
 # *replaying* body takes it as extra per-row inputs and reads it in place of the nodes
@@ -43,8 +43,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from ..fx.graph_ops import meta, op_name, same_shape
-from ..kernels.bitmask import pack_bits, unpack_bits
-from ..kernels.normalizers import log_softmax_given, log_softmax_stats, softmax_given, softmax_stats
+from ..kernels.row_local.bitmask import pack_bits, unpack_bits
+from ..kernels.row_local.normalizers import log_softmax_given, log_softmax_stats, softmax_given, softmax_stats
 
 __all__ = ["Saved", "saved_for_backward", "REORDERING"]
 

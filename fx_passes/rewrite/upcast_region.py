@@ -1,4 +1,4 @@
-"""Rewrite a matched region into one call of :func:`fx_passes.kernels.stats.row_stats`.
+"""Rewrite a matched region into one call of :func:`fx_passes.kernels.log_softmax.given.row_stats`.
 
 Before (what users write; Dynamo graph)::
 
@@ -10,7 +10,7 @@ Before (what users write; Dynamo graph)::
 After::
 
     squeeze = index.squeeze(-1)
-    stats   = fx_passes.kernels.stats.row_stats(logits, squeeze, 0.7, True, False)
+    stats   = fx_passes.kernels.log_softmax.given.row_stats(logits, squeeze, 0.7, True, False)
     logprob = stats[1]
     gather  = logprob.unsqueeze(-1)
 
@@ -32,8 +32,8 @@ from ..config import Config
 from ..fx.emitter import Emitter
 from ..fx.graph_ops import canon, get_arg, is_pure, meta, requires_grad
 from ..fx.placement import check_placement
-from ..kernels.lm_head import lm_head_row_stats
-from ..kernels.stats import row_stats
+from ..kernels.log_softmax.given import row_stats
+from ..kernels.log_softmax.lm_head import lm_head_row_stats
 from ..match.lm_head import FUSION_OFF, LMHead, match_lm_head
 from ..match.upcast_regions import Region, Role
 from ..reporting.outcome import LMHead as LMHeadOutcome

@@ -13,13 +13,13 @@ See NOTE [shard lm_head loops].
 # NOTE [shard lm_head loops]
 # * forward: a loop over row chunks; per chunk the logits ``[rows, V / world]`` are computed
 #   in model precision and the stage's reductions (its compiled body,
-#   fx_passes.kernels.user_bodies) run on them.  Called per stage, each stage computes its
+#   fx_passes.kernels.ops.user_bodies) run on them.  Called per stage, each stage computes its
 #   chunks again (a stage's per-row operands, the all-reduced max, exist only after the
 #   previous stage); fx_passes.distributed.one_pass runs all stages in one such loop when
 #   the code between them is per row.
 # * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
 #   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
-#   model precision, and fx_passes.kernels.lm_head.two_sweeps runs the tiles: row chunks
+#   model precision, and fx_passes.kernels.log_softmax.lm_head.two_sweeps runs the tiles: row chunks
 #   over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
 #   write ``grad_weight[block]``, one model-precision matmul each, so every element is one
 #   FP32 sum rounded once.  No collective.
@@ -34,12 +34,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import user_bodies
+from ..ops import user_bodies
+from ..ops.args import grads_by_name
+from ..ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
+from ..ops.registry import CAPTURE_SAFE, GATHER_INDEXES, emitted
+from ..tiling import even_splits, resolve_budget, sweep_sizes
 from .lm_head import two_sweeps
-from .op_args import grads_by_name
-from .op_pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
-from .registry import CAPTURE_SAFE, GATHER_INDEXES, emitted
-from .tiling import even_splits, resolve_budget, sweep_sizes
 
 __all__ = ["shard_lm_head", "gather_index_positions", "row_chunks"]
 

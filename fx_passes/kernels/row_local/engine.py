@@ -2,7 +2,7 @@
 
 A row-local region (:mod:`fx_passes.match.row_local`) is an FX graph
 ``fn(*rows, *whole) -> tuple`` of per-row results, registered in
-:data:`~fx_passes.kernels.registry.GRAPH_BODIES`.  :func:`forward` is the one forward loop
+:data:`~fx_passes.kernels.ops.registry.GRAPH_BODIES`.  :func:`forward` is the one forward loop
 of every row-local op: the body on slices of ``rows`` along dim 0, ``whole`` passed to every
 chunk, the logits given or made per chunk (``row_local_head`` makes them whole first,
 ``row_local_sweeps`` / ``row_local_loss`` per chunk).  :func:`setup_region` /
@@ -24,12 +24,12 @@ from typing import Any, Optional
 
 import torch
 
-from . import user_bodies
-from .chunk_gemm import head_logits
-from .op_args import LogitsInput, Region, args_by_name, grads_by_name
-from .op_pair import HEAD, call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs, taken
-from .registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
-from .tiling import chunk_rows, spans, sweep_step
+from ..chunk_gemm import head_logits
+from ..ops import user_bodies
+from ..ops.args import LogitsInput, Region, args_by_name, grads_by_name
+from ..ops.pair import HEAD, call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs, taken
+from ..ops.registry import CAPTURE_SAFE, REPLAYING_BODIES, emitted
+from ..tiling import chunk_rows, spans, sweep_step
 
 __all__ = ["row_local", "forward", "fill_chunks", "backward_chunks", "with_logits", "fill_rows",
            "setup_outputs", "setup_region", "region_grads", "replay_args", "fake_results"]

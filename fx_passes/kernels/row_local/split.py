@@ -1,6 +1,6 @@
 """A row-local body's vector-Jacobian product split into per-row statistics and a
 pointwise function of the logits, so the lm_head's ``grad_weight`` can be computed by
-vocabulary blocks over all rows (:mod:`fx_passes.kernels.row_local_sweeps`).
+vocabulary blocks over all rows (:mod:`fx_passes.kernels.row_local.sweeps`).
 
 :func:`split_of` returns ``stats(*args) -> (*grads of the wanted row inputs, *per-row
 values)``, run on chunks of whole rows, and ``block(*picked args, *per-row values) -> grad
@@ -44,9 +44,9 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx.op_rules import RESHAPES as _RESHAPES
-from ..fx.op_rules import Kind, block_rule, reads_row_length
-from . import user_bodies
+from ...fx.op_rules import RESHAPES as _RESHAPES
+from ...fx.op_rules import Kind, block_rule, reads_row_length
+from ..ops import user_bodies
 
 __all__ = ["Split", "split_of", "split_of_spec", "spec_of", "COLUMNS"]
 
@@ -173,7 +173,7 @@ def split_of_spec(key: str, wanted: tuple[int, ...], outputs: Optional[tuple[int
     size unused): what the rewrite knows.  ``outputs`` None: the floating-point results
     (the ones the call's backward receives, so that it finds this split cached);
     ``with_outputs``: the stats graph returns them too, after the gradients (a loss's
-    forward, :mod:`fx_passes.kernels.row_local_loss`)."""
+    forward, :mod:`fx_passes.kernels.row_local.loss`)."""
     if any(_ROWS in shape[1:] for _, shape, _ in rows) or any(_ROWS in shape for _, shape, _ in whole):
         return f"an input has a dimension of {_ROWS}, the traced rows"
     if outputs is None:

@@ -30,8 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import compat
-from .tiling import accumulator_rows, even_splits, gpu_block_cols
+from ... import compat
+from ..tiling import accumulator_rows, even_splits, gpu_block_cols
 
 __all__ = ["out_dtype_blocks"]
 

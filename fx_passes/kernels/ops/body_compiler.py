@@ -1,6 +1,6 @@
 """The one way a chunk body is compiled: every per-chunk function the run-time loops call
-(the lm_head loop's bodies, :mod:`fx_passes.kernels.lm_head_bodies`; the vocab-parallel stage
-bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.user_bodies`).
+(the lm_head loop's bodies, :mod:`fx_passes.kernels.log_softmax.bodies`; the vocab-parallel stage
+bodies and their vector-Jacobian products, :mod:`fx_passes.kernels.ops.user_bodies`).
 
 Stock Inductor compiles each body once (``dynamic=True``, ``fullgraph=True``, no pre-grad
 passes); a body that fails to compile or run runs eagerly from then on (logged once,
@@ -48,8 +48,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch._dynamo.utils import counters
 
-from .. import compat
-from ..reporting.report import COUNTER, log
+from ... import compat
+from ...reporting.report import COUNTER, log
 
 __all__ = ["compile_body", "compiling_with", "use_user_options", "user_options"]
 

@@ -2,19 +2,19 @@
 their gradient ever exists whole.
 
 The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the body
-on them; the backward runs the ``two_sweeps`` order (:func:`fx_passes.kernels.lm_head.two_sweeps`)
-on the body split by :mod:`fx_passes.kernels.row_split`: five ``[T, H] x [H, V]`` GEMMs a
+on them; the backward runs the ``two_sweeps`` order (:func:`fx_passes.kernels.log_softmax.lm_head.two_sweeps`)
+on the body split by :mod:`fx_passes.kernels.row_local.split`: five ``[T, H] x [H, V]`` GEMMs a
 step with model-precision inputs (docs/gemms.md).  A split that fails at run time falls
 back to ``row_local_head``'s backward, said once in the log.  See NOTE [row-local sweeps].
 """
 
 # NOTE [row-local sweeps]
 # The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the
-# body on them (the region's own ops, :mod:`fx_passes.kernels.row_local`).  The backward
+# body on them (the region's own ops, :mod:`fx_passes.kernels.row_local.engine`).  The backward
 # needs ``grad_hidden[t]`` (a sum over the whole vocabulary) and ``grad_weight[v]`` (a sum
 # over all rows), each one FP32 sum rounded once, so it runs the ``two_sweeps`` order of
-# the hand-derived lm_head (:func:`fx_passes.kernels.lm_head.two_sweeps`) on a body split
-# into per-row statistics and a pointwise function (:mod:`fx_passes.kernels.row_split`):
+# the hand-derived lm_head (:func:`fx_passes.kernels.log_softmax.lm_head.two_sweeps`) on a body split
+# into per-row statistics and a pointwise function (:mod:`fx_passes.kernels.row_local.split`):
 #
 # 1. row chunks over the whole vocabulary: the chunk's logits again, the ``stats`` graph
 #    (the gradient of the chunk's logits and the per-row values its pointwise form reads),
@@ -37,13 +37,14 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..reporting.report import say_once
-from .body_compiler import compile_body
-from .chunk_gemm import head_logits, row_chunk_logits
-from .op_args import LogitsInput, Region, grads_by_name
-from .op_pair import call_by_name, saved_inputs
-from .registry import CAPTURE_SAFE, emitted
-from .row_local import (
+from ...reporting.report import say_once
+from ..chunk_gemm import head_logits, row_chunk_logits
+from ..ops.args import LogitsInput, Region, grads_by_name
+from ..ops.body_compiler import compile_body
+from ..ops.pair import call_by_name, saved_inputs
+from ..ops.registry import CAPTURE_SAFE, emitted
+from ..tiling import even_splits, sweep_step
+from .engine import (
     COUNTER,
     backward_chunks,
     fake_results,
@@ -54,8 +55,7 @@ from .row_local import (
     setup_region,
     with_logits,
 )
-from .row_split import COLUMNS, Split, split_of
-from .tiling import even_splits, sweep_step
+from .split import COLUMNS, Split, split_of
 
 __all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled", "flat"]
 

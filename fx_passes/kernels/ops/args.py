@@ -20,7 +20,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 from torch.fx import Node
 
-from ..fx.graph_ops import bound_args
+from ...fx.graph_ops import bound_args
 
 __all__ = ["Head", "HeadOptions", "LogitMap", "RowValues", "Cotangents", "LossOptions", "Region",
            "LogitsInput", "RowLossOptions", "head_of_node", "args_by_name", "grads_by_name"]

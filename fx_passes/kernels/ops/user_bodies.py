@@ -1,10 +1,10 @@
 """Compiled bodies made of the user's own ops: a vocab-parallel stage's reductions
 (:mod:`fx_passes.distributed.shard_stages`) and a row-local region
-(:mod:`fx_passes.kernels.row_local`).
+(:mod:`fx_passes.kernels.row_local.engine`).
 
 Each is an FX graph ``fn(*inputs) -> tuple`` (the region's own ops replayed), registered
 under a key that the rewritten graph passes to its custom op.  Here each key's forward
-and vector-Jacobian product are compiled by Inductor once (:mod:`fx_passes.kernels.body_compiler`:
+and vector-Jacobian product are compiled by Inductor once (:mod:`fx_passes.kernels.ops.body_compiler`:
 fused kernels that read the model-precision logits, no FP32 ``[.., V]`` buffer; eagerly
 if compiling fails, counted as the caller's ``counter``).
 """

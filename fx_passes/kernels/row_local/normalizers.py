@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import emitted
+from ..ops.registry import emitted
 
 __all__ = ["log_softmax_stats", "softmax_stats", "log_softmax_given", "softmax_given"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .registry import emitted
+from ..ops.registry import emitted
 
 __all__ = ["pack_bits", "unpack_bits", "packed_bytes"]
 

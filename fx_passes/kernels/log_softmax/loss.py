@@ -51,12 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .. import compat
-from . import rows as rows_of
-from . import user_bodies
-from .lm_head import lm_head_grads
-from .lm_head_bodies import compiled, grad_through_transforms, transformed
-from .op_args import (
+from ... import compat
+from .. import rows as rows_of
+from ..ops import user_bodies
+from ..ops.args import (
     Cotangents,
     Head,
     HeadOptions,
@@ -65,10 +63,12 @@ from .op_args import (
     RowValues,
     grads_by_name,
 )
-from .op_pair import call_by_name, save_inputs, saved_inputs
-from .registry import CAPTURE_SAFE, emitted
-from .stats import grad_of_logits, softmax_lse, stats_of_logits
-from .tiling import even_splits, forward_rows, product_cols, resolve_budget
+from ..ops.pair import call_by_name, save_inputs, saved_inputs
+from ..ops.registry import CAPTURE_SAFE, emitted
+from ..tiling import even_splits, forward_rows, product_cols, resolve_budget
+from .bodies import compiled, grad_through_transforms, transformed
+from .given import grad_of_logits, softmax_lse, stats_of_logits
+from .lm_head import lm_head_grads
 
 __all__ = ["lm_head_loss", "trace_tail", "reductions_of", "row_weights", "loss_of_sums", "add_fp32_grads",
            "scaled_exactly", "scale_exactly_", "power_of_two", "final_loss", "PLANS", "COUNTER"]

@@ -25,7 +25,7 @@ once; no FP32 ``[V, H]`` or ``[T, H]`` buffer exists.  See NOTE [lm_head loop].
 #   model-precision matmuls only; elsewhere one sweep over vocabulary blocks writes
 #   ``grad_weight[block]`` and accumulates ``grad_hidden`` for a bounded group of rows
 #   (on GPUs with GEMMs of model-precision inputs and an FP32 output:
-#   :mod:`fx_passes.kernels.gpu_plan`).
+#   :mod:`fx_passes.kernels.log_softmax.gpu_plan`).
 #   A gradient nothing asks for (a frozen lm_head weight) is not computed.
 #
 # When the graph returns the logits too, ``chunked_logits::lm_head_stats_logits`` runs the
@@ -33,7 +33,7 @@ once; no FP32 ``[V, H]`` or ``[T, H]`` buffer exists.  See NOTE [lm_head loop].
 # adds that output's gradient tile by tile (no ``[T, V]`` gradient is formed).
 #
 # Sizes come from :mod:`fx_passes.kernels.tiling`; the per-chunk bodies are compiled by
-# Inductor (:mod:`fx_passes.kernels.lm_head_bodies`).  The loops run in Python, which is why the op is
+# Inductor (:mod:`fx_passes.kernels.log_softmax.bodies`).  The loops run in Python, which is why the op is
 # opaque to the outer graph.
 
 from __future__ import annotations
@@ -43,13 +43,10 @@ from typing import Optional
 
 import torch
 
-from .gpu_plan import out_dtype_blocks
-from .lm_head_bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
-from .op_args import Cotangents, Head, HeadOptions, LogitMap, RowValues, args_by_name, grads_by_name
-from .op_pair import call_by_name, save_inputs, saved_inputs
-from .registry import CAPTURE_SAFE, emitted
-from .stats import softmax_lse
-from .tiling import (
+from ..ops.args import Cotangents, Head, HeadOptions, LogitMap, RowValues, args_by_name, grads_by_name
+from ..ops.pair import call_by_name, save_inputs, saved_inputs
+from ..ops.registry import CAPTURE_SAFE, emitted
+from ..tiling import (
     accumulator_rows,
     backward_plan,
     backward_tiles,
@@ -58,6 +55,9 @@ from .tiling import (
     resolve_budget,
     sweep_sizes,
 )
+from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logits
+from .given import softmax_lse
+from .gpu_plan import out_dtype_blocks
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward",
            "lm_head_grads", "two_sweeps"]

@@ -4,7 +4,7 @@ In a ``setup_context``, :func:`save_inputs` saves the op's tensor inputs (a tens
 optional tensor, a list of tensors; all of them, or those named) and the extra tensors the
 backward reads (results, saved state), and keeps the other inputs on ``ctx``; in the
 backward, :func:`saved_inputs` gives them back by name, :func:`call_by_name` passes them on
-to the backward op by name and :func:`~fx_passes.kernels.op_args.grads_by_name` builds the
+to the backward op by name and :func:`~fx_passes.kernels.ops.args.grads_by_name` builds the
 gradients returned; :func:`keep_result_specs` and :func:`grads_or_zeros` give each result its
 incoming gradient or zeros.  No op slices ``ctx.saved_tensors`` by position.
 """
@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from .op_args import args_by_name
+from .args import args_by_name
 
 __all__ = ["save_inputs", "saved_inputs", "call_by_name", "taken", "keep_result_specs", "grads_or_zeros",
            "HEAD"]

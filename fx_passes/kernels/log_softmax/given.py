@@ -17,7 +17,7 @@ from typing import Optional, Union
 
 import torch
 
-from .registry import emitted
+from ..ops.registry import emitted
 
 Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
 

@@ -2,7 +2,7 @@
 custom op reads while the compiled graph runs, by a string key that the rewritten graph
 carries as a constant argument (a custom op takes tensors, numbers and strings, not
 Python objects).  Every such table of the package is here (compiled chunk bodies are
-cached by :mod:`fx_passes.kernels.body_compiler`).  Entries live as long as the process; keys
+cached by :mod:`fx_passes.kernels.ops.body_compiler`).  Entries live as long as the process; keys
 are content hashes, the same in every process.  See NOTE [registries].
 """
 

@@ -5,8 +5,8 @@ Contract: the rewrite (:func:`fx_passes.rewrite.loss_tail.rewrite_row_loss_tail`
 the region's body and the loss's row part (:mod:`fx_passes.match.loss_tail`) into one body
 ``key``; its cotangents for a unit loss are constants, so the forward also runs the body's
 gradient, per row chunk: the logits GEMM, the split body's ``stats`` graph
-(:mod:`fx_passes.kernels.row_split`) and ``grad_hidden[rows] = g @ weight``.  The backward
-runs the vocabulary sweep of :mod:`fx_passes.kernels.row_local_sweeps` only: four
+(:mod:`fx_passes.kernels.row_local.split`) and ``grad_hidden[rows] = g @ weight``.  The backward
+runs the vocabulary sweep of :mod:`fx_passes.kernels.row_local.sweeps` only: four
 ``[T, H] x [H, V]`` GEMMs a step instead of five.  Results are those of the body's own
 gradient, each gradient one FP32 sum rounded once: where scaling by the incoming gradient
 would round again (not 1 or a power of two), or the body does not split at run time,
@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from ..reporting.report import say_once
-from .lm_head_loss import (
+from ...reporting.report import say_once
+from ..log_softmax.loss import (
     add_fp32_grads,
     final_loss,
     loss_of_sums,
@@ -42,13 +42,13 @@ from .lm_head_loss import (
     scale_exactly_,
     scaled_exactly,
 )
-from .op_args import LogitsInput, Region, RowLossOptions, grads_by_name
-from .op_pair import call_by_name, save_inputs, saved_inputs, taken
-from .registry import CAPTURE_SAFE, emitted
-from .row_local import forward, with_logits
-from .row_local_sweeps import block_sweep, compiled, flat, row_local_sweeps_backward, row_sweep
-from .row_split import Split, split_of
-from .tiling import even_splits, product_cols, resolve_budget
+from ..ops.args import LogitsInput, Region, RowLossOptions, grads_by_name
+from ..ops.pair import call_by_name, save_inputs, saved_inputs, taken
+from ..ops.registry import CAPTURE_SAFE, emitted
+from ..tiling import even_splits, product_cols, resolve_budget
+from .engine import forward, with_logits
+from .split import Split, split_of
+from .sweeps import block_sweep, compiled, flat, row_local_sweeps_backward, row_sweep
 
 __all__ = ["row_local_loss", "row_bytes"]
 

@@ -1,9 +1,9 @@
 """The lm_head loop's per-chunk bodies, each compiled by Inductor once.
 
-The loops of :mod:`fx_passes.kernels.lm_head` run in Python; what they call per row chunk
+The loops of :mod:`fx_passes.kernels.log_softmax.lm_head` run in Python; what they call per row chunk
 (forward) and per vocabulary block x row tile (backward) is a small function of plain
 torch ops compiled here (``dynamic=True``), so generated kernels carry the hot path.
-The maths is :mod:`fx_passes.kernels.stats`'s, applied to logits formed by the chunk's matmul.
+The maths is :mod:`fx_passes.kernels.log_softmax.given`'s, applied to logits formed by the chunk's matmul.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .body_compiler import compile_body
-from .op_args import Cotangents, LogitMap, RowValues
-from .stats import grad_of_logits, stats_of_logits
+from ..ops.args import Cotangents, LogitMap, RowValues
+from ..ops.body_compiler import compile_body
+from .given import grad_of_logits, stats_of_logits
 
 __all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms",
            "transformed", "grad_through_transforms"]
 
 
 def compiled(fn):
-    """``fn`` compiled once (:func:`fx_passes.kernels.body_compiler.compile_body`: detached
+    """``fn`` compiled once (:func:`fx_passes.kernels.ops.body_compiler.compile_body`: detached
     inputs, one dispatch-key set, no_grad, eager if compiling fails)."""
     # emulate_precision_casts: round the logits to the model dtype where the bodies say
     # so (``.to(dtype)``), as the unfused graph does; without it Inductor keeps FP32 in

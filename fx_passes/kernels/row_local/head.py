@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from .chunk_gemm import head_logits
-from .op_args import Region, grads_by_name
-from .op_pair import call_by_name, saved_inputs
-from .registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
-from .row_local import (
+from ..chunk_gemm import head_logits
+from ..ops.args import Region, grads_by_name
+from ..ops.pair import call_by_name, saved_inputs
+from ..ops.registry import CUDAGRAPH_UNSAFE, REPLAYING_BODIES, UNSAFE, emitted
+from .engine import (
     backward_chunks,
     fake_results,
     forward,
@@ -132,7 +132,7 @@ _row_local_head.register_autograd(_backward, setup_context=_setup)
 def row_local_head(key: str, budget_bytes: int, n_rows: int, index: int, how: str, flatten: bool,
                    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    *inputs: torch.Tensor, saving: Optional[str] = None) -> tuple[torch.Tensor, ...]:
-    """:func:`~fx_passes.kernels.row_local.row_local` for a region whose row input
+    """:func:`~fx_passes.kernels.row_local.engine.row_local` for a region whose row input
     ``index`` is the lm_head's logits (``how``: ``"linear"`` or ``"matmul"``, flattened to
     ``[N, V]`` when ``flatten``): ``inputs`` are the region's other ``n_rows - 1`` row
     inputs, then its whole inputs.  Without a gradient to take the matmul runs before a
