@@ -3,8 +3,9 @@
     python benchmarks/gpu_case.py W4L:8192:151936:4096 --out bench_out/gpu --device cuda --guard 60
 
 A case is a workload variant at one size (``CASES``: the lm_head losses in the graph and
-per token, distillation, top-p, a vocab-parallel step on one rank, ``reduce-overhead``)
-and its modes: stock Inductor first, then ours with each lm_head plan a GPU runs.  The
+per token, distillation, top-p, a vocab-parallel step on one rank, ``reduce-overhead``,
+a cross-entropy with half its labels ignored) and its modes: stock Inductor first, then ours
+with each lm_head plan a GPU runs (the masked case: ours, and ours running every row).  The
 phases, each mode in turn and the guard checked between steps: compile (the first
 step), warm-up, peak memory and error vs FP64, one step under
 ``torch.cuda.set_sync_debug_mode("error")``, one under the profiler (kernels, GEMM
@@ -44,7 +45,14 @@ from benchmarks import memory  # noqa: E402
 from benchmarks.cases import Case, _fresh, ensure_backend, errors, pass_report, reference, snapshot  # noqa: E402
 from benchmarks.gpu_report import write_json  # noqa: E402
 from fx_passes.testing import gemms  # noqa: E402
-from fx_passes.testing.workloads import ALL_WORKLOADS, Workload, _make_lm_head, _make_lm_head_ce  # noqa: E402
+from fx_passes.testing.workloads import (  # noqa: E402
+    ALL_WORKLOADS,
+    MASK,
+    Workload,
+    _make_lm_head,
+    _make_lm_head_ce,
+    row_mask,
+)
 
 STOCK = "inductor"
 GPU_PLANS = ("gpu", "blocks", "two_sweeps")  # the lm_head plans a GPU runs (Config.lm_head_plan)
@@ -125,6 +133,7 @@ class CaseDef:
     inner: Optional[Callable] = None  # compiled instead of the workload's fn (per token)
     model: Optional[tuple[str, bool]] = None
     group: bool = False  # needs a one-rank process group
+    masked: float = 0.0  # the share of rows the loss leaves out (the cost model's ``masked`` row)
 
 
 _W4L, _WV = ALL_WORKLOADS["W4L"], ALL_WORKLOADS["WV"]
@@ -141,7 +150,13 @@ CASES = {
     "WP": CaseDef(ALL_WORKLOADS["WP"], (STOCK, "ours")),
     "VP": CaseDef(Workload("VP", vocab_parallel_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
                   (STOCK, "ours"), group=True),
+    # WV's loss with the first half of each sequence's labels -100 (SFT prompts): ours skips
+    # those rows after one host read a step; ``all_rows`` is ours with the option off, so the
+    # read's cost and the rows' saving are both in one run (docs/how-it-works.md, 5c).
+    "W4C": CaseDef(ALL_WORKLOADS["W4C"], (STOCK, "ours", "ours:all_rows"), model=("ce", True),
+                   masked=MASK["fraction"]),
 }
+NOT_PLANS = {"ro", "all_rows"}  # the variants of a mode that are not an lm_head plan
 
 
 def modes_of(key: str, dry_run: bool) -> tuple[str, ...]:
@@ -159,6 +174,9 @@ def make_inputs(key: str, T: int, V: int, H: int, device: torch.device) -> tuple
         return distillation_inputs(T, V, H, device)
     if name == "WP":
         return top_p_inputs(T, V, device)
+    if name == "W4C":
+        hidden, weight, labels = lm_head_inputs(T, V, H, device, labels=True)
+        return hidden, weight, torch.where(row_mask(T).to(device), labels, -100)
     return lm_head_inputs(T, V, H, device, labels=name in ("WV", "WV-tok"))
 
 
@@ -179,7 +197,9 @@ def compile_mode(fn: Callable, mode: str, dry_run: bool) -> Callable:
     if backend == STOCK:
         return torch.compile(f, backend=STOCK)
     options = {**DRY_OPTIONS, "lm_head_plan": "gpu"} if dry_run else {}
-    if variant:
+    if variant == "all_rows":
+        options["skip_masked_rows"] = False
+    elif variant:
         options["lm_head_plan"] = variant
     return torch.compile(f, backend=backend, options=options or None)
 
@@ -457,9 +477,13 @@ def predicted(key: str, mode: str, T: int, V: int, H: int) -> Optional[dict]:
     base = cm.step_time(cm.stock(T, H, V, loss), dev)
     if mode == STOCK:
         return {"ms": 1e3 * base, "ratio": 1.0, "device": dev.name}
-    plan = mode.partition(":")[2] or "gpu"
-    ks = cm.ours(T, H, V, plan, in_graph and plan in cm.GIF, cm.device_budget(dev))
-    ours = cm.step_time(ks, dev)
+    variant = mode.partition(":")[2]
+    plan = "gpu" if variant in ("", *NOT_PLANS) else variant
+    masked = CASES[key].masked if variant != "all_rows" else 0.0
+    if masked:  # the rows that count, and the one host read
+        ours = cm.step_time(cm.masked(T, H, V, plan, cm.device_budget(dev), masked), dev) + cm.SYNC_S
+    else:
+        ours = cm.step_time(cm.ours(T, H, V, plan, in_graph and plan in cm.GIF, cm.device_budget(dev)), dev)
     return {"ms": 1e3 * ours, "ratio": ours / base, "device": dev.name}
 
 

@@ -106,3 +106,26 @@ def test_the_gpu_plan_order():
 def test_a_child_past_its_time_is_killed():
     rc, _ = gpu_check.run_child([sys.executable, "-c", "import time; time.sleep(60)"], 1, clean_env())
     assert rc is None
+
+
+def test_the_masked_case_skips_rows_with_one_read(tmp_path):
+    """W4C (half the labels -100): ours runs the rows that count after one host read, the
+    same step with the option off reads nothing and runs every row, in one process."""
+    T = 128
+    gpu_case.main([f"W4C:{T}:600:64:240", "--out", str(tmp_path), "--device", "cpu", "--dry-run"])
+    result = _strict_json(tmp_path / "cases" / f"W4C_{T}.json")
+    rows = result["rows"]
+    assert list(rows) == ["inductor", "ours", "ours:all_rows"], result["notes"]
+    ours, every = rows["ours"], rows["ours:all_rows"]
+    # (the prompt half, less the count's rounding up to the chunk granule, plus WV's 10% ignored)
+    assert T // 4 < ours["chunked_logits"]["rows_skipped"] < T
+    assert "rows_skipped" not in every["chunked_logits"]
+    assert ours["syncs"] and not every["syncs"], (ours["syncs"], every["syncs"])
+    assert ours["predicted"]["ratio"] > 0 and every["predicted"]["ratio"] > 0
+    # at the plan's size the cost model prices half the rows below every row, read included
+    # (at the dry run's the 100 us read is most of the step)
+    full = [gpu_case.predicted("W4C", m, 8192, gpu_check.FULL_V, gpu_check.FULL_H)["ratio"]
+            for m in ("ours", "ours:all_rows")]
+    assert full[0] < 0.6 < full[1], full
+    for row in rows.values():  # the same error as stock's (pass_report: vs FP64)
+        assert "check_errors" not in row, row
