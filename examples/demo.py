@@ -75,7 +75,11 @@ def build(args):
     ids = torch.randint(0, args.vocab, (args.tokens,), generator=g)
     tokens = torch.randint(0, args.vocab, (args.tokens,), generator=g)
     advantages = torch.randn(args.tokens, generator=g)
-    return model, ids, tokens, advantages
+    if not args.padding:
+        return model, ids, tokens, advantages
+    mask = torch.ones(args.tokens)
+    mask[args.tokens - round(args.padding * args.tokens):] = 0  # the padding after the completion
+    return model, ids, tokens, advantages, mask
 
 
 def policy_step(model, ids, tokens, advantages):
@@ -88,6 +92,20 @@ def policy_step(model, ids, tokens, advantages):
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     loss = -(logp * advantages).mean() - 1e-3 * entropy.mean()
     return loss, logp.detach()
+
+
+def padded_policy_step(model, ids, tokens, advantages, mask):
+    """``policy_step`` on a padded batch (``--padding``), as verl and TRL write it: each
+    token's loss and entropy averaged over the completion mask, the log-probs returned
+    masked (0 on padding)."""
+    import torch
+
+    logits = model(ids)  # bf16 [T, V]
+    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # FP32 [T, V]
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    loss = (-(logp * advantages) * mask).sum() / mask.sum() - 1e-3 * (entropy * mask).sum() / mask.sum()
+    return loss, (logp * mask).detach()
 
 
 def _status(field: str) -> int:
@@ -107,20 +125,21 @@ def _malloc_trim() -> None:
         pass
 
 
-def _compile(backend: str):
-    """``policy_step`` compiled with ``backend``, on its own copy of the code object, so
-    that Dynamo keeps one cache per backend when both run in one process."""
+def _compile(backend: str, padded: bool = False):
+    """``policy_step`` (``padded_policy_step``) compiled with ``backend``, on its own copy of
+    the code object, so that Dynamo keeps one cache per backend when both run in one process."""
     import torch
 
-    fn = types.FunctionType(policy_step.__code__.replace(), policy_step.__globals__,
-                            f"policy_step_{backend}", policy_step.__defaults__, policy_step.__closure__)
+    step = padded_policy_step if padded else policy_step
+    fn = types.FunctionType(step.__code__.replace(), step.__globals__, f"{step.__name__}_{backend}",
+                            step.__defaults__, step.__closure__)
     return torch.compile(fn, backend=backend)
 
 
-def _runner(step, model, ids, tokens, advantages):
+def _runner(step, model, *inputs):
     def run():
         model.zero_grad(set_to_none=True)
-        loss, logp = step(model, ids, tokens, advantages)
+        loss, logp = step(model, *inputs)
         loss.backward()
         return loss, logp
     return run
@@ -144,8 +163,8 @@ def memory_worker(args) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    model, ids, tokens, advantages = build(args)
-    run = _runner(_compile(args.worker), model, ids, tokens, advantages)
+    model, ids, tokens, *rest = build(args)
+    run = _runner(_compile(args.worker, bool(args.padding)), model, ids, tokens, *rest)
     t0 = time.perf_counter()
     run()  # compile + first run
     compile_s = time.perf_counter() - t0
@@ -167,6 +186,7 @@ def memory_worker(args) -> dict:
         model.double()
         logits = model(ids)
         exact = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        exact = exact * rest[1] if args.padding else exact
     out = {
         "backend": args.worker,
         "extra_bytes": peak - rss if reset else None,
@@ -183,8 +203,8 @@ def memory_worker(args) -> dict:
 
 def time_worker(args) -> dict:
     """Both backends in this process, their steps interleaved: median step time of each."""
-    model, ids, tokens, advantages = build(args)
-    runs = {b: _runner(_compile(b), model, ids, tokens, advantages) for b in BACKENDS}
+    model, ids, tokens, *rest = build(args)
+    runs = {b: _runner(_compile(b, bool(args.padding)), model, ids, tokens, *rest) for b in BACKENDS}
     for run in runs.values():
         run()  # compile + first run
         run()  # warm-up
@@ -214,7 +234,7 @@ def child(args, what: str) -> dict:
     """Run this script as a fresh process for ``what`` (a backend's memory, or "time")."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", what, "--tokens", str(args.tokens),
            "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--steps", str(args.steps),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--padding", str(args.padding)]
     env = {k: v for k, v in os.environ.items() if k != "CHUNKED_LOGITS"}  # stock means stock
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -232,11 +252,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7,
                         help="timed steps per backend, interleaved (the median is shown)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--padding", type=float, default=0.0,
+                        help="share of the rows that are padding (the last ones): the loss and entropy "
+                             "averaged over the completion mask (padded_policy_step)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.steps < 1 or args.threads < 0:
-        parser.error("--steps must be at least 1 and --threads at least 0")
+    if args.steps < 1 or args.threads < 0 or not 0 <= args.padding < 1:
+        parser.error("--steps must be at least 1, --threads at least 0 and --padding in [0, 1)")
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
@@ -244,7 +267,8 @@ def main() -> None:
 
     T, V = args.tokens, args.vocab
     threads = args.threads or "torch's default number of"
-    print(f"chunked-logits demo: one GRPO-style training step, bf16 logits [T={T}, V={V}]\n"
+    padded = f", the last {args.padding:.0%} of the rows padding" if args.padding else ""
+    print(f"chunked-logits demo: one GRPO-style training step, bf16 logits [T={T}, V={V}]{padded}\n"
           f"(an FP32 [T, V] tensor is {mib(4 * T * V)}; memory: each backend in a fresh process; "
           f"time: {args.steps} steps each, interleaved, {threads} thread(s))\n", flush=True)
     results = {backend: child(args, backend) for backend in BACKENDS}

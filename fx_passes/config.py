@@ -52,7 +52,8 @@ class Config:
             through row-local ops and sums / means (``match/loss_tail.py``), compute
             gradients in the forward's chunk loop (docs/how-it-works.md section 5b).
         skip_masked_rows: there, run the chunk loop (GEMMs included) only on the rows whose
-            value and gradient the loss does not zero by a mask or ``ignore_index``
+            value and gradient the loss does not zero by a mask or ``ignore_index``; on the
+            per-token path (CPUs), only the rows whose results something reads unmasked
             (``match/row_mask.py``; one host read a step; docs/how-it-works.md section 5c).
     """
 

@@ -49,7 +49,7 @@ from .reporting.report import (
     record_rewrite,
 )
 from .reporting.session import session
-from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
+from .rewrite.loss_tail import fused_calls, rewrite_loss_tail, skip_unread_rows
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.unit_scale import remove_div_by_one
 from .rewrite.upcast_region import fp32_bytes, rewrite_region
@@ -203,15 +203,17 @@ def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
     if log.isEnabledFor(logging.DEBUG):
         log.debug("chunked_logits: region before rewrite:\n%s",
                   "\n".join(n.format_node() for n in region.roles))
-    fused = fused_calls(graph) if config.gradients_in_forward else set()
+    fused = fused_calls(graph)
     try:
         outcome = rewrite_region(graph, region, config)
     except Decline as d:  # raised before the graph is touched
         _row_local(graph, region.upcast, d, config, run.taken, run.declined)
         return
-    new = sorted(fused_calls(graph) - fused, key=lambda n: n.name) if config.gradients_in_forward else []
+    new = sorted(fused_calls(graph) - fused, key=lambda n: n.name)
     losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config) for call in new)))  # (in the forward)
-    outcome = dataclasses.replace(outcome, losses=outcome.losses + losses)
+    kept = [call for call in new if call in fused_calls(graph)]  # (those keeping per-token results)
+    masked = sum(skip_unread_rows(graph, call, config) for call in kept)
+    outcome = dataclasses.replace(outcome, losses=outcome.losses + losses, masked_per_token=masked)
     record_rewrite(where, counted(outcome, what, "lm_head_fused"), _with_lm_head(nbytes, outcome),
                    report_only=False)
     if region.unit_scale_dropped:

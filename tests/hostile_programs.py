@@ -5,7 +5,8 @@ four row-local regions (issue 21: a top-k masked log-prob; a label-smoothed CE r
 over the rows plus a z-loss; a label-smoothed CE of ``h @ w.T``, whose matmul the call
 runs chunk by chunk; a top-p masked log-prob of ``h @ w.T``, whose matmul the call runs
 whole), the lm_head matmul in the graph (per-token results; a loss
-the graph reduces, whose gradients the fused loop computes in the forward), the lm_head whose logits
+the graph reduces, whose gradients the fused loop computes in the forward; per-token results
+read through a mask computed after the region), the lm_head whose logits
 the graph also returns, a vocab-parallel region on a one-rank group) with one *state change* put into it
 (:data:`CHANGES`): a statement inserted at a slot, or a run of the region's statements
 wrapped in a ``with`` block.  Every slot and every run from the region's first absorbed
@@ -99,6 +100,18 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
         "loss = -(picked * torch.linspace(-1, 1, picked.shape[0], dtype=picked.dtype)).mean()",
     ], "loss", 2),
+    # per-token results read through a mask computed after the region: its ops move before
+    # the call, which then leaves the masked rows out (issue 36, rewrite/loss_tail.skip_unread_rows)
+    "masked": ("h, w, tok", [
+        "h = h * 1",
+        "w = w * 1",
+        "logits = h @ w.T",
+        "z = logits.to(up)",
+        "lp = torch.log_softmax(z, -1)",
+        "picked = lp.gather(-1, tok[:, None]).squeeze(-1)",
+        "m = (tok % 3 > 0).to(up)",
+        "loss = -(picked * m).sum() / m.sum()",
+    ], "loss, (picked * m).detach()", 2),
     "returned": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
@@ -151,6 +164,7 @@ _APPLIES = {
     "head_topp": _LM_CHANGES,
     "lm_head": _LM_CHANGES,
     "loss": _LM_CHANGES,
+    "masked": _LM_CHANGES,
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
 }

@@ -130,6 +130,20 @@ def test_demo_small(tmp_path):
     assert "step time, chunked_logits vs stock" in proc.stdout and "(lower is better)" in proc.stdout
 
 
+def test_demo_padded(tmp_path):
+    """``--padding``: the step's loss and entropy averaged over a completion mask; the pass
+    leaves the padding rows out of its loop (rows that count), with the same loss and error."""
+    proc = run([sys.executable, str(EXAMPLES / "demo.py"), "--tokens", "1024", "--vocab", "8192",
+                "--steps", "1", "--padding", "0.5", "--json"], tmp_path)
+    results = last_json(proc.stdout)
+    stock, ours = results["inductor"], results["chunked_logits"]
+    c = ours["counters"]
+    assert c["masked_rows"] == 1 and 0 < c["rows_skipped"] <= c["rows_seen"] // 2, c
+    assert ours["max_err"] <= 2 * stock["max_err"] + 1e-6
+    assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-3, abs=1e-4)
+    assert "the last 50% of the rows padding" in proc.stdout and "rows skipped:" in proc.stdout
+
+
 def test_trl_sft_under_the_launcher(tmp_path):
     """TRL's SFTTrainer, unmodified, torch_compile=True: TRL trains through its own fused
     lm_head (FP32 per vocabulary tile, no [T, V] logits), so the launcher finds nothing to

@@ -199,8 +199,11 @@ def test_gemms_per_step():
         gemms, taken = _step_gemms(ce_mean, "chunked_logits", lm_head_plan="gpu")
     assert taken == 1 and gemms <= 3 + 1e-9
     gemms, taken = _step_gemms(ce_mean, "chunked_logits", lm_head_plan="two_sweeps",
-                               gradients_in_forward=False)
+                               gradients_in_forward=False, skip_masked_rows=False)
     assert taken == 0 and gemms >= 5 - 1e-9  # today's recompute path
+    masked, taken = _step_gemms(ce_mean, "chunked_logits", lm_head_plan="two_sweeps",
+                                gradients_in_forward=False)
+    assert taken == 0 and masked < gemms - 0.5  # its loop leaves the ignored labels' rows out
 
 
 def test_loop_bodies_compile_once_across_calls():

@@ -14,11 +14,8 @@ import fx_passes
 from fx_passes import compat
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate
-
-T, H, V = 96, 64, 1024
-BF16, FP16 = TOLERANCES[0].values[1:], TOLERANCES[1].values[1:]  # (out_rtol, grad_rtol)
-EAGER = lambda fn, options: fn  # noqa: E731 - chunk bodies run eagerly (faster to compile)
+from tests.masked_rows import BF16, EAGER, FP16, KINDS, H, T, V, _inputs, _pattern, _poisoned  # noqa: F401
+from tests.numerics import F32, assert_no_less_accurate
 
 
 def _lp(h, w, tok, up):
@@ -69,16 +66,6 @@ def entropy_unmasked(h, w, tok, adv, mask, up=F32):  # every row's entropy reach
 
 MASKED = [ce_ignore, masked_mean, where_mean, masked_fill_sum, entropy_masked, ppo_clip]
 _stock: dict = {}
-
-
-def _inputs(dtype, masked=0.5, t=T, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(t, H, generator=g).to(dtype)
-    w = (torch.randn(V, H, generator=g) * 2 / H**0.5).to(dtype)
-    tok = torch.randint(0, V, (t,), generator=g)
-    adv = torch.randn(t, generator=g)
-    mask = (torch.arange(t) % 32 >= round(32 * masked)).float()  # the first share of each 32 rows out
-    return [h, w, tok, adv, mask]
 
 
 def _run(fn, inputs, scale=1.0):
@@ -140,36 +127,6 @@ def test_masked_losses_skip_rows_and_match_stock(fn, masked, plan):
 def test_fp16_dynamic_shapes_and_an_incoming_gradient(fn, dynamic):
     _check(fn, torch.float16, FP16, 0.5, "two_sweeps", dynamic, scale=0.3)
     _check(fn, torch.bfloat16, BF16, 0.5, "gpu", dynamic, scale=-2.0)
-
-
-def _pattern(out):
-    return [(int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum()))
-            for t in (*out[0], *out[1])]
-
-
-def _poisoned(kind):
-    h, w, tok, adv, mask = _inputs(torch.bfloat16, 0.5)
-    if kind == "h+inf, a masked row":
-        h[1, 5] = float("inf")
-    elif kind == "h nan, a kept row":
-        h[20, 0] = float("nan")
-    elif kind == "w+inf":
-        w[9, 4] = float("inf")
-    elif kind == "adv+inf, a masked row":
-        adv[2] = float("inf")
-    elif kind == "adv nan, a masked row":
-        adv[3] = float("nan")
-    elif kind == "adv -200, a masked row":  # (ppo_clip's ratio overflows there)
-        adv[4] = -200.0
-    elif kind == "every row masked":
-        mask.zero_()
-    elif kind == "no row masked":
-        mask.fill_(1)
-    return [h, w, tok, adv, mask]
-
-
-KINDS = ["h+inf, a masked row", "h nan, a kept row", "w+inf", "adv+inf, a masked row",
-         "adv nan, a masked row", "adv -200, a masked row", "every row masked", "no row masked"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -42,7 +42,7 @@ from ..fx.graph_ops import canon, is_pure, is_scalar, meta, op_name, requires_gr
 from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
 
-__all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "VIEWS"]
+__all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "match_reads", "VIEWS"]
 
 # Views that keep the row-major order of the values (one per row): identities on the flat rows.
 VIEWS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.ROW_VIEW}
@@ -66,6 +66,7 @@ class LossTail:
     row_operands: list[Node]  # per-row tensors that do not depend on the region
     whole: list[Node]  # 0-d tensors and numbers the graph computes, read by the tail
     sizes: list[Node] = dataclasses.field(default_factory=list)  # of whole: an item's size(0) / numel()
+    leaving: list[Node] = dataclasses.field(default_factory=list)  # (match_reads) what leaves the graph
 
     @property
     def nodes(self) -> list[Node]:
@@ -185,6 +186,22 @@ def match_loss_tail(graph: Graph, stats: Node) -> LossTail:
 def match_tail(graph: Graph, stats: Node, results: range) -> LossTail:
     """The loss tail of the fused call ``stats``, whose items ``results`` are one value
     per row each, or :class:`NoTail`."""
+    return _match(graph, stats, results, reads=False)
+
+
+def match_reads(graph: Graph, stats: Node) -> LossTail:
+    """What reads a fused lm_head call that keeps its per-token results (no loss in the
+    call): the same kinds of node as a loss tail, but any number of values may leave the
+    graph, per row or not, with or without a gradient (``leaving``; ``loss`` is the last
+    of them).  Its skip graph (:mod:`fx_passes.match.row_mask`) decides, per row, whether
+    the results' values matter; :class:`NoTail` when another kind of node reads them."""
+    if not _is_stats(stats) or len(stats.args) != 10:
+        raise NoTail("the call returns the logits too" if _is_stats(stats)
+                     else f"{stats.name} is not a fused call")
+    return _match(graph, stats, range(3), reads=True)
+
+
+def _match(graph: Graph, stats: Node, results: range, reads: bool) -> LossTail:
     items: dict[Node, int] = {}
     for u in stats.users:
         i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
@@ -208,7 +225,12 @@ def match_tail(graph: Graph, stats: Node, results: range) -> LossTail:
                 stack.append(u)
     for node in sorted(found - set(items), key=order.__getitem__):
         m.kind[node] = m.classify(node)
-    leaving = [n for n in found if any(u.op == "output" for u in n.users)]
+    leaving = sorted((n for n in found if any(u.op == "output" for u in n.users)), key=order.__getitem__)
+    if reads and leaving:
+        nodes = sorted(found - set(items), key=order.__getitem__)
+        of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
+        return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], leaving[-1], list(m.row_operands),
+                        list(m.whole), [s for s in sizes if s in m.whole], leaving)
     if len(leaving) != 1 or m.kind[leaving[0]] == ROW:
         raise NoTail(f"{len(leaving)} value(s) of the region leave the graph"
                      if len(leaving) != 1 else f"{leaving[0].name}, one value per row, leaves the graph")

@@ -50,7 +50,7 @@ from ..fx.op_rules import ZERO_ROWS, Kind
 from ..kernels.ops import user_bodies
 from .loss_tail import LossTail
 
-__all__ = ["skip_rows_body", "ITEMS"]
+__all__ = ["skip_rows_body", "skip_rows_of_reads", "ITEMS"]
 
 ITEMS = ("lse_lo", "lse_hi", "lp_lo", "lp_hi", "ent_lo", "ent_hi")
 Fact = Union[bool, float, Node]  # a Python constant, or a node of the skip graph
@@ -196,14 +196,41 @@ def skip_rows_body(tail: LossTail) -> Optional[str]:
     env: dict[Node, Node] = {o: g.placeholder(f"row{i}") for i, o in enumerate(tail.row_operands)}
     env.update({o: g.placeholder(f"whole{i}") for i, o in enumerate(tail.whole)})
     weights = [g.placeholder(f"weight{k}") for k in range(len(tail.reductions))]
+    skip = _skip(_Interpreter(_Facts(g), tail, env), bounds, weights)
+    return None if skip is None else user_bodies.register(GraphModule(torch.nn.Module(), g))
+
+
+def skip_rows_of_reads(tail: LossTail) -> Optional[tuple[str, list[Node]]]:
+    """The skip graph of the per-token results' readers (``match.loss_tail.match_reads``):
+    ``skip(*item_bounds, *operands) -> bool [rows]``, True where every value read (each sum,
+    each per-row value leaving the graph) is exactly 0 whatever the results hold in their
+    intervals and no result gets a gradient but an exact 0 or, through ``0 * inf``, NaN
+    (each sum's incoming gradient is unknown here: taken as a finite number; the op's
+    backward turns a skipped row's NaN cotangent into stock's NaN gradients).  Returns its
+    key and the tail's operands it reads, in order; None when no row can be skipped."""
+    g = Graph()
+    bounds = [g.placeholder(name) for name in ITEMS]
+    operands = [*tail.row_operands, *tail.whole]
+    env: dict[Node, Node] = {o: g.placeholder(f"operand{i}") for i, o in enumerate(operands)}
     run = _Interpreter(_Facts(g), tail, env)
-    skip = run.forward(bounds)
+    skip = _skip(run, bounds, [1.0] * len(tail.reductions), [n for n in tail.leaving if n in run.inner])
+    if skip is None:
+        return None
+    read = [o for o in operands if env[o].users]
+    for o in operands:
+        if not env[o].users:
+            g.erase_node(env[o])
+    return user_bodies.register(GraphModule(torch.nn.Module(), g)), read
+
+
+def _skip(run: "_Interpreter", bounds: list[Node], weights: list, leaving: list[Node] = ()) -> Optional[Node]:
+    """The skip graph's output (set on ``run``'s graph), or None when it is False."""
+    skip = run.forward(bounds, leaving)
     if skip is not False:
-        skip = run.f.and_(skip, run.backward(weights))
+        skip = run.f.and_(skip, run.backward(weights, leaving))
     if skip is False:
         return None
-    g.output(run.f.and_(skip, run.f.finite(bounds[1])))
-    return user_bodies.register(GraphModule(torch.nn.Module(), g))
+    return run.f.g.output(run.f.and_(skip, run.f.finite(bounds[1])))
 
 
 def _sources(node: Node) -> set[Node]:
@@ -284,8 +311,9 @@ class _Interpreter:
             raise _NoRule("a condition that depends on the region")
         return self.env[c]
 
-    def forward(self, bounds: list[Node]) -> Fact:
-        """Where every value the loss sums is exactly 0."""
+    def forward(self, bounds: list[Node], leaving: list[Node] = ()) -> Fact:
+        """Where every value the loss sums (and each per-row value ``leaving`` the graph)
+        is exactly 0."""
         for item, i in self.tail.items.items():
             self.facts[item] = (False, bounds[2 * i], bounds[2 * i + 1])
         for n in self.tail.rows:
@@ -297,6 +325,8 @@ class _Interpreter:
         skip: Fact = True
         for r in self.tail.reductions:
             skip = self.f.and_(skip, self.facts[r.all_input_nodes[0]][0])
+        for n in leaving:
+            skip = self.f.and_(skip, self.facts[n][0])
         return skip
 
     def _forward(self, n: Node) -> Value:
@@ -337,8 +367,9 @@ class _Interpreter:
         return (f.or_(f.and_(cond, vx), f.and_(f.not_(cond), vy)), f.select(cond, lx, ly),
                 f.select(cond, ux, uy))
 
-    def backward(self, weights: list[Node]) -> Fact:
-        """Where every result the tail reads gets an exactly-zero cotangent."""
+    def backward(self, weights: list, leaving: list[Node] = ()) -> Fact:
+        """Where every result the tail reads gets an exactly-zero cotangent (``weights``:
+        each sum's, a node or a number; a per-row value ``leaving`` the graph gets any)."""
         f, Zc, Mc = self.f, {}, {}
 
         def add(x, z: Fact, m: Fact) -> None:
@@ -346,7 +377,12 @@ class _Interpreter:
                 Zc[x] = f.and_(Zc.get(x, True), z)
                 Mc[x] = f.plus(Mc.get(x, 0.0), m)
         for r, w in zip(self.tail.reductions, weights):
-            add(r.all_input_nodes[0], f.call(operator.eq, w, 0), f.call(torch.abs, w))
+            if isinstance(w, Node):
+                add(r.all_input_nodes[0], f.call(operator.eq, w, 0), f.call(torch.abs, w))
+            else:
+                add(r.all_input_nodes[0], w == 0, abs(w))
+        for n in leaving:
+            add(n, False, math.inf)
         for n in reversed(self.tail.rows):
             if n in Zc:
                 z, m = Zc[n], f.capped(f.minus(0.0, Mc[n]), Mc[n], getattr(meta(n), "dtype", None))[1]

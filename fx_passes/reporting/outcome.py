@@ -50,6 +50,7 @@ class Outcome:
     saved_masks: int = 0  # row-local: boolean masks its forward saves (packed) for its backward
     saved_normalizers: int = 0  # row-local: softmax normalisers its forward saves for its backward
     losses: tuple[LossInCall, ...] = ()  # the loss tails its calls compute (gradients in the forward)
+    masked_per_token: int = 0  # fused calls keeping per-token results that skip the rows nothing reads
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":
@@ -85,6 +86,9 @@ def counted(outcome: Outcome, what: str, fused: str) -> str:
         if loss.masked_rows:
             c["masked_rows"] += 1
         what += loss.describe()
+    if outcome.masked_per_token:
+        c["masked_rows"] += outcome.masked_per_token
+        what += ", rows whose per-token results nothing reads (a mask) skipped"
     if outcome.saved_masks:
         c["row_local_saved_masks"] += 1
         what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"

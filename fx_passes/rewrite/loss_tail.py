@@ -38,7 +38,17 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
 from ..fx.emitter import Emitter
-from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, op_name, requires_grad, same, scalar_tensor
+from ..fx.graph_ops import (
+    bound_args,
+    is_pure,
+    is_scalar,
+    keep_meta,
+    meta,
+    op_name,
+    requires_grad,
+    same,
+    scalar_tensor,
+)
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
@@ -48,12 +58,12 @@ from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local.loss import row_bytes, row_local_loss
 from ..kernels.row_local.split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
-from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_tail
-from ..match.row_mask import skip_rows_body
+from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_reads, match_tail
+from ..match.row_mask import skip_rows_body, skip_rows_of_reads
 from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log
 
-__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS"]
+__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "skip_unread_rows", "fused_calls", "GEMMS"]
 
 # model-precision-input GEMMs of one step, in units of [T, H] x [H, V], per plan (unit incoming gradient)
 GEMMS = {"gpu": 3, "two_sweeps": 4}
@@ -231,6 +241,54 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[Los
     for n in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(n)
     return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key))
+
+
+def skip_unread_rows(graph: Graph, stats: Node, config: Config) -> bool:
+    """Give the fused call ``stats``, which keeps its per-token results, the skip graph of
+    their readers (``match/row_mask.skip_rows_of_reads``: rows a mask leaves unread are
+    left out of its loop); False where it has none (the reason logged at debug level)."""
+    if not config.skip_masked_rows:
+        return False
+    try:
+        if meta(head_of_node(stats).hidden).device.type != "cpu":  # (NOTE [per-token rows a mask leaves out])
+            raise NoTail("its backward would read the count of rows run from the device: CPUs only")
+        found = skip_rows_of_reads(match_reads(graph, stats))
+        if found is None:
+            raise NoTail("no mask leaves a row's results unread")
+        key, read = found
+        if any(not isinstance(meta(o), torch.Tensor) for o in read):
+            raise NoTail("the mask reads a number")
+        early = _earlier(graph, stats, read)
+    except NoTail as why:
+        log.debug("chunked_logits: %s: every row runs: %s", stats.name, why)
+        return False
+    for n in early:
+        stats.prepend(n)
+    stats.kwargs = {**stats.kwargs, "mask_key": key, "mask_operands": list(read)}
+    return True
+
+
+def _earlier(graph: Graph, stats: Node, read: list[Node]) -> list[Node]:
+    """The nodes to move before ``stats`` (in order) so that ``read`` are computed before
+    it: those computed after it (a mask's ``.float()``, ``> 0``), each pure, none of their
+    inputs changed in place in between; or :class:`NoTail`."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moved: dict[Node, None] = {}
+
+    def visit(n: Node) -> None:
+        if order[n] < order[stats] or n in moved:
+            return
+        if n.op not in ("call_function", "call_method") or not is_pure(n):
+            raise NoTail(f"the mask reads {n.name}, computed after the region by an op that cannot move")
+        for a in n.all_input_nodes:
+            visit(a)
+        for a in n.all_input_nodes:
+            if any(order[stats] < order[u] < order[n] and not is_pure(u) for u in a.users):
+                raise NoTail(f"{a.name}, which the mask reads, changes in place after the region")
+        moved[n] = None
+    for o in read:
+        visit(o)
+    return list(moved)
 
 
 def _joined(body: GraphModule, n_rows: int, tail: LossTail) -> GraphModule:

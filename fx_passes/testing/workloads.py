@@ -64,6 +64,16 @@ def w4m_masked_policy_loss(hidden, weight, tokens, advantages, mask):
     return -(logprob * advantages * mask).sum() / mask.sum()
 
 
+def w4e_masked_policy_metrics(hidden, weight, tokens, advantages, mask):
+    """Training: W4M's loss with an entropy bonus, and verl's masked-mean entropy metric
+    returned too (two values leave the graph: the lm_head call keeps per-token results)."""
+    logp = torch.log_softmax((hidden @ weight.T).float() / TEMPERATURE, dim=-1)
+    logprob = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    loss = ((-(logprob * advantages) - 1e-3 * entropy) * mask).sum() / mask.sum()
+    return loss, (entropy.detach() * mask).sum() / mask.sum()
+
+
 def wd_distillation(hidden, weight, teacher_logits):
     """Training: distillation, forward KL(teacher || student) per token, mean over tokens;
     the student's lm_head in the graph, the teacher's bf16 logits given."""
@@ -208,7 +218,7 @@ def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
 
 
 # (fraction of the rows a loss leaves out, "prompt" (the first rows of each sequence) or
-# "padding" (the last)) of the masked workloads W4C and W4M; ``set_mask`` changes it.
+# "padding" (the last)) of the masked workloads W4C, W4M and W4E; ``set_mask`` changes it.
 MASK = {"fraction": 0.5, "style": "prompt"}
 SEQUENCE = 1024  # rows per sequence of the masked workloads
 
@@ -295,6 +305,7 @@ EXTRA_WORKLOADS = {
     # cross-entropy with labels -100 (SFT prompts) and the policy loss as a masked mean
     "W4C": Workload("W4C", wv_lm_head_cross_entropy, True, _make_masked_ce, (4096, 32768), (0, 1)),
     "W4M": Workload("W4M", w4m_masked_policy_loss, True, _make_masked_policy, (4096, 32768), (0, 1)),
+    "W4E": Workload("W4E", w4e_masked_policy_metrics, True, _make_masked_policy, (4096, 32768), (0, 1)),
     "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
     "WP": Workload("WP", wp_top_p_policy_loss, True, _make_top_p_policy, (4096, 32768), (0,)),
     # the row-local losses' memory table (docs/how-it-works.md 1b): W3's size
@@ -325,10 +336,11 @@ def run_step(workload: Workload, fn: Callable, inputs: tuple):
     """One step: outputs (as a tuple) and, for training, the input gradients."""
     for i in workload.grad_inputs:
         inputs[i].grad = None
-    if workload.train:
+    if workload.train:  # (the loss first when several values leave the step: W4E's metric)
         out = fn(*inputs)
-        out.backward()
-        return (out.detach(),), tuple(inputs[i].grad for i in workload.grad_inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs[0].backward()
+        return tuple(o.detach() for o in outs), tuple(inputs[i].grad for i in workload.grad_inputs)
     with torch.no_grad():
         out = fn(*inputs)
     return (out if isinstance(out, tuple) else (out,)), ()
