@@ -164,7 +164,9 @@ _APPLIES = {
     "head_topp": _LM_CHANGES,
     "lm_head": _LM_CHANGES,
     "loss": _LM_CHANGES,
-    "masked": _LM_CHANGES,
+    # (the mask's hazards: its input changed in place between the region and the mask, and
+    # the in-place changes and graph breaks around the call; the grad-mode wraps are lm_head's)
+    "masked": ("tok_add", "mul_h", "zero_h_view", "mul_w", "mul_logits", "rng", "seed"),
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
 }
