@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import unittest.mock
 
 import torch
 from torch._dynamo.utils import counters
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fx_passes import Config
 from fx_passes.fx.graph_ops import meta
 from fx_passes.kernels import tiling
+from fx_passes.kernels.log_softmax import lm_head
 from fx_passes.kernels.ops import registry
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER
@@ -52,6 +54,13 @@ def lm_per_token(hidden, weight, tok):
     return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), -(torch.softmax(z, -1) * logp).sum(-1)
 
 
+def lm_masked_per_token(hidden, weight, tok, mask):
+    """Two masked means leave the graph (a loss and a metric): the per-token call that
+    leaves the masked rows out (``lm_head_row_stats_masked``)."""
+    lp, ent = lm_per_token(hidden, weight, tok)
+    return (-lp * mask).sum() / mask.sum(), (ent.detach() * mask).sum() / mask.sum()
+
+
 def paths():
     torch.manual_seed(0)
     T, H, V = 64, 32, 256
@@ -67,6 +76,7 @@ def paths():
         "given_logits_stats_dynamic": (policy_loss, (logits, tok, adv), {"dynamic": True}),
         "lm_head_loss_in_graph": (lm_logprob_entropy, (hidden, weight, tok, adv), {}),
         "lm_head_per_token": (lm_per_token, (hidden, weight, tok), {}),
+        "lm_head_per_token_masked": (lm_masked_per_token, (hidden, weight, tok, (adv > 0).float()), {}),
         "row_local_given_logits": (rl.topk_logprob, (logits, tok), {}),
         "row_local_given_logits_symbolic_scalar": (tempered_topk, (logits, tok, 0.7),
                                                    {"dynamic": True, "specialize_float": False}),
@@ -164,13 +174,19 @@ def one(gm, mode, options):
     values = [meta(n) for n in new.graph.nodes if n.op != "output"]
     factories = {f"{n.name}:{n.target.__name__}": str(n.kwargs.get("device")) for n in new.graph.nodes
                  if n.op == "call_function" and n.target in FACTORIES}
-    with torch.no_grad(), mode:
+    counts, masked_op = [], lm_head.lm_head_stats_masked
+
+    def counted(*args):  # (the masked op's count of rows run: kept inside the call)
+        results = masked_op(*args)
+        counts.extend(devices(results[-1:]))
+        return results
+    with torch.no_grad(), mode, unittest.mock.patch.object(lm_head, "lm_head_stats_masked", counted):
         calls = EmittedCalls(new).run()
     out = calls.results
     return {"emitted": emitted, "unchanged": new is gm, "failed_for_no_cuda": failed_for_no_cuda,
             "counters": dict(counters[COUNTER]), "value_devices": devices(values),
             "factory_devices": factories, "refused": sorted(set(calls.refused)),
-            "output_devices": devices(out),
+            "output_devices": devices(out), "count_devices": counts,
             "fake_outputs": all(isinstance(o, FakeTensor) for o in torch.utils._pytree.tree_leaves(out)
                                 if isinstance(o, torch.Tensor))}
 

@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 from fx_passes.config import Config
 from fx_passes.fx.graph_ops import canon
 from fx_passes.kernels.log_softmax.given import row_stats
-from fx_passes.kernels.log_softmax.lm_head import lm_head_row_stats
+from fx_passes.kernels.log_softmax.lm_head import lm_head_row_stats, lm_head_row_stats_masked
 from fx_passes.kernels.log_softmax.loss import lm_head_loss
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.pipeline import transform
@@ -762,7 +762,7 @@ def assert_rewritten_graph(gm: torch.fx.GraphModule, case: Case) -> None:
     """A rewritten graph keeps no FP32 upcast and no softmax-like op: only row_stats calls
     (or lm_head loop calls, which compute the loss and its gradients in the forward when
     the loss is in the graph: ``lm_head_loss``)."""
-    fused_ops = (lm_head_row_stats, lm_head_loss)
+    fused_ops = (lm_head_row_stats, lm_head_row_stats_masked, lm_head_loss)
     n_stats = sum(1 for n in gm.graph.nodes if n.op == "call_function"
                   and n.target in (row_stats, *fused_ops))
     assert n_stats == case.expected_counters()["rewritten"], gm.code

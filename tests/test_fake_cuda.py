@@ -45,6 +45,8 @@ RUNS = {
     "given_logits_stats": "fx_passes.kernels.log_softmax.given.row_stats",
     "given_logits_stats_dynamic": "fx_passes.kernels.log_softmax.given.row_stats",
     "lm_head_per_token": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
+    # (its op's count of rows run is a host tensor: inside the call, not among its results)
+    "lm_head_per_token_masked": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats_masked",
     "row_local_given_logits": "fx_passes.kernels.row_local.engine.row_local",
     "row_local_given_logits_symbolic_scalar": "fx_passes.kernels.row_local.engine.row_local",
     "row_local_lm_head_sweeps": "fx_passes.kernels.row_local.sweeps.row_local_sweeps",
@@ -84,6 +86,17 @@ def test_every_tensor_on_the_cuda_device(result, kind, path):
         assert got["refused"] == [RUNS[path]] and got["output_devices"] == [], got
     else:
         assert got["refused"] == [] and got["output_devices"] == CUDA and got["fake_outputs"], got
+
+
+@pytest.mark.parametrize("kind", ["as_built", "gpu_kernels"])
+def test_the_count_of_rows_run_is_a_host_tensor(result, kind):
+    """The per-token call that leaves masked rows out hands its backward the count of rows
+    run in host memory (one device read a step, in the forward; NOTE [per-token rows a
+    mask leaves out]); every other tensor is on the device."""
+    got = result[kind]["paths"]["lm_head_per_token_masked"]
+    assert got["counters"].get("masked_rows") == 1 and got["count_devices"] == ["cpu"], got
+    assert all(p["count_devices"] == [] for name, p in result[kind]["paths"].items()
+               if name != "lm_head_per_token_masked"), result[kind]
 
 
 def test_lm_head_loss_in_graph(result):

@@ -4,12 +4,16 @@ mask leaves some rows' results unread, the loop leaves those rows out, GEMMs inc
 (``match/row_mask.skip_rows_of_reads``, NOTE [per-token rows a mask leaves out]); every
 output and gradient as accurate as stock's, stock's NaN / inf pattern kept."""
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
 
+from fx_passes import compat
 from fx_passes.kernels.ops.body_compiler import compiling_with
-from fx_passes.testing.gemms import full_gemms, recording
+from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests.masked_rows import BF16, EAGER, FP16, KINDS, T, _inputs, _pattern, _poisoned
 from tests.numerics import assert_no_less_accurate
 
@@ -156,6 +160,40 @@ def test_a_mask_computed_after_the_region():
 def test_the_option_turns_it_off():
     _, c = _ours(grpo_with_metrics, _inputs(torch.bfloat16, 0.5), skip_masked_rows=False)
     assert c.get("lm_head_fused") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
+
+
+@pytest.mark.parametrize("plan", ["gpu", "blocks"])
+def test_the_plans_a_gpu_runs_read_the_count_once_a_step(plan):
+    """The plans a GPU runs (``gpu`` here on the test-only CPU kernels of ``mm(...,
+    out_dtype=)``) skip the rows, as accurate as stock, with one host read a step: the
+    forward's count (the backward reads it from a host tensor: no op, no device sync)."""
+    inputs = _inputs(torch.bfloat16, 0.5)
+    stock = _run(torch.compile(grpo_with_metrics, backend="inductor"), inputs)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(grpo_with_metrics, backend="chunked_logits",
+                             options={"chunk_budget_mib": 0.125, "lm_head_plan": plan})
+    with cpu_out_dtype_kernels() if plan == "gpu" else contextlib.nullcontext(), compiling_with(EAGER):
+        ours = _run(compiled, inputs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _run(compiled, inputs)
+    c = dict(counters["chunked_logits"])
+    # (two steps, each leaving out half the rows less the rounding to a multiple of 8)
+    assert c.get("masked_rows") == 1 and c.get("rows_seen") == 2 * T and c.get("rows_skipped") > T - 16, c
+    assert_no_less_accurate(ours, stock, _reference(grpo_with_metrics, inputs), torch.bfloat16, *BF16)
+    reads = [e.name for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::equal",
+                                                         "aten::is_nonzero")]
+    assert reads == ["aten::_local_scalar_dense"], reads
+
+
+def test_no_compaction_while_a_cuda_graph_is_captured(monkeypatch):
+    """Inside a capture the count cannot be read: every row runs (the same results)."""
+    monkeypatch.setattr(compat, "_capturing", lambda kind: True)
+    inputs = _inputs(torch.bfloat16, 0.5)
+    ours, c = _ours(grpo_with_metrics, inputs)
+    assert c.get("masked_rows") == 1 and c.get("rows_skipped", 0) == 0, c
+    stock = _run(torch.compile(grpo_with_metrics, backend="inductor"), inputs)
+    assert_no_less_accurate(ours, stock, _reference(grpo_with_metrics, inputs), torch.bfloat16, *BF16)
 
 
 def _gemms(masked):

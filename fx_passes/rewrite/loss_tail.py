@@ -51,7 +51,7 @@ from ..fx.graph_ops import (
 )
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement
-from ..kernels.log_softmax.lm_head import lm_head_row_stats
+from ..kernels.log_softmax.lm_head import lm_head_row_stats, lm_head_row_stats_masked
 from ..kernels.log_softmax.loss import PLANS, lm_head_loss, trace_tail
 from ..kernels.ops import user_bodies
 from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
@@ -244,14 +244,15 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[Los
 
 
 def skip_unread_rows(graph: Graph, stats: Node, config: Config) -> bool:
-    """Give the fused call ``stats``, which keeps its per-token results, the skip graph of
-    their readers (``match/row_mask.skip_rows_of_reads``: rows a mask leaves unread are
-    left out of its loop); False where it has none (the reason logged at debug level)."""
+    """Make the fused call ``stats``, which keeps its per-token results,
+    ``lm_head_row_stats_masked`` with the skip graph of their readers
+    (``match/row_mask.skip_rows_of_reads``: rows a mask leaves unread are left out of its
+    loop); False where it has none (the reason logged at debug level)."""
     if not config.skip_masked_rows:
         return False
     try:
-        if meta(head_of_node(stats).hidden).device.type != "cpu":  # (NOTE [per-token rows a mask leaves out])
-            raise NoTail("its backward would read the count of rows run from the device: CPUs only")
+        if len(stats.args) > 10:  # (``returned_like``: the graph returns the logits, every row)
+            raise NoTail("the graph returns its logits")
         found = skip_rows_of_reads(match_reads(graph, stats))
         if found is None:
             raise NoTail("no mask leaves a row's results unread")
@@ -264,6 +265,7 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config) -> bool:
         return False
     for n in early:
         stats.prepend(n)
+    stats.target = lm_head_row_stats_masked
     stats.kwargs = {**stats.kwargs, "mask_key": key, "mask_operands": list(read)}
     return True
 

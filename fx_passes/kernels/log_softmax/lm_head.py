@@ -47,7 +47,7 @@ from .. import rows as rows_of
 from ..ops import user_bodies
 from ..ops.args import Cotangents, Head, HeadOptions, LogitMap, RowValues, args_by_name, grads_by_name
 from ..ops.pair import call_by_name, save_inputs, saved_inputs
-from ..ops.registry import CAPTURE_SAFE, emitted
+from ..ops.registry import CAPTURE_SAFE, CUDAGRAPH_UNSAFE, UNSAFE, emitted
 from ..tiling import (
     accumulator_rows,
     backward_plan,
@@ -61,8 +61,8 @@ from .bodies import backward_block, compiled, forward_chunk, forward_chunk_logit
 from .given import softmax_lse
 from .gpu_plan import out_dtype_blocks
 
-__all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_masked",
-           "lm_head_stats_backward", "lm_head_stats_masked_backward",
+__all__ = ["lm_head_row_stats", "lm_head_row_stats_masked", "lm_head_stats", "lm_head_stats_logits",
+           "lm_head_stats_masked", "lm_head_stats_backward", "lm_head_stats_masked_backward",
            "lm_head_grads", "two_sweeps"]
 
 
@@ -347,12 +347,19 @@ lm_head_stats_logits.register_autograd(_backward, setup_context=_setup)
 # not known in the forward; if it is not finite, a skipped row's cotangent is ``0 * inf``,
 # NaN, where stock's gradients turn NaN: the backward does the same (the row's
 # ``grad_hidden`` and every weight gradient NaN, as stock's ``NaN @ W``, ``NaN.T @ h``).
-# The backward reads the count of rows run from host memory: CPUs only (elsewhere every
-# row runs).
+# Finding the rows costs one read of a device value a step (``rows.select``: the count, in
+# the forward); the count then travels to the backward as a host tensor (``HOST``), which
+# reads it from host memory (``tolist``: no op, no sync).  A host tensor and a host read
+# are what a CUDA graph cannot replay: both ops are ``cudagraph_unsafe`` (Inductor's
+# ``reduce-overhead`` runs them between its captured parts), and inside a capture
+# ``rows.select`` reads nothing and every row runs.
+HOST = torch.device("cpu")
+
+
 def _kept_rows(head: Head, opts: HeadOptions, mask_key: str, operands: list[torch.Tensor]):
     """The rows to run (ascending), or None for every row (module NOTE)."""
     hidden, weight = head.hidden, head.weight
-    if not mask_key or hidden.device.type != "cpu":
+    if not mask_key:
         return None
     z = rows_of.logit_bounds(hidden, weight, head.bias, head.scale, opts.scale_is_div, opts.transforms)
     skip = user_bodies.function(mask_key)(*rows_of.item_bounds(z, weight.shape[0]), *operands)
@@ -364,16 +371,15 @@ def _masked_forward(head: Head, opts: HeadOptions, mask_key: str, operands: list
     n, dev = head.hidden.shape[0], head.hidden.device
     kept = _kept_rows(head, opts, mask_key, operands)
     if kept is None:
-        return (*_forward_loop(head, opts), torch.arange(n, device=dev),
-                torch.full((), n, dtype=torch.int64, device=dev))
+        return (*_forward_loop(head, opts), torch.arange(n, device=dev), torch.tensor(n, device=HOST))
     results = tuple(head.hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, kept, r)
                     for r in _forward_loop(head.take(kept), opts))
     index = kept.new_zeros(n)
     index[:kept.shape[0]] = kept
-    return (*results, index, torch.full((), kept.shape[0], dtype=torch.int64, device=dev))
+    return (*results, index, torch.tensor(kept.shape[0], device=HOST))
 
 
-@torch.library.custom_op("chunked_logits::lm_head_stats_masked", mutates_args=())
+@torch.library.custom_op("chunked_logits::lm_head_stats_masked", mutates_args=(), tags=UNSAFE)
 def lm_head_stats_masked(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                          want_entropy: bool, budget_bytes: int, transforms: str, plan: str, mask_key: str,
@@ -381,7 +387,7 @@ def lm_head_stats_masked(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                                                                 torch.Tensor, torch.Tensor]:
     """``lm_head_stats`` on the rows the skip graph ``mask_key`` cannot leave out (its
     ``operands``: the tensors it reads); (lse, logprob, entropy: 0 on the rows left out,
-    index: the rows run first, count: how many, 0-d)."""
+    index: the rows run first, count: how many, 0-d, in host memory)."""
     return _masked_forward(Head(hidden, weight, bias, tokens, scale),
                            HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan), mask_key,
                            operands)
@@ -393,7 +399,7 @@ def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_by
     backward_plan(hidden.device, hidden.dtype, plan)
     n = hidden.shape[0]
     return (*(hidden.new_empty(n, dtype=torch.float32) for _ in range(3)),
-            hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64))
+            hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64, device=HOST))
 
 
 def _setup_masked(ctx, inputs, output):
@@ -408,7 +414,7 @@ def _masked_grads(head: Head, saved: RowValues, grads: Cotangents, opts: HeadOpt
     """``lm_head_stats_masked_backward`` (``need``: (hidden, weight) gradients wanted;
     ``kept``: (index, count) of the rows the forward ran)."""
     (index, count), hidden, tokens = kept, head.hidden, head.tokens
-    n, k = hidden.shape[0], int(count)  # (a CPU tensor: no device sync)
+    n, k = hidden.shape[0], count.tolist()  # (host memory: no op, no device sync)
     rows = index[:k]
 
     def run(t):  # (the rows run: every row when none was left out, without a copy)
@@ -428,7 +434,7 @@ def _masked_grads(head: Head, saved: RowValues, grads: Cotangents, opts: HeadOpt
     return gh, gw.masked_fill_(any_nan, float("nan")), gb.masked_fill_(any_nan, float("nan"))
 
 
-@torch.library.custom_op("chunked_logits::lm_head_stats_masked_backward", mutates_args=())
+@torch.library.custom_op("chunked_logits::lm_head_stats_masked_backward", mutates_args=(), tags=UNSAFE)
 def lm_head_stats_masked_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                   tokens: Optional[torch.Tensor], lse: torch.Tensor,
                                   entropy: Optional[torch.Tensor], g_lse: torch.Tensor,
@@ -474,11 +480,9 @@ def _backward_masked(ctx, g_lse, g_logprob, g_entropy, *_):
 lm_head_stats_masked.register_autograd(_backward_masked, setup_context=_setup_masked)
 
 
-@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_masked", "lm_head_stats_backward",
-          "lm_head_stats_masked_backward"), CAPTURE_SAFE)
+@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward"), CAPTURE_SAFE)
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
-                      budget_bytes: int, transforms: str = "", plan: str = "auto", returned_like=None,
-                      mask_key: str = "", mask_operands=()):
+                      budget_bytes: int, transforms: str = "", plan: str = "auto", returned_like=None):
     """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after
     the logit ``transforms`` (``match.lm_head.LMHead.transforms``); ``plan``: the
     backward's (``Config.lm_head_plan``, ``tiling.backward_plan``).
@@ -486,20 +490,28 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
     ``hidden`` is ``[.., H]``; results have ``hidden``'s shape without the last dim.
     With ``returned_like`` (the lm_head's hidden states before the region's row views,
     which keep every row) a fourth result is the model-precision logits of that shape
-    ``[.., V]``: the graph returns them, and the same loop writes them.  ``mask_key``: the
-    skip graph of the results' readers (``match/row_mask.skip_rows_of_reads``) and the
-    tensors it reads, ``mask_operands``: the rows it proves unread are left out (NOTE
-    [per-token rows a mask leaves out]).
+    ``[.., V]``: the graph returns them, and the same loop writes them.
     """
     flat = (*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
             transforms, plan)
-    if mask_key:
-        operands = [o.reshape(-1) if o.dim() else o for o in mask_operands]
-        results = lm_head_stats_masked(*flat, mask_key, operands)
-        return _shaped(results[:3], hidden.shape[:-1], tokens is not None, want_entropy, None)
     op = lm_head_stats_logits if returned_like is not None else lm_head_stats
     results = op(*flat)
     return _shaped(results, hidden.shape[:-1], tokens is not None, want_entropy, returned_like)
+
+
+@emitted(("lm_head_stats_masked", "lm_head_stats_masked_backward"), CUDAGRAPH_UNSAFE)
+def lm_head_row_stats_masked(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
+                             budget_bytes: int, transforms: str = "", plan: str = "auto", *, mask_key: str,
+                             mask_operands):
+    """:func:`lm_head_row_stats` (no logits returned) on the rows the skip graph of the
+    results' readers cannot leave out: ``mask_key`` (``match/row_mask.skip_rows_of_reads``)
+    and the tensors it reads, ``mask_operands`` (NOTE [per-token rows a mask leaves out];
+    ``rewrite/loss_tail.skip_unread_rows`` puts this call in place of the plain one)."""
+    flat = (*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
+            transforms, plan)
+    operands = [o.reshape(-1) if o.dim() else o for o in mask_operands]
+    results = lm_head_stats_masked(*flat, mask_key, operands)
+    return _shaped(results[:3], hidden.shape[:-1], tokens is not None, want_entropy, None)
 
 
 def _shaped(results, rows_shape, has_tokens: bool, want_entropy: bool, returned_like) -> tuple:
