@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo lint test test-avx2 test-long bench
+.PHONY: setup demo lint test test-avx2 test-long test-full bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,16 +32,18 @@ ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_up
 # Two pytest workers (pytest-xdist): most of a test's time is Dynamo and Inductor
 # compiling, on one core, so two workers share two cores well.  Each keeps torch's
 # default thread count: the batch-invariance tests need Inductor's parallel reductions.
-WORKERS := -n 2
+# Work stealing: an idle worker takes queued tests from the busy one (the slowest tests,
+# fresh processes of a minute or more, otherwise end the run on one worker).
+WORKERS := -n 2 --dist worksteal
 
 # The AVX2 part of `make test`: what an AVX2-only CPU runs by default, where its code or
 # kernels differ from this CPU's: numerics against stock, the lm_head plan it picks
-# (fp32_tiles; the forced two_sweeps / blocks / gpu plans are this CPU's business), the
-# loss-in-graph paths, generated code, batch invariance.  `make test-avx2` runs every
-# ISA-sensitive test (about 12 more minutes): examples, declines, the upgrade, the
-# row-local sweeps and saved-for-backward tests, every plan.
+# (fp32_tiles; the forced two_sweeps / blocks / gpu plans are this CPU's business),
+# generated code, batch invariance.  `make test-avx2` runs every ISA-sensitive test
+# (about 15 more minutes): the loss-in-graph paths, the row-local losses and sweeps,
+# examples, declines, the upgrade, the saved-for-backward tests, every plan.
 AVX2_CI_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_codegen.py \
-	tests/test_batch_invariance.py tests/test_loss_in_graph.py tests/test_row_local_loss.py
+	tests/test_batch_invariance.py
 AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan
 
 # Lint, the whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs
@@ -58,6 +60,13 @@ test-avx2: setup
 # the property suite's deep profile (minutes, not run by CI)
 test-long: setup
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_properties.py
+
+# `make test` with every matrix of cases x dtypes x plans in full (tests/numerics.py's
+# dtype_matrix: CI runs half of each, every case and plan in both dtypes), and every
+# ISA-sensitive test as an AVX2-only CPU runs it (about 30 minutes more than `make test`)
+test-full: lint
+	CHUNKED_LOGITS_FULL_MATRIX=1 $(BIN)/python -m pytest -q $(WORKERS)
+	CHUNKED_LOGITS_FULL_MATRIX=1 $(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

@@ -155,6 +155,9 @@ CASES = {
     # read's cost and the rows' saving are both in one run (docs/how-it-works.md, 5c).
     "W4C": CaseDef(ALL_WORKLOADS["W4C"], (STOCK, "ours", "ours:all_rows"), model=("ce", True),
                    masked=MASK["fraction"]),
+    # the per-token path's masked call (a masked-mean loss and entropy metric both leave the
+    # graph): the same read in its forward, the count a host tensor for its backward
+    "W4E": CaseDef(ALL_WORKLOADS["W4E"], (STOCK, "ours", "ours:all_rows"), masked=MASK["fraction"]),
 }
 NOT_PLANS = {"ro", "all_rows"}  # the variants of a mode that are not an lm_head plan
 
@@ -177,6 +180,8 @@ def make_inputs(key: str, T: int, V: int, H: int, device: torch.device) -> tuple
     if name == "W4C":
         hidden, weight, labels = lm_head_inputs(T, V, H, device, labels=True)
         return hidden, weight, torch.where(row_mask(T).to(device), labels, -100)
+    if name == "W4E":
+        return (*lm_head_inputs(T, V, H, device), row_mask(T).float().to(device))
     return lm_head_inputs(T, V, H, device, labels=name in ("WV", "WV-tok"))
 
 

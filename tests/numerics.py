@@ -4,6 +4,7 @@ path is no less accurate than stock torch.compile (test_numerics, test_lm_head).
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -16,6 +17,27 @@ TOLERANCES = [
     pytest.param(torch.bfloat16, 2e-6, 2**-8, id="bf16"),
     pytest.param(torch.float16, 2e-6, 2**-11, id="fp16"),
 ]
+
+
+# ``make test-full`` sets this: every matrix of cases x dtypes x plans in full (see :func:`dtype_matrix`).
+FULL_MATRIX = os.environ.get("CHUNKED_LOGITS_FULL_MATRIX") == "1"
+
+
+def dtype_matrix(names, plans=None, ids=str) -> list:
+    """``(name, dtype, out_rtol, grad_rtol, plan)`` parameters of a test over cases, dtypes
+    and plans: every case with every plan, the dtype alternating along both (so each plan,
+    and each case run with more than one plan, still runs in bf16 and in fp16): half the
+    full product, which ``CHUNKED_LOGITS_FULL_MATRIX=1`` (``make test-full``) runs.
+    Without ``plans``, ``(name, dtype, out_rtol, grad_rtol)``: the cases alternate dtypes.
+    Ids as stacked parametrizes spell them: ``case-dtype-plan``."""
+    out = []
+    for i, name in enumerate(names):
+        for j, plan in enumerate(plans or [None]):
+            for k, tol in enumerate(TOLERANCES):
+                if FULL_MATRIX or k == (i + j) % len(TOLERANCES):
+                    tail, suffix = ((plan,), f"-{plan}") if plans else ((), "")
+                    out.append(pytest.param(name, *tol.values, *tail, id=f"{ids(name)}-{tol.id}{suffix}"))
+    return out
 
 
 def run(fn, inputs, grad_pos):

@@ -14,7 +14,7 @@ from fx_passes.testing.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
 from tests.codegen import allocations, compiled_codes, step_codes
 from tests.helpers import LargestFP32
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, max_err, reference, run
+from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, dtype_matrix, max_err, reference, run
 
 
 def lm_ce_bias_shift(hidden, weight, bias, labels, up=F32):
@@ -84,9 +84,9 @@ def plan(request):
     return request.param
 
 
-@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("name", ["logprob_entropy", "ce_bias_shift", "tied", "softcap", "scaled"])
+@pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol,plan",
+                         dtype_matrix(["logprob_entropy", "ce_bias_shift", "tied", "softcap", "scaled"],
+                                      CPU_PLANS), indirect=["plan"])
 def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol, plan):
     fn, inputs, grad_pos = _inputs(name, dtype)
     ref_outs, ref_grads = reference(fn, inputs, grad_pos)
@@ -322,9 +322,8 @@ def _fused(fn=lm_ce_returns_logits, **options):
                          options={"chunk_budget_mib": 1, **options})
 
 
-@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn,dtype,out_rtol,grad_rtol,plan",
+                         dtype_matrix(RETURNS_LOGITS, CPU_PLANS, ids=lambda f: f.__name__), indirect=["plan"])
 def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol, plan):
     """Only the loss's gradient is used (the logits' is the autograd engine's zeros): the
     lm_head fuses, the returned logits (softcapped too) are stock's bit for bit, and the
@@ -339,9 +338,8 @@ def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rt
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
-@pytest.mark.parametrize("plan", CPU_PLANS, indirect=True)
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("fn", RETURNS_LOGITS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn,dtype,out_rtol,grad_rtol,plan",
+                         dtype_matrix(RETURNS_LOGITS, CPU_PLANS, ids=lambda f: f.__name__), indirect=["plan"])
 def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol, plan):
     """The caller differentiates through the returned logits too: the backward adds their
     gradient per tile, and the gradients are no further from FP64 than stock's."""

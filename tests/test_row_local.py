@@ -20,7 +20,7 @@ from fx_passes.kernels.tiling import BYTES_PER_ELEMENT
 from tests import row_local_cases as rl
 from tests.codegen import compiled_codes, full_fp32_buffers
 from tests.helpers import LargestFP32, chunked_counters, rewrite_graphs
-from tests.numerics import F32, TOLERANCES, reference, run
+from tests.numerics import F32, dtype_matrix, reference, run
 
 EAGER = lambda fn, options: fn  # noqa: E731  (bodies run eagerly: only the outer graph is generated)
 T, V, CASES, _inputs, _check = rl.T, rl.V, rl.CASES, rl.inputs, rl.check
@@ -32,8 +32,9 @@ def test_row_local_loss_rewritten_and_as_accurate_as_stock(name):
     _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
 
 
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("name", ["topk_topp", "forward_kl", "ce_weight_smoothing", "ce_smoothing_flattened"])
+@pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
+                         dtype_matrix(["topk_topp", "forward_kl", "ce_weight_smoothing",
+                                       "ce_smoothing_flattened"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _inputs(name, dtype)
     _check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True)

@@ -30,7 +30,7 @@ from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
 from tests import row_local_cases as rl
 from tests import sweep_cases as sweeps
 from tests.helpers import assert_retained_backward_repeats, chunked_counters
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, run
+from tests.numerics import F32, assert_no_less_accurate, dtype_matrix, run
 
 T, V, H = sweeps.T, sweeps.V, sweeps.H
 EAGER = sweeps.EAGER
@@ -108,8 +108,8 @@ def test_the_gpu_plan_runs_three_gemms_with_model_precision_inputs():
     assert full_gemms(gemms, T, H, V, in_dtype=torch.float32) == 0
 
 
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("name", ["reverse_kl", "kl_div_linear", "per_token_kl"])
+@pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
+                         dtype_matrix(["reverse_kl", "kl_div_linear", "per_token_kl"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = sweeps.case(name, dtype)
     c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True)
