@@ -248,14 +248,14 @@ def _ops(inputs, budget, g, done=True):
     final = user_bodies.register(symbolic_trace(_final_mean))
     split = row_split.split_of(key, [0], [0], 0, [hidden.new_empty(0, V), teacher], [], with_outputs=True)
     width = row_bytes(split)
-    loss, gh, packed, ok, gw, gb = _row_local_loss._init_fn(key, [teacher], [], budget, 0, hidden, weight,
-                                                            None, "matmul", final, "mean:float32", 0, width,
-                                                            "two_sweeps", NEEDS)
-    assert int(ok) == 1
+    loss, gh, packed, ok, gw, gb, kept, count = _row_local_loss._init_fn(
+        key, [teacher], [], budget, 0, hidden, weight, None, "matmul", final, "mean:float32", 0, width,
+        "two_sweeps", NEEDS, "")  # (no skip graph: every row)
+    assert int(ok) == 1 and int(count) == T
     ok = ok if done else torch.zeros_like(ok)
     grads = _row_local_loss_backward._init_fn(torch.tensor(g), key, [teacher], [], budget, 0, hidden, weight,
                                               None, "matmul", final, "mean:float32", 0, gh, packed, ok, gw,
-                                              gb, "two_sweeps", NEEDS)
+                                              gb, kept, count, "two_sweeps", NEEDS)
     return loss, grads
 
 

@@ -50,7 +50,7 @@ from ..fx.op_rules import ZERO_ROWS, Kind
 from ..kernels.ops import user_bodies
 from .loss_tail import LossTail
 
-__all__ = ["skip_rows_body", "skip_rows_of_reads", "ITEMS"]
+__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "ITEMS"]
 
 ITEMS = ("lse_lo", "lse_hi", "lp_lo", "lp_hi", "ent_lo", "ent_hi")
 Fact = Union[bool, float, Node]  # a Python constant, or a node of the skip graph
@@ -244,10 +244,16 @@ def _sources(node: Node) -> set[Node]:
 
 
 def _mask_like(tail: LossTail) -> set[Node]:
-    """The row operands that are masks: a boolean or integer tensor (or a conversion of
-    one), or one the tail also sums whole (a masked mean's ``/ mask.sum()``, clamped or not).  A factor
-    such as an advantage may be 0 on some rows too, but reading the count every step to
-    find out is not worth its host sync (NOTE [rows a loss leaves out])."""
+    """The row operands that are masks (:func:`masks_among`)."""
+    return set(masks_among(tail, tail.row_operands))
+
+
+def masks_among(tail: LossTail, nodes: list) -> list:
+    """Those of ``nodes`` (graph nodes, or None) that are masks: a boolean or integer
+    tensor (or a conversion of one), or one the tail sums whole (a masked mean's ``/
+    mask.sum()``, clamped or not).  A factor such as an advantage may be 0 on some rows
+    too, but reading the count every step to find out is not worth its host sync (NOTE
+    [rows a loss leaves out])."""
     summed, seen = set(), set()
     stack = [(w, 0) for w in tail.whole]  # (a sum a few ops up: ``mask.sum().clamp(min=1)``)
     while stack:
@@ -258,12 +264,12 @@ def _mask_like(tail: LossTail) -> set[Node]:
         if op_name(w) in ("sum", "mean") and w.all_input_nodes:
             summed |= _sources(w.all_input_nodes[0])
         stack += [(a, depth + 1) for a in w.all_input_nodes]
-    out = set()
-    for o in tail.row_operands:
-        src = _sources(o)
+    out = []
+    for o in nodes:
+        src = _sources(o) if isinstance(o, Node) else set()
         kinds = {getattr(meta(n), "dtype", None) for n in src}
         if src & summed or any(isinstance(d, torch.dtype) and not d.is_floating_point for d in kinds):
-            out.add(o)
+            out.append(o)
     return out
 
 

@@ -58,8 +58,9 @@ from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local.loss import row_bytes, row_local_loss
 from ..kernels.row_local.split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
+from ..match.body_mask import skip_rows_of_body
 from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_reads, match_tail
-from ..match.row_mask import skip_rows_body, skip_rows_of_reads
+from ..match.row_mask import masks_among, skip_rows_body, skip_rows_of_reads
 from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log
 
@@ -341,6 +342,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
         if not isinstance(split, Split):
             raise NoTail(f"the loss's gradient needs whole rows: {split}")
         final = _final(tail)  # (before the graph changes: it may still say no)
+        mask_key = _body_mask(joined, index, n, rows, whole, inputs, tail) if config.skip_masked_rows else ""
         plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
     except (NoTail, Decline) as why:
@@ -353,10 +355,25 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
         loss = graph.call_function(row_local_loss, (joined, budget, n + len(flat), index, how, hidden, weight,
                                                     bias, final, _kinds(tail), len(scalars),
                                                     row_bytes(split), plan, *inputs[:n - 1], *flat,
-                                                    *inputs[n - 1:], *scalars))
+                                                    *inputs[n - 1:], *scalars), {"mask_key": mask_key})
     keep_meta(loss, tail.loss)
     tail.loss.replace_all_uses_with(loss)
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(node)
-    return LossInCall(tail.describe(), plan, GEMMS[plan])
+    return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key))
+
+
+def _body_mask(joined: str, index: int, n: int, rows: tuple, whole: tuple, inputs: list,
+               tail: LossTail) -> str:
+    """The joined body's skip graph (``match/body_mask.py``), "" where no row can be
+    skipped (``rows``, ``whole``: the region's input specs; ``inputs``: its row inputs but
+    the logits, then the tensors it reads whole)."""
+    nodes = [*inputs[:index], None, *inputs[index:n - 1], *tail.row_operands]
+    masks = {i for i, o in enumerate(nodes) if o is not None and o in masks_among(tail, [o])}
+    specs = rows + tuple(spec_of(meta(o), (0,)) for o in tail.row_operands)
+    key = skip_rows_of_body(joined, index, specs, whole + tuple(spec_of(meta(o)) for o in tail.whole),
+                            len(tail.reductions), masks)
+    if key is None:
+        log.debug("chunked_logits: %s: every row runs (no mask the rules can read)", joined)
+    return key or ""

@@ -82,6 +82,13 @@ def wd_distillation(hidden, weight, teacher_logits):
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def wdm_masked_distillation(hidden, weight, teacher_logits, mask):
+    """Training: WD's forward KL as a masked mean over the rows (prompt / padding rows weigh 0)."""
+    s = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+    t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    return ((t.exp() * (t - s)).sum(-1) * mask).sum() / mask.sum()
+
+
 TOP_K, TOP_P = 50, 0.9
 
 
@@ -218,7 +225,7 @@ def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
 
 
 # (fraction of the rows a loss leaves out, "prompt" (the first rows of each sequence) or
-# "padding" (the last)) of the masked workloads W4C, W4M and W4E; ``set_mask`` changes it.
+# "padding" (the last)) of the masked workloads W4C, W4M, W4E and WDM; ``set_mask`` changes it.
 MASK = {"fraction": 0.5, "style": "prompt"}
 SEQUENCE = 1024  # rows per sequence of the masked workloads
 
@@ -252,6 +259,10 @@ def _make_distillation(T, V, dtype=torch.bfloat16, seed=0, H=1024):
     g = torch.Generator().manual_seed(seed + 1)
     return hidden, weight, (hidden.detach().float() @ weight.detach().float().T
                             + torch.randn(T, V, generator=g)).to(dtype)
+
+
+def _make_masked_distillation(T, V, dtype=torch.bfloat16, seed=0, H=1024):
+    return (*_make_distillation(T, V, dtype, seed, H), row_mask(T).float())
 
 
 def _make_top_p_policy(T, V, dtype=torch.bfloat16, seed=0):
@@ -307,6 +318,8 @@ EXTRA_WORKLOADS = {
     "W4M": Workload("W4M", w4m_masked_policy_loss, True, _make_masked_policy, (4096, 32768), (0, 1)),
     "W4E": Workload("W4E", w4e_masked_policy_metrics, True, _make_masked_policy, (4096, 32768), (0, 1)),
     "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
+    # WD with a share of the rows out of the loss (MASK): the row-local engine's rows that count
+    "WDM": Workload("WDM", wdm_masked_distillation, True, _make_masked_distillation, (4096, 32768), (0, 1)),
     "WP": Workload("WP", wp_top_p_policy_loss, True, _make_top_p_policy, (4096, 32768), (0,)),
     # the row-local losses' memory table (docs/how-it-works.md 1b): W3's size
     **{name: Workload(name, fn, True, make, (2048, 32768), (0,)) for name, fn, make in (

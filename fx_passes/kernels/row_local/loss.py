@@ -27,11 +27,13 @@ the backward runs both sweeps with the scaled cotangents.  On plan ``"gpu"`` see
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
 
 from ...reporting.report import say_once
+from .. import rows as rows_of
 from ..log_softmax.loss import (
     add_fp32_grads,
     final_loss,
@@ -42,6 +44,7 @@ from ..log_softmax.loss import (
     scale_exactly_,
     scaled_exactly,
 )
+from ..ops import user_bodies
 from ..ops.args import LogitsInput, Region, RowLossOptions, grads_by_name
 from ..ops.pair import call_by_name, save_inputs, saved_inputs, taken
 from ..ops.registry import CAPTURE_SAFE, emitted
@@ -93,19 +96,60 @@ def _say_unsplit(key: str, why: str) -> None:
 def _row_local_loss(key: str, rows: list[torch.Tensor], whole: list[torch.Tensor], budget_bytes: int,
                     index: int, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     how: str, final_key: str, kinds: str, n_final: int, width: int, plan: str,
-                    needs: list[bool]) -> list[torch.Tensor]:
-    # -> [loss, grad_hidden, the per-row values packed (``[N, width]`` uint8), 1 if the
-    #     gradients were computed (the body split) else 0, grad_weight, grad_bias]: for a
-    #     unit loss; "two_sweeps": grad_hidden in model precision; "gpu": all three in FP32
+                    needs: list[bool], mask_key: str) -> list[torch.Tensor]:
+    # -> [loss, grad_hidden, the per-row values packed (``[N, width]`` uint8: the rows run
+    #     first), 1 if the gradients were computed (the body split) else 0, grad_weight,
+    #     grad_bias, the rows run (``[N]``, first ``count``), count]: for a unit loss;
+    #     "two_sweeps": grad_hidden in model precision; "gpu": all three in FP32
     lm = LogitsInput(index, flat(hidden), weight, bias, how)
     loss = RowLossOptions(final_key, kinds, n_final, width, plan)
-    return _forward(Region(key, rows, whole, budget_bytes), lm, loss, needs)
+    return _forward_kept(Region(key, rows, whole, budget_bytes), lm, loss, needs, mask_key)
 
 
-def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[bool]) -> list[torch.Tensor]:
-    """:func:`_row_local_loss`'s results."""
+def _forward_kept(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[bool],
+                  mask_key: str) -> list[torch.Tensor]:
+    """:func:`_row_local_loss`'s results: :func:`_forward` on the rows the skip graph
+    ``mask_key`` keeps (all of them for "")."""
+    n, dev = lm.h.shape[0], lm.h.device
+    weights = row_weights(loss.final_key, loss.kinds, loss.final_whole(region.whole), n, dev)
+    kept = _kept_rows(region, lm, loss.plan, mask_key, weights)
+    if kept is None:
+        out = _forward(region, lm, loss, needs, n)
+        return [*out, torch.arange(n, device=dev), torch.full((), n, dtype=torch.int64, device=dev)]
+    # the loop on the rows that count; the others' values and gradients are exact zeros
+    small = Region(region.key, [r[kept] for r in region.rows], region.whole, region.budget_bytes)
+    out = _forward(small, lm._replace(h=lm.h[kept]), loss, needs, n)
+    if needs[0]:
+        out[1] = out[1].new_zeros(n, out[1].shape[1]).index_copy_(0, kept, out[1])
+    packed = out[2].new_zeros(n, out[2].shape[1])
+    packed[:kept.shape[0]] = out[2]
+    out[2] = packed
+    index = torch.zeros(n, dtype=torch.int64, device=dev)
+    index[:kept.shape[0]] = kept
+    return [*out, index, torch.full((), kept.shape[0], dtype=torch.int64, device=dev)]
+
+
+def _kept_rows(region: Region, lm: LogitsInput, plan: str, mask_key: str,
+               weights: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The rows the loop must run (ascending), or None for all of them: those the joined
+    body's skip graph ``mask_key`` (``match/body_mask.py``) cannot prove exactly zero in
+    value and gradient.  The ``"two_sweeps"`` backward reads the count from host memory:
+    that plan compacts on CPUs only."""
+    h, weight = lm.h, lm.weight
+    if not mask_key or (plan != "gpu" and h.device.type != "cpu"):
+        return None
+    z = rows_of.logit_bounds(h, weight, lm.bias, None, False, "")
+    width = torch.full((), float(weight.shape[0]), dtype=F64, device=h.device)
+    skip = user_bodies.function(mask_key)(width, z, *region.rows, *region.whole, *weights)
+    return rows_of.select(skip.expand(h.shape[0]))
+
+
+def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[bool],
+             total: int) -> list[torch.Tensor]:
+    """:func:`_row_local_loss`'s first six results for the rows of ``region`` / ``lm``
+    (``total``: every row's count, a mean's)."""
     h, weight, bias, plan = lm.h, lm.weight, lm.bias, loss.plan
-    n, dev = h.shape[0], h.device
+    dev = h.device
     reductions = reductions_of(loss.kinds)
     final_whole = loss.final_whole(region.whole)
     sums = [torch.zeros((), dtype=F64, device=dev) for _ in reductions]
@@ -117,7 +161,7 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
         for s, o in zip(sums, forward(region, lm)):
             s += o.sum(dtype=F64)
     else:
-        weights = row_weights(loss.final_key, loss.kinds, final_whole, n, dev)
+        weights = row_weights(loss.final_key, loss.kinds, final_whole, total, dev)
         stats = compiled(split.stats, ("loss_stats", region.key, id(split)))
         k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
         cols = product_cols(resolve_budget(region.budget_bytes, dev), weight.shape[0], weight.shape[1])
@@ -135,7 +179,7 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
             if needs[0]:
                 torch.mm(g, weight, out=grad_h[a:b])
             _pack(packed[a:b], per_row)
-    value = loss_of_sums(loss.final_key, loss.kinds, sums, n, final_whole)
+    value = loss_of_sums(loss.final_key, loss.kinds, sums, total, final_whole)
     return [value, grad_h, packed, torch.full((), int(done), dtype=torch.int8, device=dev), grad_w, grad_b]
 
 
@@ -154,13 +198,15 @@ def _gradients(h, weight, bias, width: int, plan: str, needs: list[bool], make) 
 
 @_row_local_loss.register_fake
 def _(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final, width,
-      plan, needs):
+      plan, needs, mask_key):
     h = flat(hidden)
     at = [torch.zeros((), dtype=dt, device=h.device) for _, dt in reductions_of(kinds)]
     loss = final_loss(final_key, at, whole[len(whole) - n_final:])
     grad_h, packed, grad_w, grad_b = _gradients(h, weight, bias, width, plan, needs, torch.empty)
     done = torch.empty((), dtype=torch.int8, device=h.device)
-    return [torch.empty_like(loss), grad_h, packed, done, grad_w, grad_b]
+    kept = torch.empty(h.shape[0], dtype=torch.int64, device=h.device)
+    count = torch.empty((), dtype=torch.int64, device=h.device)
+    return [torch.empty_like(loss), grad_h, packed, done, grad_w, grad_b, kept, count]
 
 
 @torch.library.custom_op("chunked_logits::row_local_loss_backward", mutates_args=())
@@ -168,22 +214,45 @@ def _row_local_loss_backward(g: torch.Tensor, key: str, rows: list[torch.Tensor]
                              budget_bytes: int, index: int, hidden: torch.Tensor, weight: torch.Tensor,
                              bias: Optional[torch.Tensor], how: str, final_key: str, kinds: str, n_final: int,
                              grad_hidden: torch.Tensor, packed: torch.Tensor, done: torch.Tensor,
-                             grad_weight: torch.Tensor, grad_bias: torch.Tensor, plan: str,
-                             needs: list[bool]) -> list[torch.Tensor]:
-    """The gradients ``needs`` asks for (of hidden, weight, bias), for the incoming ``g``."""
+                             grad_weight: torch.Tensor, grad_bias: torch.Tensor, kept: torch.Tensor,
+                             count: torch.Tensor, plan: str, needs: list[bool]) -> list[torch.Tensor]:
+    """The gradients ``needs`` asks for (of hidden, weight, bias), for the incoming ``g``
+    (``kept[:count]``: the rows the forward ran; the others' gradients exact zeros)."""
     loss = RowLossOptions(final_key, kinds, n_final, 0, plan)  # (the width is not read)
     lm = LogitsInput(index, flat(hidden), weight, bias, how)
-    heads = _backward_of(g, Region(key, rows, whole, budget_bytes), lm, loss,
-                         (grad_hidden, packed, done, grad_weight, grad_bias), needs)
+    made = (grad_hidden, packed, done, grad_weight, grad_bias)
+    heads = _backward_kept(g, Region(key, rows, whole, budget_bytes), lm, loss, made, (kept, count), needs)
     if needs[0]:
         heads[0] = heads[0].view(hidden.shape)
     return heads
 
 
+def _backward_kept(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions, made: tuple,
+                   kept: tuple[torch.Tensor, torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
+    """:func:`_backward_of` on the rows the forward ran (``kept``: their indices, first
+    ``count``; the others' gradients exact zeros); grad_hidden ``[N, H]``."""
+    n = lm.h.shape[0]
+    index, count = kept
+    k = n if loss.plan == "gpu" or lm.h.device.type != "cpu" else int(count)  # (host memory on a CPU)
+    if k == n or g.device.type != "cpu" or not math.isfinite(g.item()):
+        # (a non-finite ``g``: every row, as stock's ``0 * inf``)
+        return _backward_of(g, region, lm, loss, made, needs, n)
+    rows_run = index[:k]
+    small = Region(region.key, [r[rows_run] for r in region.rows], region.whole, region.budget_bytes)
+    grad_hidden, packed, done, grad_weight, grad_bias = made
+    heads = _backward_of(g, small, lm._replace(h=lm.h[rows_run]), loss,
+                         (grad_hidden, packed[:k], done, grad_weight, grad_bias), needs, n)
+    if needs[0] and heads[0].shape[0] != n:
+        heads[0] = heads[0].new_zeros(n, heads[0].shape[1]).index_copy_(0, rows_run, heads[0])
+    return heads
+
+
 def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions, forward_made: tuple,
-                 needs: list[bool]) -> list[torch.Tensor]:
-    """:func:`_row_local_loss_backward` (``forward_made``: the forward's grad_hidden, packed
-    per-row values, ``done`` flag, grad_weight, grad_bias), grad_hidden ``[N, H]``."""
+                 needs: list[bool], total: int) -> list[torch.Tensor]:
+    """:func:`_row_local_loss_backward` on the rows of ``region`` / ``lm`` (``forward_made``:
+    the forward's grad_hidden ``[total, H]``, packed per-row values of these rows, ``done``
+    flag, grad_weight, grad_bias; ``total``: every row's count, a mean's); grad_hidden
+    ``[total, H]`` where the forward's is used, else of these rows."""
     h, weight, bias = lm.h, lm.weight, lm.bias
     n, dev = h.shape[0], h.device
     grad_hidden, packed, done, grad_weight, grad_bias = forward_made
@@ -195,7 +264,7 @@ def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLoss
         pairs = zip(needs, (grad_hidden, grad_weight, grad_bias), (h, weight, bias))
         return [_rounded(t, g, like, region.budget_bytes)
                 for need, t, like in pairs if need and like is not None]
-    weights = row_weights(loss.final_key, loss.kinds, loss.final_whole(region.whole), n, dev)
+    weights = row_weights(loss.final_key, loss.kinds, loss.final_whole(region.whole), total, dev)
     # the CPU plan's ``done`` and ``g`` (host values on a CPU); on another device both sweeps
     host = dev.type == "cpu" and g.device.type == "cpu"
     split = _split(region, lm, len(reductions)) if host and int(done) else None
@@ -242,12 +311,12 @@ def _from_the_forward(split: Split, region: Region, lm: LogitsInput, unit: list[
 
 @_row_local_loss_backward.register_fake
 def _(g, key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds, n_final,
-      grad_hidden, packed, done, grad_weight, grad_bias, plan, needs):
+      grad_hidden, packed, done, grad_weight, grad_bias, kept, count, plan, needs):
     return [torch.empty_like(t) for need, t in zip(needs, (hidden, weight, bias)) if need and t is not None]
 
 
 # the forward's results past the loss, saved for the backward (its inputs of these names)
-_MADE = ("grad_hidden", "packed", "done", "grad_weight", "grad_bias")
+_MADE = ("grad_hidden", "packed", "done", "grad_weight", "grad_bias", "kept", "count")
 
 
 def _setup(ctx, inputs, output):
@@ -270,15 +339,17 @@ _row_local_loss.register_autograd(_backward, setup_context=_setup)
 @emitted(("row_local_loss", "row_local_loss_backward"), CAPTURE_SAFE)
 def row_local_loss(key: str, budget_bytes: int, n_rows: int, index: int, how: str, hidden: torch.Tensor,
                    weight: torch.Tensor, bias: Optional[torch.Tensor], final_key: str, kinds: str,
-                   n_final: int, width: int, plan: str, *inputs: torch.Tensor) -> torch.Tensor:
+                   n_final: int, width: int, plan: str, *inputs: torch.Tensor,
+                   mask_key: str = "") -> torch.Tensor:
     """Called from rewritten graphs: the scalar loss of a row-local region (row input
     ``index``: the logits ``hidden @ weight.T``, ``how``: ``"linear"`` or ``"matmul"``)
     and its loss tail, joined in body ``key``.  ``inputs``: the ``n_rows - 1`` other row
     inputs (the tail's per-row tensors flat), then the tensors read whole, the loss's
     scalar part's ``n_final`` last; ``width``: bytes a row of the split's per-row values;
     ``plan``: ``"gpu"`` (``grad_weight`` summed over the row chunks by FP32-output GEMMs)
-    or ``"two_sweeps"`` (by the backward's vocabulary sweep)."""
+    or ``"two_sweeps"`` (by the backward's vocabulary sweep); ``mask_key``: the joined
+    body's skip graph (:mod:`fx_passes.match.body_mask`), "" for none."""
     rows, whole = list(inputs[:n_rows - 1]), list(inputs[n_rows - 1:])
     needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     return _row_local_loss(key, rows, whole, budget_bytes, index, hidden, weight, bias, how, final_key, kinds,
-                           n_final, width, plan, needs)[0]
+                           n_final, width, plan, needs, mask_key)[0]

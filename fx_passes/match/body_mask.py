@@ -1,0 +1,304 @@
+"""Rows a row-local loss leaves out: the skip graph of a region's body joined with its
+loss tail (``rewrite/loss_tail.rewrite_row_loss_tail``).
+
+:func:`skip_rows_of_body` builds ``skip(width, z, *rows, *whole, *weights) -> bool [rows]``
+(``z``: the logits' bound a row, ``kernels/rows.logit_bounds``; ``rows`` / ``whole``: the
+joined body's inputs but the logits; ``weights``: each sum's ``d loss / d row value``):
+True where every value the loss sums is exactly 0 and the logits get an exactly-zero
+gradient, so ``row_local_loss`` may leave the row out of its loop, GEMMs included.  Same
+facts and rules as the lm_head path's (``match/row_mask.py``, NOTE [rows a loss leaves
+out]), read through the body too.  See NOTE [rows a row-local body leaves out].
+"""
+
+# NOTE [rows a row-local body leaves out]
+# A row-local body (a distillation KL, a z-loss, a policy loss) is the user's own ops on
+# the row's logits and its other row inputs; the mask may be inside it (``kl * mask``
+# before the tail's ``.sum() / mask.sum()``) or in the tail.  Stock's answer for a masked
+# row is 0 only where every value on the way is finite (``0 * inf`` is NaN), in the forward
+# and in the gradient (a zero cotangent times an infinite derivative).  So the body is read
+# with the same two facts per node (exactly 0 / an interval holding it; a zero cotangent /
+# a bound on it), per row, at run time:
+#
+# * the logits' interval is ``[-z, z]``; a wide row input (a teacher's logits) its row's
+#   ``[min, max]``; values computed from the row inputs that are one per row (a mask's
+#   ``.float()``, ``labels != -100``) are computed exactly;
+# * reductions over the vocabulary (``sum``, ``mean``, ``amax`` / ``amin``,
+#   ``logsumexp``, ``log_softmax``, ``softmax``, ``gather``, ``cross_entropy(reduction='none')``)
+#   bound their results from their input's interval and the row's width and pass a zero
+#   cotangent where their input's interval is finite (their derivatives are then bounded);
+# * only values one per row ``[n]`` / ``[n, 1]``, the vocabulary's ``[n, V]`` and values
+#   read whole are taken: the body is run once on a small example at rewrite time to
+#   read each node's shape; any other shape, or an op with no rule, gives "unknown" (its
+#   rows are computed, never guessed).
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from ..fx.graph_ops import op_name
+from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind
+from ..kernels.ops import user_bodies
+from .row_mask import Value, _Facts, _Interpreter, _NoRule
+
+__all__ = ["skip_rows_of_body"]
+
+_N = 13  # rows of the shape-reading example (``kernels/row_local/split._ROWS``: no other size shares it)
+_REDUCE = {"sum", "mean", "amax", "amin", "logsumexp"}
+_NORMALIZE = {"log_softmax", "softmax"}
+_KWARGS = {"dim", "keepdim", "dtype", "_stacklevel"}
+
+
+def _shapes(body: GraphModule, rows: list, whole: list) -> dict[Node, Any]:
+    """Each node's result on an example of ``_N`` rows (``(dtype, shape, device)`` specs)."""
+    from torch.fx import Interpreter
+    ex = [torch.zeros((_N, *s[1:]), dtype=d, device="cpu") for d, s, _ in rows]
+    ex += [torch.zeros(s, dtype=d, device="cpu") for d, s, _ in whole]
+    seen: dict[Node, Any] = {}
+
+    class _Record(Interpreter):
+        def run_node(self, n):
+            seen[n] = out = super().run_node(n)
+            return out
+    with torch.no_grad():
+        _Record(body).run(*ex)
+    return seen
+
+
+class _BodyInterpreter(_Interpreter):
+    """The facts of a joined body's nodes (NOTE [rows a row-local body leaves out])."""
+
+    def __init__(self, f: _Facts, body: GraphModule, values: dict[Node, Any], logits: Node, vocab: int,
+                 width: Node, masks: set[Node]) -> None:
+        self.f, self.values, self.width = f, values, width
+        self.env: dict[Node, Node] = {}
+        self.facts: dict[Node, Value] = {}
+        self.masks, self.logits, self.vocab = set(masks), logits, vocab
+        self.kind = {n: self._kind(v) for n, v in values.items()}
+        # exact: computed from the inputs that are not the logits, one value a row or whole
+        self.exact: set[Node] = set()
+        self.inner: set[Node] = set()
+        for n in body.graph.nodes:
+            if n.op == "output":
+                continue
+            ins = n.all_input_nodes
+            if n is not logits and self.kind.get(n) in ("row", "whole") and all(a in self.exact for a in ins):
+                self.exact.add(n)
+                if self._integral(n) or (n.op != "placeholder" and ins and ins[0] in self.masks
+                                         and ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW)):
+                    self.masks.add(n)
+            else:
+                self.inner.add(n)
+
+    def _kind(self, v: Any) -> str:
+        if not isinstance(v, torch.Tensor):
+            return "other"
+        s = tuple(v.shape)
+        if s in ((_N,), (_N, 1)):
+            return "row"
+        if s == (_N, self.vocab):
+            return "wide"
+        return "other" if _N in s else "whole"
+
+    def _integral(self, n: Node) -> bool:
+        v = self.values.get(n)
+        return isinstance(v, torch.Tensor) and not v.is_floating_point()
+
+    def dtype(self, n: Node) -> Any:
+        v = self.values.get(n)
+        return v.dtype if isinstance(v, torch.Tensor) else None
+
+    def value(self, a) -> Value:
+        f = self.f
+        if isinstance(a, Node) and a in self.inner:
+            if a not in self.facts:
+                raise _NoRule(f"{a.name} has no facts")
+            return self.facts[a]
+        if isinstance(a, Node):
+            x = self.env[a]
+            if self.kind[a] == "row":
+                x = f.g.call_method("reshape", (x, -1))
+                exact = f.g.call_method("double", (x,))
+                return (f.call(operator.eq, x, 0) if a in self.masks else False), exact, exact
+            if self.values[a].dim() == 0:
+                exact = f.g.call_method("double", (x,))
+                return False, exact, exact
+            lo = f.g.call_method("double", (f.g.call_method("amin", (x,)),))
+            hi = f.g.call_method("double", (f.g.call_method("amax", (x,)),))
+            return False, lo, hi
+        if isinstance(a, (bool, int, float)):
+            return a == 0, float(a), float(a)
+        raise _NoRule(f"an operand {a!r}")
+
+    def condition(self, c) -> Any:
+        if isinstance(c, bool):
+            return c
+        if not isinstance(c, Node) or self.dtype(c) != torch.bool or c not in self.exact:
+            raise _NoRule("a condition that is not a boolean computed from the row inputs one per row")
+        x = self.env[c]
+        return self.f.g.call_method("reshape", (x, -1)) if self.kind[c] == "row" else x
+
+    def _wide(self, n: Node) -> Node:
+        """The operand a reduction over the vocabulary reads, checked."""
+        x = n.args[0] if n.args else n.kwargs.get("input")
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        if isinstance(dim, (list, tuple)) and len(dim) == 1:
+            dim = dim[0]
+        if not isinstance(x, Node) or self.kind.get(x) != "wide" or dim not in (-1, 1) or len(n.args) > 3:
+            raise _NoRule(f"{n.name}: not a reduction over the vocabulary")
+        if set(n.kwargs) - _KWARGS - {"input"} or n.kwargs.get("dtype") not in (None, *FLOATS):
+            raise _NoRule(f"{n.name}: keyword arguments the rule does not read")
+        return x
+
+    def input_place(self, n: Node, x: Node) -> None:
+        """The facts of a placeholder ``n`` that is inner (the logits: ``x`` is their bound
+        ``z``; a wide input: ``x`` its value)."""
+        g, f = self.f.g, self.f
+        if n is self.logits:
+            self.facts[n] = (False, f.minus(0.0, x), x)
+            return
+        if self.kind[n] != "wide":
+            self.facts[n] = (False, -math.inf, math.inf)
+            return
+        lo = g.call_method("double", (g.call_method("amin", (x, -1)),))
+        hi = g.call_method("double", (g.call_method("amax", (x, -1)),))
+        self.facts[n] = (False, lo, hi)
+
+    def node_forward(self, n: Node) -> Value:
+        f, name = self.f, op_name(n)
+        out = self.kind.get(n)
+        if name in _REDUCE or name in _NORMALIZE:
+            _, lo, hi = self.value(self._wide(n))
+            if (name in _REDUCE) != (out == "row") or (name in _NORMALIZE and out != "wide"):
+                raise _NoRule(f"{n.name}: not a reduction over the vocabulary")
+            log_w = f.call(torch.log, self.width)
+            if name == "sum":
+                return self.value(n.args[0])[0], f.times(lo, self.width), f.times(hi, self.width)
+            if name in ("mean", "amax", "amin"):
+                return self.value(n.args[0])[0], lo, hi
+            if name == "logsumexp":
+                return False, lo, f.plus(hi, log_w)
+            if name == "log_softmax":
+                return False, f.minus(lo, f.plus(hi, log_w)), 0.0
+            return False, 0.0, 1.0  # softmax (where the input is finite: the backward checks it)
+        if name == "gather":
+            x, dim = n.args[0], n.args[1] if len(n.args) > 1 else None
+            if self.kind.get(x) != "wide" or dim not in (-1, 1) or out != "row" or n.kwargs:
+                raise _NoRule(f"{n.name}: not a gather of one column a row")
+            return self.value(x)
+        if name == "cross_entropy":
+            x, t = self._ce(n)
+            _, lo, hi = self.value(x)
+            ignored = f.call(operator.eq, self.value(t)[1], float(n.kwargs.get("ignore_index", -100)))
+            return ignored, 0.0, f.plus(f.minus(hi, lo), f.call(torch.log, self.width))
+        if out not in ("row", "wide"):
+            raise _NoRule(f"{n.name}: a shape the rules do not read")
+        return self._forward(n)
+
+    def _ce(self, n: Node) -> tuple[Node, Node]:
+        kw = dict(n.kwargs)
+        plain = kw.pop("reduction", "mean") == "none" and kw.pop("weight", None) is None \
+            and kw.pop("label_smoothing", 0.0) == 0.0 and kw.pop("size_average", None) is None \
+            and kw.pop("reduce", None) is None and not set(kw) - {"ignore_index"}
+        if len(n.args) != 2 or not plain:
+            raise _NoRule(f"{n.name}: a cross_entropy the rule does not read")
+        x, t = n.args
+        if self.kind.get(x) != "wide" or t not in self.exact or self.kind.get(t) != "row":
+            raise _NoRule(f"{n.name}: a cross_entropy not over the vocabulary")
+        return x, t
+
+    def node_backward(self, n: Node, z: Any, m: Any) -> list[tuple[Any, Any, Any]]:
+        f, name = self.f, op_name(n)
+        if name in _REDUCE or name in _NORMALIZE:
+            x = self._wide(n)
+            bounded = self.finite(x)
+            if name in ("sum", "amax", "amin"):
+                return [(x, z, m)]
+            if name == "mean":
+                return [(x, z, f.over(m, self.width))]
+            size = f.times(m, f.plus(self.width, 1.0))  # (g - p * sum(g): at most (1 + V) |g|)
+            return [(x, f.and_(z, bounded), size)]
+        if name == "gather":
+            return [(n.args[0], z, m)]
+        if name == "cross_entropy":
+            x, t = self._ce(n)
+            ignored = f.call(operator.eq, self.value(t)[1], float(n.kwargs.get("ignore_index", -100)))
+            return [(x, f.or_(ignored, f.and_(z, self.finite(x))), f.times(m, 2.0))]
+        return self._backward(n, z, m)
+
+    def finite(self, a) -> Any:
+        _, lo, hi = self.value(a) if not isinstance(a, tuple) else a
+        return self.f.and_(self.f.finite(lo), self.f.finite(hi))
+
+
+def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_sums: int,
+                      masks: set[int]) -> Optional[str]:
+    """The registered key of ``skip(width, z, *rows but the logits, *whole, *weights)`` for
+    the joined body ``body_key`` (its row inputs' and whole inputs' ``(dtype, shape,
+    device)``, the logits at ``index``; ``n_sums`` values summed; ``masks``: the row
+    inputs' positions that are masks, a masked mean's), or None when no row can be skipped."""
+    body = user_bodies.function(body_key)
+    places = [p for p in body.graph.nodes if p.op == "placeholder"]
+    try:
+        values = _shapes(body, list(rows), list(whole))
+    except Exception:  # noqa: BLE001 - a body that does not run on the example: every row runs
+        return None
+    vocab = rows[index][1][-1]
+    g = Graph()
+    f = _Facts(g)
+    width, z = g.placeholder("width"), g.placeholder("z")
+    run = _BodyInterpreter(f, body, values, places[index], vocab, width,
+                           {places[i] for i in masks if i < len(rows)})
+    made = {p: z if i == index else g.placeholder(f"input{i}") for i, p in enumerate(places)}
+    weights = [g.placeholder(f"weight{k}") for k in range(n_sums)]
+    for p, x in made.items():
+        run.env[p] = x
+        if p not in run.exact:
+            run.input_place(p, x)
+    out = next(iter(body.graph.find_nodes(op="output")))
+    sums = list(out.args[0])
+    for n in body.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n in run.exact:
+            run.env[n] = g.node_copy(n, run.env.__getitem__)
+            continue
+        try:
+            v, lo, hi = run.node_forward(n)
+        except (_NoRule, KeyError):
+            v, lo, hi = False, -math.inf, math.inf
+        run.facts[n] = (v, *f.capped(lo, hi, run.dtype(n)))
+    skip: Any = True
+    for s in sums:
+        skip = f.and_(skip, run.value(s)[0] if s in run.inner else False)
+    if skip is False:
+        return None
+    Zc: dict[Node, Any] = {}
+    Mc: dict[Node, Any] = {}
+
+    def add(x, zero, m) -> None:
+        if isinstance(x, Node) and x in run.inner:
+            Zc[x] = f.and_(Zc.get(x, True), zero)
+            Mc[x] = f.plus(Mc.get(x, 0.0), m)
+    for s, w in zip(sums, weights):
+        add(s, f.call(operator.eq, w, 0), f.call(torch.abs, w))
+    for n in reversed(list(body.graph.nodes)):
+        if n not in Zc or n.op == "placeholder":
+            continue
+        z, m = Zc[n], f.capped(f.minus(0.0, Mc[n]), Mc[n], run.dtype(n))[1]
+        try:
+            for a, za, ma in run.node_backward(n, z, m):
+                add(a, za, ma)
+        except (_NoRule, KeyError):
+            for a in n.all_input_nodes:
+                add(a, False, math.inf)
+    skip = f.and_(skip, Zc.get(places[index], True))
+    skip = f.and_(skip, f.call(torch.isfinite, z))
+    if skip is False:
+        return None
+    g.output(skip)
+    return user_bodies.register(GraphModule(torch.nn.Module(), g))

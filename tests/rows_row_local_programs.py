@@ -1,0 +1,79 @@
+"""Masked row-local losses (issue 36, the row-local engine): distillation KLs and a
+cross-entropy with a z-loss, each with its mask where users write it (in the body, in the
+tail, as ``ignore_index``), and their inputs."""
+
+import torch
+import torch.nn.functional as F
+
+from tests.numerics import F32
+
+T, H, V = 96, 64, 1024
+
+
+def _kl(h, w, teacher, up):
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def kd_masked_mean(h, w, teacher, labels, mask, up=F32):
+    """verl / TRL's masked mean of a forward KL: ``(kl * mask).sum() / mask.sum()``."""
+    return (_kl(h, w, teacher, up) * mask.to(up)).sum() / mask.to(up).sum()
+
+
+def kd_where(h, w, teacher, labels, mask, up=F32):
+    """A boolean mask selecting the rows' KL, over a clamped count."""
+    return torch.where(mask > 0, _kl(h, w, teacher, up), 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def reverse_kl_temperature(h, w, teacher, labels, mask, up=F32):
+    s = torch.log_softmax((h @ w.T).to(up) / 0.7, -1)
+    t = torch.log_softmax(teacher.to(up) / 0.7, -1)
+    kl = (s.exp() * (s - t)).sum(-1)
+    return (kl * mask.to(up)).sum() / mask.to(up).sum()
+
+
+def kd_and_logprob(h, w, teacher, labels, mask, up=F32):
+    """A KL plus the label's log-prob (a ``gather``), masked as a token mean."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    per_row = (t.exp() * (t - s)).sum(-1) - 0.1 * s.gather(-1, labels[:, None]).squeeze(-1)
+    return (per_row * mask.to(up)).sum() / mask.to(up).sum()
+
+
+def ensemble_ce(h, w, teacher, labels, mask, up=F32):
+    """Cross-entropy of the student and teacher logits' mean over the labels
+    ``ignore_index`` keeps (``reduction='none'``, the mask its ``-100``)."""
+    x = ((h @ w.T).to(up) + teacher.to(up)) / 2
+    target = torch.where(mask > 0, labels, -100)
+    ce = F.cross_entropy(x, target, reduction="none", ignore_index=-100)
+    return ce.sum() / (target != -100).sum().clamp(min=1)
+
+
+def kd_mask_of_the_logits(h, w, teacher, labels, mask, up=F32):
+    """A mask computed from the student's own logits: nothing is known before the loop."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    kl = (t.exp() * (t - s)).sum(-1)
+    m = (s.amax(-1) > -2.0).to(up)
+    return (kl * m).sum() / m.sum().clamp(min=1)
+
+
+def kd_pow(h, w, teacher, labels, mask, up=F32):
+    """``pow`` has no rule: the masked rows are computed (same results)."""
+    return (_kl(h, w, teacher, up).pow(2) * mask.to(up)).sum() / mask.to(up).sum()
+
+
+MASKED = [kd_masked_mean, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce]
+UNPROVEN = [kd_mask_of_the_logits, kd_pow]
+
+
+def inputs(dtype, masked=0.5, t=T, seed=0):
+    """(h, w, teacher logits, labels, mask): the first ``masked`` share of each 32 rows out."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(t, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 2 / H**0.5).to(dtype)
+    teacher = (torch.randn(t, V, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, V, (t,), generator=g)
+    mask = (torch.arange(t) % 32 >= round(32 * masked)).float()
+    return [h, w, teacher, labels, mask]

@@ -1,0 +1,167 @@
+"""Rows that count in the row-local engine (issue 36): with a row-local loss in the graph
+(a distillation KL, a cross-entropy of mixed logits), ``row_local_loss`` runs only the rows
+whose value and gradient the mask (in the body, in the tail, ``ignore_index``) makes
+exactly zero, GEMMs included, forward and backward (``match/body_mask.py``); every result
+as accurate as stock's, stock's NaN / inf pattern kept (a row that might make one, a
+teacher's inf included, is computed)."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.profiler import profile
+
+from fx_passes.kernels.ops.body_compiler import compiling_with
+from fx_passes.testing.gemms import cpu_out_dtype_kernels
+from tests.masked_rows import BF16, EAGER, FP16
+from tests.numerics import assert_no_less_accurate
+from tests.rows_row_local_programs import MASKED, UNPROVEN, H, T, V, inputs, kd_masked_mean, kd_where
+
+_stock: dict = {}
+
+
+def _run(fn, xs, scale=1.0):
+    leaves = [x.detach().clone().requires_grad_(i < 2) for i, x in enumerate(xs)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves[:2], grad_outputs=torch.tensor(scale, dtype=out.dtype))
+    return [out.detach()], list(grads)
+
+
+def _reference(fn, xs, scale=1.0):
+    return _run(lambda *a: fn(*a, up=torch.float64), [x.double() if x.is_floating_point() else x for x in xs],
+                scale)
+
+
+def _ours(fn, xs, plan="two_sweeps", dynamic=False, scale=1.0, **options):
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
+                             options={"lm_head_plan": plan, "chunk_budget_mib": 0.125, **options})
+    with cpu_out_dtype_kernels(), compiling_with(EAGER):
+        return _run(compiled, xs, scale), dict(counters["chunked_logits"])
+
+
+def _check(fn, dtype, tol, masked, plan="two_sweeps", dynamic=False, scale=1.0):
+    xs = inputs(dtype, masked)
+    key = (fn, dtype, masked, dynamic, scale)
+    if key not in _stock:
+        _stock[key] = (_reference(fn, xs, scale), _run(torch.compile(fn, backend="inductor", dynamic=dynamic),
+                                                      xs, scale))
+    ref, stock = _stock[key]
+    ours, c = _ours(fn, xs, plan, dynamic, scale)
+    assert c.get("row_local_lm_head") == 1 and c.get("gradients_in_forward") == 1, c
+    assert c.get("masked_rows") == 1, c
+    assert_no_less_accurate(ours, stock, ref, dtype, *tol)
+    return c
+
+
+def _pattern(out):
+    return [(int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum()))
+            for t in (*out[0], *out[1])]
+
+
+@pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
+@pytest.mark.parametrize("fn", MASKED, ids=lambda f: f.__name__)
+def test_masked_row_local_losses_skip_rows_and_match_stock(fn, plan):
+    c = _check(fn, torch.bfloat16, BF16, 0.5, plan)
+    assert T // 2 - 8 < c.get("rows_skipped", 0) <= T // 2 and c.get("rows_seen") == T, c
+
+
+@pytest.mark.parametrize("masked", [0.0, 0.75, 1.0])
+def test_no_some_or_every_row_masked(masked):
+    c = _check(kd_masked_mean if masked < 1 else kd_where, torch.bfloat16, BF16, masked)
+    out = round(32 * masked) * T // 32
+    assert out - 8 < c.get("rows_skipped", 0) <= out, c  # (kept rows rounded up to a multiple of 8)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fp16_dynamic_shapes_and_an_incoming_gradient(dynamic):
+    """0.3 recomputes both gradients from the scaled cotangents (over the kept rows); -2
+    scales the forward's exactly; the ``gpu`` plan scales its FP32 sums on the device."""
+    assert _check(kd_masked_mean, torch.float16, FP16, 0.5, "two_sweeps", dynamic, scale=0.3)["rows_skipped"]
+    assert _check(kd_where, torch.bfloat16, BF16, 0.5, "two_sweeps", dynamic, scale=-2.0)["rows_skipped"]
+    assert _check(kd_masked_mean, torch.bfloat16, BF16, 0.5, "gpu", dynamic, scale=0.3)["rows_skipped"]
+
+
+def _poisoned(kind):
+    h, w, teacher, labels, mask = inputs(torch.bfloat16, 0.5)
+    if kind == "teacher+inf, a masked row":
+        teacher[1, 7] = float("inf")
+    elif kind == "teacher nan, a masked row":
+        teacher[2, 9] = float("nan")
+    elif kind == "h+inf, a masked row":
+        h[3, 5] = float("inf")
+    elif kind == "h nan, a kept row":
+        h[20, 0] = float("nan")
+    elif kind == "w+inf":
+        w[9, 4] = float("inf")
+    elif kind == "teacher -inf, a kept row":
+        teacher[24, 3] = float("-inf")
+    return [h, w, teacher, labels, mask]
+
+
+KINDS = ["teacher+inf, a masked row", "teacher nan, a masked row", "h+inf, a masked row", "h nan, a kept row",
+         "w+inf", "teacher -inf, a kept row"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fn", [kd_masked_mean, kd_where], ids=lambda f: f.__name__)
+def test_non_finite_values_as_stock(fn, kind):
+    """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:
+    ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there."""
+    xs = _poisoned(kind)
+    stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
+    ours, c = _ours(fn, xs)
+    assert _pattern(ours) == stock, (_pattern(ours), stock, c)
+    if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is kd_masked_mean):
+        assert c.get("rows_skipped", 0) < T // 2, c  # (that row, every row for w, is computed)
+    assert c.get("rows_seen") == T, c
+
+
+def test_an_infinite_incoming_gradient_as_stock():
+    """``inf * 0`` at a masked row is NaN in stock's gradients: the backward runs every row then."""
+    xs = inputs(torch.bfloat16, 0.5)
+    for fn in (kd_masked_mean, kd_where):
+        stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs, float("inf")))
+        ours, c = _ours(fn, xs, scale=float("inf"))
+        assert c.get("rows_skipped") and _pattern(ours) == stock, (_pattern(ours), stock)
+
+
+@pytest.mark.parametrize("fn", UNPROVEN, ids=lambda f: f.__name__)
+def test_what_no_rule_proves_runs_every_row(fn):
+    xs = inputs(torch.bfloat16, 0.5)
+    stock = _run(torch.compile(fn, backend="inductor"), xs)
+    ours, c = _ours(fn, xs)
+    assert c.get("row_local_lm_head") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
+    assert_no_less_accurate(ours, stock, _reference(fn, xs), torch.bfloat16, *BF16)
+
+
+def test_the_option_turns_it_off():
+    _, c = _ours(kd_masked_mean, inputs(torch.bfloat16, 0.5), skip_masked_rows=False)
+    assert c.get("gradients_in_forward") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
+
+
+def _gemms(masked, plan):
+    """Full ``[T, H] x [H, V]`` GEMMs of a profiled step (the logits' GEMMs run inside
+    compiled chunk bodies: the profiler sees them; the test kernels' own matmuls left out)."""
+    t = 256
+    xs = inputs(torch.bfloat16, masked, t=t)
+    torch._dynamo.reset()
+    compiled = torch.compile(kd_masked_mean, backend="chunked_logits", options={"lm_head_plan": plan})
+    _run(compiled, xs)  # compile outside the profile
+    with profile(record_shapes=True) as prof:
+        _run(compiled, xs)
+    names = ("aten::mm", "aten::addmm")
+    gemms = [e for e in prof.events()
+             if e.name in names and not (e.cpu_parent and e.cpu_parent.name in names)]  # (test kernels' own)
+    shapes = [e.input_shapes[1:3] if e.name == "aten::addmm" else e.input_shapes[:2] for e in gemms]
+    return sum(2 * a[0] * a[1] * b[1] for a, b in shapes) / (2 * t * H * V)
+
+
+@pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
+def test_half_the_rows_masked_half_the_gemms(plan):
+    """The GEMM audit: 50% of the rows masked, at most 0.55x the full-GEMM equivalents of
+    the same step with none masked (4 on the CPU plan, 3 on the GPU plan)."""
+    with cpu_out_dtype_kernels():
+        full, half = _gemms(0.0, plan), _gemms(0.5, plan)
+    assert full == pytest.approx(4 if plan == "two_sweeps" else 3)
+    assert half <= 0.55 * full, (half, full)
