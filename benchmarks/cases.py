@@ -185,7 +185,7 @@ def limit_bytes(name: str, T: int, V: int) -> int:
         return 2 * 4 * T
     if name in LM_HEAD_WORKLOADS:
         H = LM_HEAD_HIDDEN
-        chunks = 2 if name == "WD" else 1  # (the teacher's logits chunk too)
+        chunks = 2 if name in ("WD", "WDM") else 1  # (the teacher's logits chunk too)
         return 2 * T * H + 2 * V * H + chunks * 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
     return 2 * T * V
 

@@ -165,3 +165,30 @@ def test_half_the_rows_masked_half_the_gemms(plan):
         full, half = _gemms(0.0, plan), _gemms(0.5, plan)
     assert full == pytest.approx(4 if plan == "two_sweeps" else 3)
     assert half <= 0.55 * full, (half, full)
+
+
+def test_one_host_read_a_step():
+    """The ``gpu`` plan reads the count of kept rows once a step (the forward), nothing else."""
+    compiled = torch.compile(kd_masked_mean, backend="chunked_logits", options={"lm_head_plan": "gpu"})
+    xs = inputs(torch.bfloat16, 0.5)
+    with cpu_out_dtype_kernels():
+        _run(compiled, xs)
+        _run(compiled, xs)
+        with profile() as prof:
+            _run(compiled, xs)
+    reads = [e.name for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::item",
+                                                         "aten::equal", "aten::is_nonzero")]
+    assert reads.count("aten::_local_scalar_dense") == 1 and "aten::equal" not in reads, reads
+
+
+def test_a_teachers_kept_rows_are_gathered_chunk_by_chunk():
+    """The kept rows' wide inputs (a teacher's logits) are gathered per row chunk and per
+    vocabulary block, never whole: no gather allocates as much as the kept rows' share of
+    the teacher (``[T / 2, V]`` bf16 at half the rows masked)."""
+    xs = inputs(torch.bfloat16, 0.5)
+    compiled = torch.compile(kd_masked_mean, backend="chunked_logits", options={"chunk_budget_mib": 0.125})
+    _run(compiled, xs)
+    with profile(profile_memory=True) as prof:
+        _run(compiled, xs)
+    gathers = [e.cpu_memory_usage for e in prof.events() if e.name in ("aten::index", "aten::index_select")]
+    assert gathers and max(gathers) < T // 2 * V * 2, sorted(gathers)[-3:]

@@ -151,10 +151,19 @@ class Region:
     rows: list
     whole: list
     budget_bytes: int
+    kept: Any = None  # (the rows the loop runs, ascending; None: all; their inputs gathered per chunk)
 
     def chunk(self, a: int, b: int) -> list:
-        """The body's row inputs of rows ``[a, b)``."""
-        return [r[a:b] for r in self.rows]
+        """The body's row inputs of rows ``[a, b)`` (of the kept rows, where some are)."""
+        if self.kept is None:
+            return [r[a:b] for r in self.rows]
+        return [r[self.kept[a:b]] for r in self.rows]
+
+    def gathered(self) -> "Region":
+        """The same region with its kept rows' inputs gathered whole (every row of it runs)."""
+        if self.kept is None:
+            return self
+        return dataclasses.replace(self, rows=[r[self.kept] for r in self.rows], kept=None)
 
 
 class LogitsInput(NamedTuple):

@@ -26,6 +26,7 @@ the backward runs both sweeps with the scaled cotangents.  On plan ``"gpu"`` see
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Optional
@@ -117,8 +118,7 @@ def _forward_kept(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: 
         out = _forward(region, lm, loss, needs, n)
         return [*out, torch.arange(n, device=dev), torch.full((), n, dtype=torch.int64, device=dev)]
     # the loop on the rows that count; the others' values and gradients are exact zeros
-    small = Region(region.key, [r[kept] for r in region.rows], region.whole, region.budget_bytes)
-    out = _forward(small, lm._replace(h=lm.h[kept]), loss, needs, n)
+    out = _forward(dataclasses.replace(region, kept=kept), lm._replace(h=lm.h[kept]), loss, needs, n)
     if needs[0]:
         out[1] = out[1].new_zeros(n, out[1].shape[1]).index_copy_(0, kept, out[1])
     packed = out[2].new_zeros(n, out[2].shape[1])
@@ -158,7 +158,7 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
     done = isinstance(split, Split) and (plan == "gpu" or row_bytes(split) == loss.width)
     if not done:  # (not expected: the rewrite split the same body) the results only
         _say_unsplit(region.key, split if isinstance(split, str) else "another layout of its per-row values")
-        for s, o in zip(sums, forward(region, lm)):
+        for s, o in zip(sums, forward(region.gathered(), lm)):
             s += o.sum(dtype=F64)
     else:
         weights = row_weights(loss.final_key, loss.kinds, final_whole, total, dev)
@@ -234,17 +234,18 @@ def _backward_kept(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLo
     n = lm.h.shape[0]
     index, count = kept
     k = n if loss.plan == "gpu" or lm.h.device.type != "cpu" else int(count)  # (host memory on a CPU)
-    if k == n or g.device.type != "cpu" or not math.isfinite(g.item()):
-        # (a non-finite ``g``: every row, as stock's ``0 * inf``)
-        return _backward_of(g, region, lm, loss, made, needs, n)
-    rows_run = index[:k]
-    small = Region(region.key, [r[rows_run] for r in region.rows], region.whole, region.budget_bytes)
-    grad_hidden, packed, done, grad_weight, grad_bias = made
-    heads = _backward_of(g, small, lm._replace(h=lm.h[rows_run]), loss,
-                         (grad_hidden, packed[:k], done, grad_weight, grad_bias), needs, n)
-    if needs[0] and heads[0].shape[0] != n:
-        heads[0] = heads[0].new_zeros(n, heads[0].shape[1]).index_copy_(0, rows_run, heads[0])
-    return heads
+    if k == n:
+        return _backward_of(g, region, lm, loss, made, needs, n) or _both_sweeps(g, region, lm, loss, needs)
+    if g.device.type == "cpu" and math.isfinite(g.item()):
+        rows_run = index[:k]
+        grad_hidden, packed, done, grad_weight, grad_bias = made
+        heads = _backward_of(g, dataclasses.replace(region, kept=rows_run), lm._replace(h=lm.h[rows_run]),
+                             loss, (grad_hidden, packed[:k], done, grad_weight, grad_bias), needs, n)
+        if heads is not None:
+            return heads
+    # every row (a ``g`` that is not finite: stock's ``0 * inf`` at a masked row is NaN; one
+    # that does not scale exactly: both sweeps, the kept rows' inputs not gathered whole)
+    return _both_sweeps(g, region, lm, loss, needs)
 
 
 def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions, forward_made: tuple,
@@ -252,7 +253,7 @@ def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLoss
     """:func:`_row_local_loss_backward` on the rows of ``region`` / ``lm`` (``forward_made``:
     the forward's grad_hidden ``[total, H]``, packed per-row values of these rows, ``done``
     flag, grad_weight, grad_bias; ``total``: every row's count, a mean's); grad_hidden
-    ``[total, H]`` where the forward's is used, else of these rows."""
+    ``[total, H]``; None where both sweeps must run (:func:`_both_sweeps`)."""
     h, weight, bias = lm.h, lm.weight, lm.bias
     n, dev = h.shape[0], h.device
     grad_hidden, packed, done, grad_weight, grad_bias = forward_made
@@ -270,13 +271,21 @@ def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLoss
     split = _split(region, lm, len(reductions)) if host and int(done) else None
     if isinstance(split, Split):
         unit = [w.to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
-        heads = _from_the_forward(split, region, lm, unit, grad_hidden, packed, g.item(), needs)
-        if heads is not None:
-            return heads
+        return _from_the_forward(split, region, lm, unit, grad_hidden, packed, g.item(), needs)
+    return None
+
+
+def _both_sweeps(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions,
+                 needs: list[bool]) -> list[torch.Tensor]:
+    """Both sweeps over every row, from the cotangents scaled by ``g`` (each gradient still
+    one FP32 sum rounded once)."""
+    n = lm.h.shape[0]
+    reductions = reductions_of(loss.kinds)
+    weights = row_weights(loss.final_key, loss.kinds, loss.final_whole(region.whole), n, lm.h.device)
     grads = [(w * g).to(dt).expand(n).contiguous() for w, (_, dt) in zip(weights, reductions)]
-    # both sweeps, from the scaled cotangents (each gradient still one FP32 sum rounded once)
     return row_local_sweeps_backward(region.key, [], list(range(len(reductions))), region.rows, region.whole,
-                                      grads, region.budget_bytes, lm.index, h, weight, bias, lm.how, needs)
+                                      grads, region.budget_bytes, lm.index, lm.h, lm.weight, lm.bias, lm.how,
+                                      needs)
 
 
 def _rounded(t: torch.Tensor, g: torch.Tensor, like: torch.Tensor, budget_bytes: int) -> torch.Tensor:
