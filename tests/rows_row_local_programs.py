@@ -34,10 +34,11 @@ def reverse_kl_temperature(h, w, teacher, labels, mask, up=F32):
 
 
 def kd_and_logprob(h, w, teacher, labels, mask, up=F32):
-    """A KL plus the label's log-prob (a ``gather``), masked as a token mean."""
+    """A soft-label cross-entropy (the teacher's ``softmax``) plus the label's log-prob (a
+    ``gather``), masked as a token mean."""
     s = torch.log_softmax((h @ w.T).to(up), -1)
-    t = torch.log_softmax(teacher.to(up), -1)
-    per_row = (t.exp() * (t - s)).sum(-1) - 0.1 * s.gather(-1, labels[:, None]).squeeze(-1)
+    p = torch.softmax(teacher.to(up), -1)
+    per_row = -(p * s).sum(-1) - 0.1 * s.gather(-1, labels[:, None]).squeeze(-1)
     return (per_row * mask.to(up)).sum() / mask.to(up).sum()
 
 
@@ -64,8 +65,16 @@ def kd_pow(h, w, teacher, labels, mask, up=F32):
     return (_kl(h, w, teacher, up).pow(2) * mask.to(up)).sum() / mask.to(up).sum()
 
 
+def kd_over_a_vector(h, w, teacher, labels, mask, up=F32):
+    """Logits divided by one number a column: the rules read a divisor as one number a row."""
+    scale = torch.linspace(0.5, 2.0, V, dtype=up)
+    s = torch.log_softmax((h @ w.T).to(up) / scale, -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    return ((t.exp() * (t - s)).sum(-1) * mask.to(up)).sum() / mask.to(up).sum()
+
+
 MASKED = [kd_masked_mean, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce]
-UNPROVEN = [kd_mask_of_the_logits, kd_pow]
+UNPROVEN = [kd_mask_of_the_logits, kd_pow, kd_over_a_vector]
 
 
 def inputs(dtype, masked=0.5, t=T, seed=0):

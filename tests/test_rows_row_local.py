@@ -14,7 +14,18 @@ from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from tests.masked_rows import BF16, EAGER, FP16
 from tests.numerics import assert_no_less_accurate
-from tests.rows_row_local_programs import MASKED, UNPROVEN, H, T, V, inputs, kd_masked_mean, kd_where
+from tests.rows_row_local_programs import (
+    MASKED,
+    UNPROVEN,
+    H,
+    T,
+    V,
+    ensemble_ce,
+    inputs,
+    kd_and_logprob,
+    kd_masked_mean,
+    kd_where,
+)
 
 _stock: dict = {}
 
@@ -104,15 +115,17 @@ KINDS = ["teacher+inf, a masked row", "teacher nan, a masked row", "h+inf, a mas
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("fn", [kd_masked_mean, kd_where], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [kd_masked_mean, kd_where, kd_and_logprob, ensemble_ce],
+                         ids=lambda f: f.__name__)
 def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:
-    ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there."""
+    ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there; an
+    ignored label's row still gets ``0 * exp(lp)``, NaN, from log-softmax's backward."""
     xs = _poisoned(kind)
     stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
     ours, c = _ours(fn, xs)
     assert _pattern(ours) == stock, (_pattern(ours), stock, c)
-    if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is kd_masked_mean):
+    if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is not kd_where):
         assert c.get("rows_skipped", 0) < T // 2, c  # (that row, every row for w, is computed)
     assert c.get("rows_seen") == T, c
 

@@ -86,7 +86,11 @@ class _BodyInterpreter(_Interpreter):
             if n.op == "output":
                 continue
             ins = n.all_input_nodes
-            if n is not logits and self.kind.get(n) in ("row", "whole") and all(a in self.exact for a in ins):
+            kind = self.kind.get(n)
+            # (a value read whole is computed from values read whole only: never a sum over rows)
+            if n is not logits and n.op in ("placeholder", "call_function", "call_method") \
+                    and kind in ("row", "whole") and all(a in self.exact for a in ins) \
+                    and (kind == "row" or all(self.kind[a] == "whole" for a in ins)):
                 self.exact.add(n)
                 if self._integral(n) or (n.op != "placeholder" and ins and ins[0] in self.masks
                                          and ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW)):
@@ -172,7 +176,8 @@ class _BodyInterpreter(_Interpreter):
         f, name = self.f, op_name(n)
         out = self.kind.get(n)
         if name in _REDUCE or name in _NORMALIZE:
-            _, lo, hi = self.value(self._wide(n))
+            x_ = self._wide(n)
+            _, lo, hi = self.value(x_)
             if (name in _REDUCE) != (out == "row") or (name in _NORMALIZE and out != "wide"):
                 raise _NoRule(f"{n.name}: not a reduction over the vocabulary")
             log_w = f.call(torch.log, self.width)
@@ -184,7 +189,7 @@ class _BodyInterpreter(_Interpreter):
                 return False, lo, f.plus(hi, log_w)
             if name == "log_softmax":
                 return False, f.minus(lo, f.plus(hi, log_w)), 0.0
-            return False, 0.0, 1.0  # softmax (where the input is finite: the backward checks it)
+            return False, f.select(self.finite(x_), 0.0, -math.inf), 1.0  # softmax: in [0, 1] if finite
         if name == "gather":
             x, dim = n.args[0], n.args[1] if len(n.args) > 1 else None
             if self.kind.get(x) != "wide" or dim not in (-1, 1) or out != "row" or n.kwargs:
@@ -197,6 +202,7 @@ class _BodyInterpreter(_Interpreter):
             return ignored, 0.0, f.plus(f.minus(hi, lo), f.call(torch.log, self.width))
         if out not in ("row", "wide"):
             raise _NoRule(f"{n.name}: a shape the rules do not read")
+        self._divisor(n)
         return self._forward(n)
 
     def _ce(self, n: Node) -> tuple[Node, Node]:
@@ -227,8 +233,18 @@ class _BodyInterpreter(_Interpreter):
         if name == "cross_entropy":
             x, t = self._ce(n)
             ignored = f.call(operator.eq, self.value(t)[1], float(n.kwargs.get("ignore_index", -100)))
-            return [(x, f.or_(ignored, f.and_(z, self.finite(x))), f.times(m, 2.0))]
+            # (an ignored row's cotangent is 0, but log-softmax's backward of it is ``0 * exp(lp)``)
+            return [(x, f.and_(self.finite(x), f.or_(ignored, z)), f.times(m, 2.0))]
+        self._divisor(n)
         return self._backward(n, z, m)
+
+    def _divisor(self, n: Node) -> None:
+        """A ``div`` divides by one number a row (an exact per-row value or a scalar) only:
+        the rules read a divisor as one value, not an interval."""
+        if op_name(n) == "div" and len(n.args) > 1 and isinstance(n.args[1], Node):
+            d = n.args[1]
+            if d in self.inner or (self.kind.get(d) == "whole" and self.values[d].dim() > 0):
+                raise _NoRule(f"{n.name}: a divisor that is not one number a row")
 
     def finite(self, a) -> Any:
         _, lo, hi = self.value(a) if not isinstance(a, tuple) else a
