@@ -158,6 +158,9 @@ CASES = {
     # the per-token path's masked call (a masked-mean loss and entropy metric both leave the
     # graph): the same read in its forward, the count a host tensor for its backward
     "W4E": CaseDef(ALL_WORKLOADS["W4E"], (STOCK, "ours", "ours:all_rows"), masked=MASK["fraction"]),
+    # the row-local engine's masked loss (WD's KL as a masked mean): the same read in
+    # row_local_loss's forward, its gpu plan's backward reading nothing
+    "WDM": CaseDef(ALL_WORKLOADS["WDM"], (STOCK, "ours", "ours:all_rows"), masked=MASK["fraction"]),
 }
 NOT_PLANS = {"ro", "all_rows"}  # the variants of a mode that are not an lm_head plan
 
@@ -182,6 +185,8 @@ def make_inputs(key: str, T: int, V: int, H: int, device: torch.device) -> tuple
         return hidden, weight, torch.where(row_mask(T).to(device), labels, -100)
     if name == "W4E":
         return (*lm_head_inputs(T, V, H, device), row_mask(T).float().to(device))
+    if name == "WDM":
+        return (*distillation_inputs(T, V, H, device), row_mask(T).float().to(device))
     return lm_head_inputs(T, V, H, device, labels=name in ("WV", "WV-tok"))
 
 

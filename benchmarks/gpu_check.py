@@ -8,8 +8,9 @@ most decisive first, each in its own process (benchmarks/gpu_case.py) under its 
 guard: the lm_head loss in the graph and per token (W4L, WV) for stock Inductor and ours
 with each lm_head plan a GPU runs, a ``reduce-overhead`` step, WD, WP, a vocab-parallel
 step on one rank, a cross-entropy with half its labels ignored (W4C: the host read's
-cost) and a masked policy loss with its entropy metric (W4E: the same on the per-token
-path).  Per step: peak memory, time vs stock (interleaved medians, CUDA events), kernels
+cost), a masked policy loss with its entropy metric (W4E: the same on the per-token
+path) and a masked distillation loss (WDM: the same in the row-local engine).  Per
+step: peak memory, time vs stock (interleaved medians, CUDA events), kernels
 and GEMM TFLOPS (profiler), max error vs FP64, host syncs (``set_sync_debug_mode("error")``
 and the profiler's sync ops), CUDA-graph replays, and the cost model's prediction beside
 it.  ``gpu_check.json`` and ``gpu_check.md`` in ``--out`` are rewritten after every case;
@@ -57,6 +58,7 @@ PLAN = (
     ("VP", 8192, FULL_V, FULL_H, 30),
     ("W4C", 8192, FULL_V, FULL_H, 35),
     ("W4E", 8192, FULL_V, FULL_H, 35),
+    ("WDM", 4096, FULL_V, FULL_H, 30),
     ("W4L", 16384, FULL_V, FULL_H, 40),
     ("WV", 16384, FULL_V, FULL_H, 40),
 )

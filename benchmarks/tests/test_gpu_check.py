@@ -131,6 +131,22 @@ def test_the_masked_case_skips_rows_with_one_read(tmp_path):
         assert "check_errors" not in row, row
 
 
+def test_the_masked_row_local_case_reads_once(tmp_path):
+    """WDM (WD's KL as a masked mean, half the rows masked): row_local_loss skips them with
+    one read a step (its forward's; the gpu plan's backward reads nothing), the option off
+    reads nothing; the same errors."""
+    T = 128
+    gpu_case.main([f"WDM:{T}:600:64:240", "--out", str(tmp_path), "--device", "cpu", "--dry-run"])
+    rows = _strict_json(tmp_path / "cases" / f"WDM_{T}.json")["rows"]
+    assert list(rows) == ["inductor", "ours", "ours:all_rows"], rows
+    ours, every = rows["ours"], rows["ours:all_rows"]
+    assert ours["chunked_logits"]["masked_rows"] == 1 and ours["chunked_logits"]["rows_skipped"] == T // 2
+    assert "rows_skipped" not in every["chunked_logits"] and not every["syncs"], every
+    assert ours["syncs"] == ["aten::_local_scalar_dense", "aten::item"], ours["syncs"]  # (one read)
+    for row in rows.values():
+        assert "check_errors" not in row and "error" not in row, row
+
+
 def test_the_masked_per_token_case_reads_once(tmp_path):
     """W4E (a masked policy loss and its masked-mean entropy metric leave the graph, half the
     rows masked): the per-token path's masked call skips them with one read (its forward's;

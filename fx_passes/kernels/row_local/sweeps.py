@@ -142,16 +142,15 @@ def block_sweep(split: Split, region: Region, lm: LogitsInput, grads: list[torch
     # (the logits' place: filled per block)
     args = [*with_logits(region.rows, index, h), *region.whole, *grads]
     gather = set() if region.kept is None else set(range(len(region.rows) + 1)) - {index}
-    for i in gather:  # (the kept rows of a row input: whole once if not sliced, else per block)
-        if (i, False) in split.inputs:
-            args[i] = args[i][region.kept]
+    # (the kept rows of a row input: whole once where it is not sliced, else per block)
+    unsliced = {i: args[i][region.kept] for i, sliced in split.inputs if i in gather and not sliced}
 
     def block_of(i: int, v0: int, v1: int) -> torch.Tensor:
         return args[i][..., v0:v1][region.kept] if i in gather else args[i][..., v0:v1]
     for v0, v1 in even_splits(vocab, sweep_step(vocab, n, region.budget_bytes, h.device)):
         x = head_logits(h, weight[v0:v1], bias[v0:v1] if bias is not None else None, how, False)
         picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
-                  block_of(i, v0, v1) if sliced else args[i] for i, sliced in split.inputs]
+                  block_of(i, v0, v1) if sliced else unsliced.get(i, args[i]) for i, sliced in split.inputs]
         g = block(*picked, *values)
         if grad_w is not None:
             torch.mm(g.t(), h, out=grad_w[v0:v1])
