@@ -21,6 +21,13 @@ def kd_masked_mean(h, w, teacher, labels, mask, up=F32):
     return (_kl(h, w, teacher, up) * mask.to(up)).sum() / mask.to(up).sum()
 
 
+def kd_column_mask(h, w, teacher, labels, mask, up=F32):
+    """The mask as a column (``mask[:, None]``) on the vocabulary-wide terms, before the sum."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    return ((t.exp() * (t - s)) * mask.to(up)[:, None]).sum(-1).sum() / mask.to(up).sum()
+
+
 def kd_where(h, w, teacher, labels, mask, up=F32):
     """A boolean mask selecting the rows' KL, over a clamped count."""
     return torch.where(mask > 0, _kl(h, w, teacher, up), 0.0).sum() / mask.sum().clamp(min=1)
@@ -73,7 +80,7 @@ def kd_over_a_vector(h, w, teacher, labels, mask, up=F32):
     return ((t.exp() * (t - s)).sum(-1) * mask.to(up)).sum() / mask.to(up).sum()
 
 
-MASKED = [kd_masked_mean, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce]
+MASKED = [kd_masked_mean, kd_column_mask, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce]
 UNPROVEN = [kd_mask_of_the_logits, kd_pow, kd_over_a_vector]
 
 

@@ -41,9 +41,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..fx.graph_ops import op_name
-from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind
+from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind, pointwise_op
 from ..kernels.ops import user_bodies
-from .row_mask import Value, _Facts, _Interpreter, _NoRule
+from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule
 
 __all__ = ["skip_rows_of_body"]
 
@@ -69,6 +69,16 @@ def _shapes(body: GraphModule, rows: list, whole: list) -> dict[Node, Any]:
     return seen
 
 
+def _copyable(n: Node) -> bool:
+    """May the skip graph run ``n`` itself (on every row)?  A pure op: a conversion, a
+    view, or one ATen tags pointwise and not random; never an in-place one (it would
+    change the row inputs), a random one (another draw than the body's), a module's."""
+    name = op_name(n)
+    return n.op in ("call_function", "call_method") and not name.endswith("_") \
+        and (name in ZERO_ROWS or pointwise_op(name) or _column(n))
+
+
+
 class _BodyInterpreter(_Interpreter):
     """The facts of a joined body's nodes (NOTE [rows a row-local body leaves out])."""
 
@@ -88,12 +98,13 @@ class _BodyInterpreter(_Interpreter):
             ins = n.all_input_nodes
             kind = self.kind.get(n)
             # (a value read whole is computed from values read whole only: never a sum over rows)
-            if n is not logits and n.op in ("placeholder", "call_function", "call_method") \
+            if n is not logits and (n.op == "placeholder" or _copyable(n)) \
                     and kind in ("row", "whole") and all(a in self.exact for a in ins) \
                     and (kind == "row" or all(self.kind[a] == "whole" for a in ins)):
                 self.exact.add(n)
                 if self._integral(n) or (n.op != "placeholder" and ins and ins[0] in self.masks
-                                         and ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW)):
+                                         and (ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW)
+                                              or _column(n))):
                     self.masks.add(n)
             else:
                 self.inner.add(n)
@@ -190,6 +201,8 @@ class _BodyInterpreter(_Interpreter):
             if name == "log_softmax":
                 return False, f.minus(lo, f.plus(hi, log_w)), 0.0
             return False, f.select(self.finite(x_), 0.0, -math.inf), 1.0  # softmax: in [0, 1] if finite
+        if _column(n) and self.kind.get(n.args[0]) == "row" and out == "row":
+            return self.value(n.args[0])
         if name == "gather":
             x, dim = n.args[0], n.args[1] if len(n.args) > 1 else None
             if self.kind.get(x) != "wide" or dim not in (-1, 1) or out != "row" or n.kwargs:
@@ -228,7 +241,7 @@ class _BodyInterpreter(_Interpreter):
                 return [(x, z, f.over(m, self.width))]
             size = f.times(m, f.plus(self.width, 1.0))  # (g - p * sum(g): at most (1 + V) |g|)
             return [(x, f.and_(z, bounded), size)]
-        if name == "gather":
+        if name == "gather" or _column(n):
             return [(n.args[0], z, m)]
         if name == "cross_entropy":
             x, t = self._ce(n)

@@ -233,11 +233,16 @@ def _skip(run: "_Interpreter", bounds: list[Node], weights: list, leaving: list[
     return run.f.g.output(run.f.and_(skip, run.f.finite(bounds[1])))
 
 
+def _column(n: Node) -> bool:
+    """``x[:, None]`` / ``x[..., None]``: a per-row value as a column (its rows in order)."""
+    return op_name(n) == "getitem" and len(n.args) == 2 and n.args[1] in ((slice(None), None), (..., None))
+
+
 def _sources(node: Node) -> set[Node]:
-    """``node`` and what it converts or views, back to the first other op."""
+    """``node`` and what it converts or views (a column of it too), back to the first other op."""
     out = {node}
-    while (canon(node) == "convert" or ZERO_ROWS.get(op_name(node)) in (Kind.SAME, Kind.ROW_VIEW)) \
-            and node.all_input_nodes:
+    while (canon(node) == "convert" or ZERO_ROWS.get(op_name(node)) in (Kind.SAME, Kind.ROW_VIEW)
+           or _column(node)) and node.all_input_nodes:
         node = node.all_input_nodes[0]
         out.add(node)
     return out
