@@ -1,6 +1,7 @@
-"""Masked row-local losses (issue 36, the row-local engine): distillation KLs and a
-cross-entropy with a z-loss, each with its mask where users write it (in the body, in the
-tail, as ``ignore_index``), and their inputs."""
+"""Masked row-local losses (issue 36, the row-local engine): distillation KLs,
+cross-entropies (class-weighted, label-smoothed, with a z-loss, an ``nll_loss`` of
+log-probs), each with its mask where users write it (in the body, in the tail, as
+``ignore_index``, a class that weighs 0), and their inputs."""
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,38 @@ def ensemble_ce(h, w, teacher, labels, mask, up=F32):
     return ce.sum() / (target != -100).sum().clamp(min=1)
 
 
+def _class_weights(up):
+    """A quarter of the classes weigh 0 (a vocabulary's special tokens, say)."""
+    return (torch.arange(V) % 4 != 0).to(up)
+
+
+def weighted_ce(h, w, teacher, labels, mask, up=F32):
+    """A class-weighted cross-entropy (its mean over the weights): a row whose label is
+    ignored or weighs 0 is left out."""
+    target = torch.where(mask > 0, labels, -100)
+    return F.cross_entropy((h @ w.T).to(up), target, weight=_class_weights(up), ignore_index=-100)
+
+
+def smoothed_ce_zloss(h, w, teacher, labels, mask, up=F32):
+    """A label-smoothed cross-entropy plus a masked z-loss (``logsumexp ** 2``)."""
+    x = (h @ w.T).to(up)
+    target = torch.where(mask > 0, labels, -100)
+    ce = F.cross_entropy(x, target, label_smoothing=0.1, ignore_index=-100)
+    z = (torch.logsumexp(x, -1).pow(2) * mask.to(up)).sum() / mask.to(up).sum()
+    return ce + 1e-4 * z
+
+
+def sft_and_kd(h, w, teacher, labels, mask, up=F32):
+    """SFT's ``nll_loss`` of the student's log-probs (``ignore_index``) plus a KL to the
+    teacher on the same tokens, as a token mean."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    target = torch.where(mask > 0, labels, -100)
+    nll = F.nll_loss(s, target, reduction="none")
+    kd = torch.where(target != -100, (t.exp() * (t - s)).sum(-1), 0.0)
+    return (nll + 0.5 * kd).sum() / (target != -100).sum().clamp(min=1)
+
+
 def kd_mask_of_the_logits(h, w, teacher, labels, mask, up=F32):
     """A mask computed from the student's own logits: nothing is known before the loop."""
     s = torch.log_softmax((h @ w.T).to(up), -1)
@@ -67,9 +100,9 @@ def kd_mask_of_the_logits(h, w, teacher, labels, mask, up=F32):
     return (kl * m).sum() / m.sum().clamp(min=1)
 
 
-def kd_pow(h, w, teacher, labels, mask, up=F32):
-    """``pow`` has no rule: the masked rows are computed (same results)."""
-    return (_kl(h, w, teacher, up).pow(2) * mask.to(up)).sum() / mask.to(up).sum()
+def kd_atan(h, w, teacher, labels, mask, up=F32):
+    """``atan`` has no rule: the masked rows are computed (same results)."""
+    return (_kl(h, w, teacher, up).atan() * mask.to(up)).sum() / mask.to(up).sum()
 
 
 def kd_over_a_vector(h, w, teacher, labels, mask, up=F32):
@@ -80,8 +113,9 @@ def kd_over_a_vector(h, w, teacher, labels, mask, up=F32):
     return ((t.exp() * (t - s)).sum(-1) * mask.to(up)).sum() / mask.to(up).sum()
 
 
-MASKED = [kd_masked_mean, kd_column_mask, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce]
-UNPROVEN = [kd_mask_of_the_logits, kd_pow, kd_over_a_vector]
+MASKED = [kd_masked_mean, kd_column_mask, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce,
+          smoothed_ce_zloss, sft_and_kd]
+UNPROVEN = [kd_mask_of_the_logits, kd_atan, kd_over_a_vector]
 
 
 def inputs(dtype, masked=0.5, t=T, seed=0):

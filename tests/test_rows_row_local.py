@@ -25,6 +25,8 @@ from tests.rows_row_local_programs import (
     kd_and_logprob,
     kd_masked_mean,
     kd_where,
+    sft_and_kd,
+    weighted_ce,
 )
 
 _stock: dict = {}
@@ -128,6 +130,39 @@ def test_non_finite_values_as_stock(fn, kind):
     if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is not kd_where):
         assert c.get("rows_skipped", 0) < T // 2, c  # (that row, every row for w, is computed)
     assert c.get("rows_seen") == T, c
+
+
+@pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
+def test_a_class_that_weighs_nothing_leaves_its_rows_out(plan):
+    """``cross_entropy(weight=)``: a row whose label's class weighs 0 adds nothing to the
+    loss (its mean divides by the weights) and gets no gradient: left out with the ignored
+    ones."""
+    h, w, teacher, labels, mask = inputs(torch.bfloat16, 0.5)
+    out = int(((mask == 0) | (labels % 4 == 0)).sum())
+    c = _check(weighted_ce, torch.bfloat16, BF16, 0.5, plan)
+    assert T // 2 < out - 8 < c.get("rows_skipped", 0) <= out, (out, c)
+
+
+@pytest.mark.parametrize("kind", ["h+inf, a kept row of a class that weighs 0", "teacher nan, a masked row",
+                                  "h+inf, a masked row"])
+@pytest.mark.parametrize("fn", [weighted_ce, sft_and_kd], ids=lambda f: f.__name__)
+def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
+    """A class weighing 0 leaves a row out only where its logits are finite (``-0 * inf``
+    is NaN in stock's loss); ``nll_loss``'s ignored rows are 0 in the forward, and NaN in
+    the gradient where log-softmax's backward multiplies ``exp(lp)`` by 0."""
+    if kind.startswith("h+inf, a kept"):
+        xs = inputs(torch.bfloat16, 0.5)
+        row = next(r for r in range(T) if xs[4][r] > 0 and xs[3][r] % 4 == 0)
+        xs[0][row, 5] = float("inf")
+    else:
+        xs = _poisoned(kind)
+    stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
+    ours, c = _ours(fn, xs)
+    assert _pattern(ours) == stock and c.get("rows_seen") == T, (_pattern(ours), stock, c)
+    if kind == "h+inf, a masked row" or fn is weighted_ce and kind.startswith("h+inf"):
+        # (that row is computed: fewer than the rows that count allow)
+        allowed = int(((xs[4] == 0) | ((xs[3] % 4 == 0) if fn is weighted_ce else False)).sum())
+        assert 0 < c.get("rows_skipped", 0) < allowed, (allowed, c)
 
 
 def test_an_infinite_incoming_gradient_as_stock():

@@ -241,6 +241,8 @@ ENTRIES = {
     "where": lambda lp, adv, m, mf: _where(lp * adv, m),
     "masked_fill": lambda lp, adv, m, mf: (lp * adv).masked_fill(~m, 0.0),
     "exp": lambda lp, adv, m, mf: _where(torch.exp(lp + 5.0) * adv, m),
+    "pow": lambda lp, adv, m, mf: _where((lp * 0.5).pow(3) * adv + lp ** 2, m),
+    "square": lambda lp, adv, m, mf: _where(torch.square(lp) * adv, m),
     "clamp": lambda lp, adv, m, mf: _where(torch.clamp(lp, -3.0, 0.0) * adv, m),
     "clip": lambda lp, adv, m, mf: _where(lp.clip(min=-3.0) * adv, m),
     "clamp_min": lambda lp, adv, m, mf: _where(lp.clamp_min(-3.0) * adv, m),

@@ -23,9 +23,11 @@ out]), read through the body too.  See NOTE [rows a row-local body leaves out].
 #   ``[min, max]``; values computed from the row inputs that are one per row (a mask's
 #   ``.float()``, ``labels != -100``) are computed exactly;
 # * reductions over the vocabulary (``sum``, ``mean``, ``amax`` / ``amin``,
-#   ``logsumexp``, ``log_softmax``, ``softmax``, ``gather``, ``cross_entropy(reduction='none')``)
-#   bound their results from their input's interval and the row's width and pass a zero
-#   cotangent where their input's interval is finite (their derivatives are then bounded);
+#   ``logsumexp``, ``log_softmax``, ``softmax``, ``gather``, ``cross_entropy`` / ``nll_loss``
+#   with ``reduction='none'``: 0 where ``ignore_index`` leaves the row out or, unsmoothed,
+#   its class weighs 0) bound their results from their input's interval and the row's
+#   width and pass a zero cotangent where their input's interval is finite (their
+#   derivatives are then bounded); the vocabulary's size (``x.size(-1)``) is a number;
 # * only values one per row ``[n]`` / ``[n, 1]``, the vocabulary's ``[n, V]`` and values
 #   read whole are taken: the body is run once on a small example at rewrite time to
 #   read each node's shape; any other shape, or an op with no rule, gives "unknown" (its
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -43,6 +46,7 @@ from torch.fx import Graph, GraphModule, Node
 from ..fx.graph_ops import op_name
 from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind, pointwise_op
 from ..kernels.ops import user_bodies
+from .row_local import LOSS_PARAMS, loss_arg
 from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule
 
 __all__ = ["skip_rows_of_body"]
@@ -51,6 +55,22 @@ _N = 13  # rows of the shape-reading example (``kernels/row_local/split._ROWS``:
 _REDUCE = {"sum", "mean", "amax", "amin", "logsumexp"}
 _NORMALIZE = {"log_softmax", "softmax"}
 _KWARGS = {"dim", "keepdim", "dtype", "_stacklevel"}
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg}
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """A ``cross_entropy`` / ``nll_loss`` with ``reduction='none'``: its input ``x``, the rows
+    ``ignored`` (``ignore_index``), its ``smoothing``, and its class ``weight`` (None, or an
+    input read whole: ``w_zero`` where the row's class weighs 0, ``[w_lo, w_hi]`` its range)."""
+
+    x: Node
+    ignored: Any
+    smoothing: float
+    weight: Optional[Node]
+    w_zero: Any
+    w_lo: Any
+    w_hi: Any
 
 
 def _shapes(body: GraphModule, rows: list, whole: list) -> dict[Node, Any]:
@@ -92,11 +112,16 @@ class _BodyInterpreter(_Interpreter):
         # exact: computed from the inputs that are not the logits, one value a row or whole
         self.exact: set[Node] = set()
         self.inner: set[Node] = set()
+        # numbers the rows do not change: the vocabulary's size and arithmetic on it
+        self.const: dict[Node, float] = {}
         for n in body.graph.nodes:
             if n.op == "output":
                 continue
             ins = n.all_input_nodes
             kind = self.kind.get(n)
+            if self._constant(n):
+                self.const[n] = values[n]
+                continue
             # (a value read whole is computed from values read whole only: never a sum over rows)
             if n is not logits and (n.op == "placeholder" or _copyable(n)) \
                     and kind in ("row", "whole") and all(a in self.exact for a in ins) \
@@ -108,6 +133,15 @@ class _BodyInterpreter(_Interpreter):
                     self.masks.add(n)
             else:
                 self.inner.add(n)
+
+    def _constant(self, n: Node) -> bool:
+        """``x.size(-1)`` of a wide value, or a number computed from such sizes only."""
+        if isinstance(self.values.get(n), bool) or not isinstance(self.values.get(n), (int, float)):
+            return False
+        if n.op == "call_method" and n.target == "size" and len(n.args) == 2 and not n.kwargs:
+            return self.kind.get(n.args[0]) == "wide" and n.args[1] in (1, -1)
+        return n.op == "call_function" and n.target in _ARITHMETIC and not n.kwargs \
+            and all(a in self.const for a in n.all_input_nodes)
 
     def _kind(self, v: Any) -> str:
         if not isinstance(v, torch.Tensor):
@@ -133,6 +167,9 @@ class _BodyInterpreter(_Interpreter):
             if a not in self.facts:
                 raise _NoRule(f"{a.name} has no facts")
             return self.facts[a]
+        if isinstance(a, Node) and a in self.const:
+            c = float(self.const[a])
+            return c == 0, c, c
         if isinstance(a, Node):
             x = self.env[a]
             if self.kind[a] == "row":
@@ -208,27 +245,51 @@ class _BodyInterpreter(_Interpreter):
             if self.kind.get(x) != "wide" or dim not in (-1, 1) or out != "row" or n.kwargs:
                 raise _NoRule(f"{n.name}: not a gather of one column a row")
             return self.value(x)
-        if name == "cross_entropy":
-            x, t = self._ce(n)
-            _, lo, hi = self.value(x)
-            ignored = f.call(operator.eq, self.value(t)[1], float(n.kwargs.get("ignore_index", -100)))
-            return ignored, 0.0, f.plus(f.minus(hi, lo), f.call(torch.log, self.width))
+        if name in LOSS_PARAMS and name != "kl_div":
+            loss = self._loss(n)
+            _, lo, hi = self.value(loss.x)
+            if name == "nll_loss":  # -w[t] * x[t], 0 where ignored
+                ends = [f.times(f.minus(0.0, a), b) for a in (lo, hi) for b in (loss.w_lo, loss.w_hi)]
+                low, high = f.low(0.0, *ends), f.high(0.0, *ends)
+            else:  # w[t] * (logsumexp(x) - x[t]) (and the smoothing's mean of such terms)
+                top = f.times(f.magnitude(loss.w_lo, loss.w_hi),
+                              f.plus(f.minus(hi, lo), f.call(torch.log, self.width)))
+                low, high = f.low(0.0, f.minus(0.0, top)) if loss.weight is not None else 0.0, top
+            weighs_0 = False if loss.smoothing else f.and_(loss.w_zero, self.finite(loss.x))
+            zero = f.or_(loss.ignored, weighs_0)
+            return zero, low, high
         if out not in ("row", "wide"):
             raise _NoRule(f"{n.name}: a shape the rules do not read")
         self._divisor(n)
         return self._forward(n)
 
-    def _ce(self, n: Node) -> tuple[Node, Node]:
-        kw = dict(n.kwargs)
-        plain = kw.pop("reduction", "mean") == "none" and kw.pop("weight", None) is None \
-            and kw.pop("label_smoothing", 0.0) == 0.0 and kw.pop("size_average", None) is None \
-            and kw.pop("reduce", None) is None and not set(kw) - {"ignore_index"}
-        if len(n.args) != 2 or not plain:
-            raise _NoRule(f"{n.name}: a cross_entropy the rule does not read")
-        x, t = n.args
-        if self.kind.get(x) != "wide" or t not in self.exact or self.kind.get(t) != "row":
-            raise _NoRule(f"{n.name}: a cross_entropy not over the vocabulary")
-        return x, t
+    def _loss(self, n: Node) -> "_Loss":
+        """A ``cross_entropy`` / ``nll_loss`` of class indices, one value a row, read."""
+        name, params = op_name(n), LOSS_PARAMS[op_name(n)]
+        if len(n.args) > 1 + len(params) or set(n.kwargs) - {"input", *params}:
+            raise _NoRule(f"{n.name}: arguments the rule does not read")
+        x, t = n.kwargs.get("input", n.args[0] if n.args else None), loss_arg(n, "target")
+        ii, weight = loss_arg(n, "ignore_index", -100), loss_arg(n, "weight")
+        smoothing = loss_arg(n, "label_smoothing", 0.0) if name == "cross_entropy" else 0.0
+        if loss_arg(n, "reduction", "mean") != "none" or loss_arg(n, "size_average") is not None \
+                or loss_arg(n, "reduce") is not None or isinstance(ii, bool) or not isinstance(ii, int) \
+                or isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)):
+            raise _NoRule(f"{n.name}: a {name} the rule does not read")
+        if self.kind.get(x) != "wide" or t not in self.exact or self.kind.get(t) != "row" \
+                or self.dtype(t) in (None, torch.bool) or self.dtype(t).is_floating_point:
+            raise _NoRule(f"{n.name}: a {name} not of class indices over the vocabulary")
+        f = self.f
+        ignored = f.call(operator.eq, self.value(t)[1], float(ii))
+        if weight is None:
+            return _Loss(x, ignored, smoothing, None, False, 1.0, 1.0)
+        if not (isinstance(weight, Node) and weight in self.exact and self.kind.get(weight) == "whole"
+                and tuple(self.values[weight].shape) == (self.vocab,)):
+            raise _NoRule(f"{n.name}: a class weight that is not an input read whole")
+        _, w_lo, w_hi = self.value(weight)
+        rows = f.g.call_method("long", (f.g.call_method("reshape", (self.env[t], -1)),))
+        picked = f.call(operator.getitem, self.env[weight], f.call(torch.where, ignored, 0, rows))
+        w_zero = f.and_(f.call(operator.eq, picked, 0), f.finite(f.magnitude(w_lo, w_hi)))
+        return _Loss(x, ignored, smoothing, weight, w_zero, w_lo, w_hi)
 
     def node_backward(self, n: Node, z: Any, m: Any) -> list[tuple[Any, Any, Any]]:
         f, name = self.f, op_name(n)
@@ -243,11 +304,17 @@ class _BodyInterpreter(_Interpreter):
             return [(x, f.and_(z, bounded), size)]
         if name == "gather" or _column(n):
             return [(n.args[0], z, m)]
-        if name == "cross_entropy":
-            x, t = self._ce(n)
-            ignored = f.call(operator.eq, self.value(t)[1], float(n.kwargs.get("ignore_index", -100)))
+        if name in LOSS_PARAMS and name != "kl_div":
+            loss = self._loss(n)
+            size = f.magnitude(loss.w_lo, loss.w_hi)
+            w_ok = f.finite(size)  # (the gradient is a [rows, V] product with the weights)
+            zero = f.or_(loss.ignored, z) if loss.smoothing else \
+                f.or_(f.or_(loss.ignored, z), f.and_(loss.w_zero, f.finite(m)))
+            zero = f.and_(zero, w_ok)
+            if name == "nll_loss":
+                return [(loss.x, zero, f.times(m, size))]
             # (an ignored row's cotangent is 0, but log-softmax's backward of it is ``0 * exp(lp)``)
-            return [(x, f.and_(self.finite(x), f.or_(ignored, z)), f.times(m, 2.0))]
+            return [(loss.x, f.and_(self.finite(loss.x), zero), f.times(m, f.times(size, 2.0)))]
         self._divisor(n)
         return self._backward(n, z, m)
 
@@ -292,6 +359,9 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
     sums = list(out.args[0])
     for n in body.graph.nodes:
         if n.op in ("placeholder", "output"):
+            continue
+        if n in run.const:
+            run.env[n] = run.const[n]
             continue
         if n in run.exact:
             run.env[n] = g.node_copy(n, run.env.__getitem__)

@@ -26,14 +26,14 @@ NOTE [rows a loss leaves out].
 #
 # ``where(m, x, 0)`` and ``masked_fill`` select, so they zero a value and a cotangent
 # whatever the other side holds; ``x * y`` is zero only where one side is zero and the
-# other finite; ``x / y`` passes a zero where ``y`` is a nonzero number; ``exp``,
-# ``clamp``, ``min`` / ``max`` pass a zero cotangent where their derivative is bounded (the
-# interval).  A factor counts as a zero only when it is a mask (boolean or integer, or
-# summed whole as a masked mean's denominator): an advantage may be 0 on some rows, but a
-# region whose only zeros are such factors would pay a host read every step for little
-# (``_mask_like``).  A row is skipped
-# where every summed value has ``V`` and every result read has ``Zc``, and the logits'
-# bound is finite (then log-softmax's backward of a 0 cotangent is exactly 0, as stock's).
+# other finite; ``x / y`` passes a zero where ``y`` is a nonzero number; ``x ** k`` is 0
+# where ``x`` is; ``exp``, ``x ** k``, ``clamp``, ``min`` / ``max`` pass a zero cotangent
+# where their derivative is bounded (the interval).  A factor counts as a zero only when
+# it is a mask (boolean or integer, or summed whole as a masked mean's denominator): an
+# advantage may be 0 on some rows, but a region whose only zeros are such factors would
+# pay a host read every step for little (``_mask_like``).  A row is skipped where every
+# summed value has ``V`` and every result read has ``Zc``, and the logits' bound is
+# finite (then log-softmax's backward of a 0 cotangent is exactly 0, as stock's).
 # An op with no rule gives ``V = Zc = False``: its rows are computed, never guessed.
 
 from __future__ import annotations
@@ -132,6 +132,14 @@ class _Facts:
     def exp(self, a: Fact) -> Fact:
         return self._op(torch.exp, a)
 
+    def power(self, a: Fact, k: int) -> Fact:
+        """``a ** k`` (``k`` a whole number; 1 for ``k == 0``, as the derivative of ``x ** 1``)."""
+        if k == 0:
+            return 1.0
+        if isinstance(a, (int, float)):
+            return self._op(torch.pow, a, float(k))
+        return self.call(torch.pow, a, k)
+
     def magnitude(self, lo: Fact, hi: Fact) -> Fact:
         return self.high(self._op(torch.abs, lo), self._op(torch.abs, hi))
 
@@ -183,6 +191,13 @@ def _rule(node: Node) -> tuple[Kind, list]:
         return rule, args
     if rule not in (Kind.SAME, Kind.ROW_VIEW) and node.kwargs:
         raise _NoRule(f"{name} with keyword arguments")
+    if rule is Kind.POWER:
+        args = args + [2] if name == "square" else args
+        k = args[1] if len(args) == 2 else None
+        if not isinstance(args[0], Node) or isinstance(k, bool) or not isinstance(k, (int, float)) \
+                or k != int(k) or not 1 <= k <= 8:
+            raise _NoRule(f"{name}: not a tensor to a whole power from 1 to 8")
+        return rule, [args[0], int(k)]
     if rule is Kind.EXTREMUM and (len(args) != 2 or not all(isinstance(a, Node) for a in args)):
         raise _NoRule(f"{name} of one tensor (a reduction)")
     return rule, args
@@ -349,6 +364,11 @@ class _Interpreter:
             return va, f.minus(0.0, ua), f.minus(0.0, la)
         if rule is Kind.EXP:
             return False, f.exp(la), f.exp(ua)
+        if rule is Kind.POWER:  # (x ** k: monotone for an odd k; in [0, |x| ** k] for an even one)
+            k = args[1]
+            if k % 2:
+                return va, f.power(la, k), f.power(ua, k)
+            return va, 0.0, f.power(self.size(args[0]), k)
         if rule is Kind.CLAMP:
             lo = args[1] if args[1] is not None else -math.inf
             hi = args[2] if args[2] is not None else math.inf
@@ -419,6 +439,9 @@ class _Interpreter:
         if rule is Kind.EXP:  # c * exp(x)
             top = self.facts[n][2]
             return [(args[0], f.and_(z, f.finite(top)), f.times(m, top))]
+        if rule is Kind.POWER:  # c * k * x ** (k - 1)
+            slope = f.times(float(args[1]), f.power(self.size(args[0]), args[1] - 1))
+            return [(args[0], f.and_(z, f.finite(slope)), f.times(m, slope))]
         if rule is Kind.SUM_OF_TERMS:
             return [(args[0], z, m), (args[1], z, m)]
         if rule is Kind.FACTOR and op_name(n) == "div":
