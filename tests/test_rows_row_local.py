@@ -165,6 +165,16 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
         assert 0 < c.get("rows_skipped", 0) < allowed, (allowed, c)
 
 
+@pytest.mark.parametrize("kind", ["teacher+inf, a masked row", "h nan, a kept row"])
+def test_non_finite_values_with_an_incoming_gradient_as_stock(kind):
+    """An incoming gradient of 0.3: the backward's both sweeps run on the kept rows, with
+    stock's (NaN, +inf, -inf) counts."""
+    xs = _poisoned(kind)
+    stock = _pattern(_run(torch.compile(kd_masked_mean, backend="inductor"), xs, 0.3))
+    ours, c = _ours(kd_masked_mean, xs, scale=0.3)
+    assert _pattern(ours) == stock and c.get("rows_skipped"), (_pattern(ours), stock, c)
+
+
 def test_an_infinite_incoming_gradient_as_stock():
     """``inf * 0`` at a masked row is NaN in stock's gradients: the backward runs every row then."""
     xs = inputs(torch.bfloat16, 0.5)
@@ -188,16 +198,16 @@ def test_the_option_turns_it_off():
     assert c.get("gradients_in_forward") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
 
 
-def _gemms(masked, plan):
+def _gemms(masked, plan, scale=1.0):
     """Full ``[T, H] x [H, V]`` GEMMs of a profiled step (the logits' GEMMs run inside
     compiled chunk bodies: the profiler sees them; the test kernels' own matmuls left out)."""
     t = 256
     xs = inputs(torch.bfloat16, masked, t=t)
     torch._dynamo.reset()
     compiled = torch.compile(kd_masked_mean, backend="chunked_logits", options={"lm_head_plan": plan})
-    _run(compiled, xs)  # compile outside the profile
+    _run(compiled, xs, scale)  # compile outside the profile
     with profile(record_shapes=True) as prof:
-        _run(compiled, xs)
+        _run(compiled, xs, scale)
     names = ("aten::mm", "aten::addmm")
     gemms = [e for e in prof.events()
              if e.name in names and not (e.cpu_parent and e.cpu_parent.name in names)]  # (test kernels' own)
@@ -205,13 +215,16 @@ def _gemms(masked, plan):
     return sum(2 * a[0] * a[1] * b[1] for a, b in shapes) / (2 * t * H * V)
 
 
-@pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
-def test_half_the_rows_masked_half_the_gemms(plan):
+@pytest.mark.parametrize("plan, scale, n_full",
+                         [("two_sweeps", 1.0, 4), ("gpu", 1.0, 3), ("two_sweeps", 0.3, 6)])
+def test_half_the_rows_masked_half_the_gemms(plan, scale, n_full):
     """The GEMM audit: 50% of the rows masked, at most 0.55x the full-GEMM equivalents of
-    the same step with none masked (4 on the CPU plan, 3 on the GPU plan)."""
+    the same step with none masked (4 on the CPU plan, 3 on the GPU plan; an incoming
+    gradient of 0.3, which the forward's gradients cannot be scaled by exactly: the CPU
+    plan's backward runs both sweeps, on the kept rows)."""
     with cpu_out_dtype_kernels():
-        full, half = _gemms(0.0, plan), _gemms(0.5, plan)
-    assert full == pytest.approx(4 if plan == "two_sweeps" else 3)
+        full, half = _gemms(0.0, plan, scale), _gemms(0.5, plan, scale)
+    assert full == pytest.approx(n_full)
     assert half <= 0.55 * full, (half, full)
 
 

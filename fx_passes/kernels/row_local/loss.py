@@ -52,7 +52,7 @@ from ..ops.registry import CAPTURE_SAFE, emitted
 from ..tiling import even_splits, product_cols, resolve_budget
 from .engine import forward, with_logits
 from .split import Split, split_of
-from .sweeps import block_sweep, compiled, flat, row_local_sweeps_backward, row_sweep
+from .sweeps import block_sweep, compiled, flat, row_local_sweeps_backward, row_sweep, run_sweeps
 
 __all__ = ["row_local_loss", "row_bytes"]
 
@@ -239,13 +239,33 @@ def _backward_kept(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLo
     if g.device.type == "cpu" and math.isfinite(g.item()):
         rows_run = index[:k]
         grad_hidden, packed, done, grad_weight, grad_bias = made
-        heads = _backward_of(g, dataclasses.replace(region, kept=rows_run), lm._replace(h=lm.h[rows_run]),
-                             loss, (grad_hidden, packed[:k], done, grad_weight, grad_bias), needs, n)
+        run, lm_run = dataclasses.replace(region, kept=rows_run), lm._replace(h=lm.h[rows_run])
+        heads = _backward_of(g, run, lm_run, loss, (grad_hidden, packed[:k], done, grad_weight, grad_bias),
+                             needs, n) or _kept_sweeps(g, run, lm_run, loss, needs, n)
         if heads is not None:
             return heads
-    # every row (a ``g`` that is not finite: stock's ``0 * inf`` at a masked row is NaN; one
-    # that does not scale exactly: both sweeps, the kept rows' inputs not gathered whole)
+    # every row (a ``g`` that is not finite: stock's ``0 * inf`` at a masked row is NaN)
     return _both_sweeps(g, region, lm, loss, needs)
+
+
+def _kept_sweeps(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[bool],
+                 total: int) -> Optional[list[torch.Tensor]]:
+    """Both sweeps on the kept rows of ``region`` / ``lm`` (an incoming gradient the
+    forward's cannot be scaled by exactly), from the cotangents scaled by ``g``; the
+    others' gradients exact zeros (grad_hidden ``[total, H]``).  None where the body does
+    not split (not expected: the rewrite split the same body)."""
+    k, reductions = lm.h.shape[0], reductions_of(loss.kinds)
+    x_like = lm.h.new_empty((0, lm.weight.shape[0]))
+    split = split_of(region.key, [lm.index], list(range(len(reductions))), lm.index,
+                     with_logits(region.rows, lm.index, x_like), region.whole)
+    if isinstance(split, str):
+        return None
+    weights = row_weights(loss.final_key, loss.kinds, loss.final_whole(region.whole), total, lm.h.device)
+    grads = [(w * g).to(dt).expand(k).contiguous() for w, (_, dt) in zip(weights, reductions)]
+    heads = [t for t in run_sweeps(split, region, lm, [lm.index], grads, needs, []) if t is not None]
+    if needs[0]:
+        heads[0] = heads[0].new_zeros(total, heads[0].shape[1]).index_copy_(0, region.kept, heads[0])
+    return heads
 
 
 def _backward_of(g: torch.Tensor, region: Region, lm: LogitsInput, loss: RowLossOptions, forward_made: tuple,

@@ -105,9 +105,11 @@ def row_sweep(stats, region: Region, lm: LogitsInput, cotangents, reorder: bool)
         yield a, b, got
 
 
-def _sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], grads: list[torch.Tensor],
+def run_sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], grads: list[torch.Tensor],
             needs: list[bool], out: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """Both sweeps; ``out``: the other wanted row inputs' gradients, written in sweep 1."""
+    """Both sweeps over the rows of ``region`` / ``lm`` (its kept rows, where some are: their
+    inputs gathered per chunk and per block); ``out``: the other wanted row inputs'
+    gradients, written in sweep 1."""
     n = lm.h.shape[0]
     # (a split per body, dtypes, wanted)
     stats = compiled(split.stats, ("sweep_stats", region.key, id(split)))
@@ -179,7 +181,7 @@ def row_local_sweeps_backward(key: str, wanted: list[int], outputs: list[int], r
         heads = [g @ weight if needs[0] else None, g.t() @ h if needs[1] else None,
                  g.sum(0) if bias is not None and needs[2] else None]
     else:
-        heads = list(_sweeps(split, Region(key, rows, whole, budget_bytes),
+        heads = list(run_sweeps(split, Region(key, rows, whole, budget_bytes),
                              LogitsInput(index, h, weight, bias, how), body_wanted, grads, needs, out))
     if heads[0] is not None:
         heads[0] = heads[0].view(hidden.shape)
