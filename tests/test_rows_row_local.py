@@ -26,6 +26,7 @@ from tests.rows_row_local_programs import (
     kd_masked_mean,
     kd_where,
     sft_and_kd,
+    smoothed_ce_zloss,
     weighted_ce,
 )
 
@@ -93,6 +94,8 @@ def test_fp16_dynamic_shapes_and_an_incoming_gradient(dynamic):
     assert _check(kd_masked_mean, torch.float16, FP16, 0.5, "two_sweeps", dynamic, scale=0.3)["rows_skipped"]
     assert _check(kd_where, torch.bfloat16, BF16, 0.5, "two_sweeps", dynamic, scale=-2.0)["rows_skipped"]
     assert _check(kd_masked_mean, torch.bfloat16, BF16, 0.5, "gpu", dynamic, scale=0.3)["rows_skipped"]
+    # (label smoothing's ``/ V``: the vocabulary's size, read at run time)
+    assert _check(smoothed_ce_zloss, torch.bfloat16, BF16, 0.5, "two_sweeps", dynamic)["rows_skipped"]
 
 
 def _poisoned(kind):

@@ -112,15 +112,16 @@ class _BodyInterpreter(_Interpreter):
         # exact: computed from the inputs that are not the logits, one value a row or whole
         self.exact: set[Node] = set()
         self.inner: set[Node] = set()
-        # numbers the rows do not change: the vocabulary's size and arithmetic on it
-        self.const: dict[Node, float] = {}
+        # numbers the rows do not change: the vocabulary's size (``width`` at run time: the
+        # vocabulary may be dynamic) and arithmetic on it
+        self.const: set[Node] = set()
         for n in body.graph.nodes:
             if n.op == "output":
                 continue
             ins = n.all_input_nodes
             kind = self.kind.get(n)
             if self._constant(n):
-                self.const[n] = values[n]
+                self.const.add(n)
                 continue
             # (a value read whole is computed from values read whole only: never a sum over rows)
             if n is not logits and (n.op == "placeholder" or _copyable(n)) \
@@ -168,8 +169,8 @@ class _BodyInterpreter(_Interpreter):
                 raise _NoRule(f"{a.name} has no facts")
             return self.facts[a]
         if isinstance(a, Node) and a in self.const:
-            c = float(self.const[a])
-            return c == 0, c, c
+            x = self.env[a]  # (a 0-d FP64 tensor of the skip graph)
+            return f.call(operator.eq, x, 0), x, x
         if isinstance(a, Node):
             x = self.env[a]
             if self.kind[a] == "row":
@@ -360,8 +361,8 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
     for n in body.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if n in run.const:
-            run.env[n] = run.const[n]
+        if n in run.const:  # the vocabulary's size, or arithmetic on such numbers
+            run.env[n] = width if op_name(n) == "size" else g.node_copy(n, run.env.__getitem__)
             continue
         if n in run.exact:
             run.env[n] = g.node_copy(n, run.env.__getitem__)
