@@ -44,7 +44,9 @@ WORKERS := -n 2 --dist worksteal
 # examples, declines, the upgrade, the saved-for-backward tests, every plan.
 AVX2_CI_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_codegen.py \
 	tests/test_batch_invariance.py
-AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan
+# (not the plumbing tests, whose ISA changes no number: compile counts, dynamic lengths, a frozen weight)
+AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan and not compile_once \
+	and not dynamic_lengths and not frozen_weight
 
 # Lint, the whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs
 # them (x86-64 only: elsewhere there is no AVX2 to emulate).

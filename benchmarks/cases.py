@@ -66,7 +66,7 @@ def default_modes(name: str) -> list[str]:
 
 STOCK = "inductor"
 # the lm_head matmul is in the graph
-LM_HEAD_WORKLOADS = ("W4", "W4L", "W4C", "W4M", "W4E", "WV", "WD", "WDM")
+LM_HEAD_WORKLOADS = ("W4", "W4L", "W4C", "W4M", "W4E", "W4S", "WV", "WD", "WDM")
 LM_HEAD_HIDDEN = 1024  # H of W4 (workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 

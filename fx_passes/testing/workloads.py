@@ -82,6 +82,12 @@ def wd_distillation(hidden, weight, teacher_logits):
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def w4s_smoothed_cross_entropy(hidden, weight, labels):
+    """Training: SFT cross-entropy with label smoothing 0.1 over the labels not ignored (the
+    row-local engine's: the hand-derived path declines label smoothing)."""
+    return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100, label_smoothing=0.1)
+
+
 def wdm_masked_distillation(hidden, weight, teacher_logits, mask):
     """Training: WD's forward KL as a masked mean over the rows (prompt / padding rows weigh 0)."""
     s = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
@@ -225,7 +231,7 @@ def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
 
 
 # (fraction of the rows a loss leaves out, "prompt" (the first rows of each sequence) or
-# "padding" (the last)) of the masked workloads W4C, W4M, W4E and WDM; ``set_mask`` changes it.
+# "padding" (the last)) of the masked workloads W4C, W4M, W4E, W4S and WDM; ``set_mask`` changes it.
 MASK = {"fraction": 0.5, "style": "prompt"}
 SEQUENCE = 1024  # rows per sequence of the masked workloads
 
@@ -317,6 +323,8 @@ EXTRA_WORKLOADS = {
     "W4C": Workload("W4C", wv_lm_head_cross_entropy, True, _make_masked_ce, (4096, 32768), (0, 1)),
     "W4M": Workload("W4M", w4m_masked_policy_loss, True, _make_masked_policy, (4096, 32768), (0, 1)),
     "W4E": Workload("W4E", w4e_masked_policy_metrics, True, _make_masked_policy, (4096, 32768), (0, 1)),
+    # W4C's cross-entropy label-smoothed: the row-local engine's rows that count
+    "W4S": Workload("W4S", w4s_smoothed_cross_entropy, True, _make_masked_ce, (4096, 32768), (0, 1)),
     "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
     # WD with a share of the rows out of the loss (MASK): the row-local engine's rows that count
     "WDM": Workload("WDM", wdm_masked_distillation, True, _make_masked_distillation, (4096, 32768), (0, 1)),
