@@ -11,6 +11,7 @@ from torch.fx import symbolic_trace
 
 from fx_passes.kernels.ops import user_bodies
 from fx_passes.match.body_mask import skip_rows_of_body
+from tests.zero_rows_entries import ENTRIES
 
 T, V = 64, 32
 F64 = torch.float64
@@ -101,17 +102,18 @@ def _inputs(seed, hostile):
     return x, teacher, labels, mask, cw
 
 
-def _skip(fn, xs, cw_value=None):
-    x, teacher, labels, mask, cw = xs
+def _skip(fn, xs):
+    """The skip graph of body ``fn(logits, *row inputs, class weights)`` on ``xs`` (the
+    mask the fourth row input)."""
     key = user_bodies.register(symbolic_trace(fn))
-    specs = [(v.dtype, tuple(v.shape), "cpu") for v in (x, teacher, labels, mask)]
+    specs = [(v.dtype, tuple(v.shape), "cpu") for v in xs]
     n_sums = len(fn(*xs))
-    found = skip_rows_of_body(key, 0, tuple(specs), ((cw.dtype, tuple(cw.shape), "cpu"),), n_sums, {3})
+    found = skip_rows_of_body(key, 0, tuple(specs[:-1]), tuple(specs[-1:]), n_sums, {3})
     assert found is not None, f"{fn.__name__}: no rule proves a row"
-    z = x.double().abs().amax(-1)  # (the logits' bound a row; NaN where one is NaN)
+    z = xs[0].double().abs().amax(-1)  # (the logits' bound a row; NaN where one is NaN)
     weights = [torch.ones((), dtype=F64)] * n_sums
     width = torch.full((), float(V), dtype=F64)
-    return user_bodies.function(found)(width, z, teacher, labels, mask, cw, *weights).expand(T)
+    return user_bodies.function(found)(width, z, *xs[1:], *weights).expand(T)
 
 
 def _check_sound(fn, xs, skip):
@@ -163,3 +165,30 @@ def test_every_rule_has_a_program():
     names = {op_name(n) for fn in PROGRAMS for n in symbolic_trace(fn).graph.nodes}
     rules = _REDUCE | _NORMALIZE | {"gather", "cross_entropy", "nll_loss", "size", "pow", "square"}
     assert rules <= names, rules - names
+
+
+def _entry(name):
+    """ZERO_ROWS entry ``name`` (``tests/zero_rows_entries.py``) on a label's log-prob, in a
+    body: ``(logits, advantages, labels, mask, class weights)``."""
+    def fn(x, adv, labels, mask, cw):
+        lp = torch.log_softmax(x, -1).gather(-1, labels[:, None]).squeeze(-1)
+        return (ENTRIES[name](lp, adv, mask > 0, mask),)
+    fn.__name__ = name
+    return fn
+
+
+@pytest.mark.parametrize("hostile", [False, True], ids=["clean", "adv+inf, a masked row"])
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_each_elementwise_entry_in_a_body(name, hostile):
+    """``fx/op_rules.ZERO_ROWS``, read through a row-local body: sound, and every clean
+    masked row left out."""
+    fn = _entry(name)
+    x, teacher, labels, mask, cw = _inputs(0, False)
+    adv = torch.randn(T, generator=torch.Generator().manual_seed(1))
+    if hostile:
+        adv[1] = float("inf")
+    xs = [x, adv, labels, mask, cw]
+    skip = _skip(fn, xs)
+    _check_sound(fn, xs, skip)
+    missed = (mask == 0) & torch.isfinite(adv) & ~skip
+    assert not missed.any(), (name, missed.nonzero().flatten().tolist())
