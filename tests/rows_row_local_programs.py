@@ -91,6 +91,15 @@ def sft_and_kd(h, w, teacher, labels, mask, up=F32):
     return (nll + 0.5 * kd).sum() / (target != -100).sum().clamp(min=1)
 
 
+def kd_kl_div(h, w, teacher, labels, mask, up=F32):
+    """``F.kl_div(student, teacher, reduction="none", log_target=True)`` summed per token, as a
+    masked mean."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    kl = F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
+    return (kl * mask.to(up)).sum() / mask.to(up).sum()
+
+
 def kd_mask_of_the_logits(h, w, teacher, labels, mask, up=F32):
     """A mask computed from the student's own logits: nothing is known before the loop."""
     s = torch.log_softmax((h @ w.T).to(up), -1)
@@ -114,7 +123,7 @@ def kd_over_a_vector(h, w, teacher, labels, mask, up=F32):
 
 
 MASKED = [kd_masked_mean, kd_column_mask, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce,
-          smoothed_ce_zloss, sft_and_kd]
+          smoothed_ce_zloss, sft_and_kd, kd_kl_div]
 UNPROVEN = [kd_mask_of_the_logits, kd_atan, kd_over_a_vector]
 
 

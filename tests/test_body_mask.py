@@ -81,8 +81,18 @@ def smoothing_by_hand(x, teacher, labels, mask, cw):
     return (term, F.nll_loss(s, _target(labels, mask), reduction="none") * 0.9)
 
 
-PROGRAMS = [kl_masked, kl_column, mean_amax_amin, logsumexp_pow, soft_labels, gathered, ce_ignored,
-            ce_weighted, ce_smoothed, nll, nll_weighted, smoothing_by_hand]
+def kl_div_log_target(x, teacher, labels, mask, cw):
+    s, t = _t(x, teacher, labels, mask, cw)
+    return (F.kl_div(s, t, reduction="none", log_target=True).sum(-1) * mask,)
+
+
+def kl_div_probabilities(x, teacher, labels, mask, cw):
+    s, t = _t(x, teacher, labels, mask, cw)
+    return (F.kl_div(s, t.exp(), reduction="none").sum(-1) * mask,)
+
+
+PROGRAMS = [kl_div_log_target, kl_div_probabilities, kl_masked, kl_column, mean_amax_amin, logsumexp_pow,
+            soft_labels, gathered, ce_ignored, ce_weighted, ce_smoothed, nll, nll_weighted, smoothing_by_hand]
 # rows left out besides the masked ones: a label whose class weighs 0 (no label smoothing)
 WEIGHS_ZERO = {ce_weighted, nll_weighted}
 
@@ -163,7 +173,7 @@ def test_every_rule_has_a_program():
     from fx_passes.fx.graph_ops import op_name
     from fx_passes.match.body_mask import _NORMALIZE, _REDUCE
     names = {op_name(n) for fn in PROGRAMS for n in symbolic_trace(fn).graph.nodes}
-    rules = _REDUCE | _NORMALIZE | {"gather", "cross_entropy", "nll_loss", "size", "pow", "square"}
+    rules = _REDUCE | _NORMALIZE | {"gather", "cross_entropy", "nll_loss", "kl_div", "size", "pow", "square"}
     assert rules <= names, rules - names
 
 

@@ -23,9 +23,9 @@ out]), read through the body too.  See NOTE [rows a row-local body leaves out].
 #   ``[min, max]``; values computed from the row inputs that are one per row (a mask's
 #   ``.float()``, ``labels != -100``) are computed exactly;
 # * reductions over the vocabulary (``sum``, ``mean``, ``amax`` / ``amin``,
-#   ``logsumexp``, ``log_softmax``, ``softmax``, ``gather``, ``cross_entropy`` / ``nll_loss``
-#   with ``reduction='none'``: 0 where ``ignore_index`` leaves the row out or, unsmoothed,
-#   its class weighs 0) bound their results from their input's interval and the row's
+#   ``logsumexp``, ``log_softmax``, ``softmax``, ``gather``; ``kl_div``, ``cross_entropy`` /
+#   ``nll_loss`` with ``reduction='none'``: the last two 0 where ``ignore_index`` leaves the
+#   row out or, unsmoothed, its class weighs 0) bound their results from their input's interval and the row's
 #   width and pass a zero cotangent where their input's interval is finite (their
 #   derivatives are then bounded); the vocabulary's size (``x.size(-1)``) is a number;
 # * only values one per row ``[n]`` / ``[n, 1]``, the vocabulary's ``[n, V]`` and values
@@ -246,7 +246,17 @@ class _BodyInterpreter(_Interpreter):
             if self.kind.get(x) != "wide" or dim not in (-1, 1) or out != "row" or n.kwargs:
                 raise _NoRule(f"{n.name}: not a gather of one column a row")
             return self.value(x)
-        if name in LOSS_PARAMS and name != "kl_div":
+        if name == "kl_div":  # exp(t) * (t - x) (log_target), else xlogy(t, t) - t * x
+            x, t, log_target = self._kl_div(n)
+            (_, xl, xh), (_, tl, th) = self.value(x), self.value(t)
+            if log_target:
+                gaps = (f.minus(tl, xh), f.minus(th, xl))
+                ends = [f.times(a, b) for a in (f.exp(tl), f.exp(th)) for b in gaps]
+                return False, f.low(*ends), f.high(*ends)
+            ends = [f.times(a, b) for a in (tl, th) for b in (xl, xh)]
+            top = f.high(f.xlogy(tl), f.xlogy(th))  # (NaN where t < 0)
+            return False, f.minus(-1 / math.e, f.high(*ends)), f.minus(top, f.low(*ends))
+        if name in LOSS_PARAMS:
             loss = self._loss(n)
             _, lo, hi = self.value(loss.x)
             if name == "nll_loss":  # -w[t] * x[t], 0 where ignored
@@ -263,6 +273,19 @@ class _BodyInterpreter(_Interpreter):
             raise _NoRule(f"{n.name}: a shape the rules do not read")
         self._divisor(n)
         return self._forward(n)
+
+    def _kl_div(self, n: Node) -> tuple[Node, Any, bool]:
+        """A ``kl_div(reduction='none')`` over the vocabulary, read: (input, target, log_target)."""
+        params = LOSS_PARAMS["kl_div"]
+        x, t = n.kwargs.get("input", n.args[0] if n.args else None), loss_arg(n, "target")
+        log_target = loss_arg(n, "log_target", False)
+        if len(n.args) > 1 + len(params) or set(n.kwargs) - {"input", *params} \
+                or loss_arg(n, "reduction", "mean") != "none" or loss_arg(n, "size_average") is not None \
+                or loss_arg(n, "reduce") is not None or not isinstance(log_target, bool):
+            raise _NoRule(f"{n.name}: a kl_div the rule does not read")
+        if not all(self.kind.get(a) == "wide" for a in (x, t, n)):
+            raise _NoRule(f"{n.name}: a kl_div not over the vocabulary")
+        return x, t, log_target
 
     def _loss(self, n: Node) -> "_Loss":
         """A ``cross_entropy`` / ``nll_loss`` of class indices, one value a row, read."""
@@ -305,7 +328,19 @@ class _BodyInterpreter(_Interpreter):
             return [(x, f.and_(z, bounded), size)]
         if name == "gather" or _column(n):
             return [(n.args[0], z, m)]
-        if name in LOSS_PARAMS and name != "kl_div":
+        if name == "kl_div":
+            x, t, log_target = self._kl_div(n)
+            (_, xl, xh), (_, tl, th) = self.value(x), self.value(t)
+            if log_target:  # d/dx = -exp(t), d/dt = exp(t) * (t - x + 1)
+                slope_x = f.exp(th)
+                slope_t = f.times(slope_x, f.plus(f.magnitude(f.minus(tl, xh), f.minus(th, xl)), 1.0))
+            else:  # d/dx = -t, d/dt = log(t) + 1 - x
+                slope_x = f.magnitude(tl, th)
+                logs = f.magnitude(f.log(tl), f.log(th))
+                slope_t = f.plus(f.plus(logs, 1.0), f.magnitude(xl, xh))
+            return [(x, f.and_(z, f.finite(slope_x)), f.times(m, slope_x)),
+                    (t, f.and_(z, f.finite(slope_t)), f.times(m, slope_t))]
+        if name in LOSS_PARAMS:
             loss = self._loss(n)
             size = f.magnitude(loss.w_lo, loss.w_hi)
             w_ok = f.finite(size)  # (the gradient is a [rows, V] product with the weights)

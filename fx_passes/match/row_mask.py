@@ -132,6 +132,13 @@ class _Facts:
     def exp(self, a: Fact) -> Fact:
         return self._op(torch.exp, a)
 
+    def log(self, a: Fact) -> Fact:
+        return self._op(torch.log, a)
+
+    def xlogy(self, a: Fact) -> Fact:
+        """``a * log(a)`` (0 at 0; NaN below)."""
+        return self._op(torch.xlogy, a, a)
+
     def power(self, a: Fact, k: int) -> Fact:
         """``a ** k`` (``k`` a whole number; 1 for ``k == 0``, as the derivative of ``x ** 1``)."""
         if k == 0:
