@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Optional
 from unittest import mock
@@ -291,21 +292,44 @@ def graph_replays():
         yield n
 
 
+def sync_site(stack: traceback.StackSummary) -> str:
+    """Where a host sync came from: the innermost frame of this repository or of
+    Inductor's generated code (``file:line``), else the innermost frame."""
+    for frame in reversed(stack):
+        name = frame.filename
+        if (name.startswith(str(ROOT)) and "/benchmarks/" not in name) or "torchinductor" in name:
+            where = name[len(str(ROOT)) + 1:] if name.startswith(str(ROOT)) else pathlib.Path(name).name
+            return f"{where}:{frame.lineno} {frame.name}"
+    outer = [f for f in stack if not f.filename.endswith("warnings.py")]
+    return f"{pathlib.Path(outer[-1].filename).name}:{outer[-1].lineno} {outer[-1].name}" if outer else "?"
+
+
 def sync_checked(step: Callable, device: torch.device) -> str:
-    """``"ok"``, or the error of a step run under ``set_sync_debug_mode("error")`` (a
-    host sync raises there); on the CPU ``"n/a (CPU)"``: the profiler's ops say it."""
+    """``"ok"``, or each host sync of one step run under ``set_sync_debug_mode("warn")``
+    with where it came from (``SYNC x2: kernels/rows.py:88 select``); on the CPU
+    ``"n/a (CPU)"``: the profiler's ops say it."""
     if device.type != "cuda":
         return "n/a (CPU)"
+    sites: list[str] = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing" in str(message):
+            sites.append(sync_site(traceback.extract_stack()[:-1]))
+
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        original, warnings.showwarning = warnings.showwarning, show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = original
+            torch.cuda.synchronize()
+    if not sites:
         return "ok"
-    except RuntimeError as e:
-        return "SYNC: " + str(e).strip().splitlines()[0][:160]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+    return f"SYNC x{len(sites)}: " + "; ".join(dict.fromkeys(sites))
 
 
 def profiled(step: Callable, device: torch.device) -> dict:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fx_passes.kernels.ops.registry import GRAPH_BODIES
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from tests import row_local_cases as rl
 from tests import shard_heads
@@ -28,6 +29,13 @@ from tests import sweep_cases as sweeps
 from tests.helpers import chunked_counters
 
 SYNCS = ("aten::_local_scalar_dense", "aten::item", "aten::equal", "aten::is_nonzero")
+# Factories that make a host tensor unless given a device.  In a body the pass runs on
+# the step's tensors (a loss's scalar part, a region's ops), a host tensor is moved to
+# the GPU: a copy that syncs the host every step, which a CPU profile cannot see (the
+# GPU check found one: a loss's constant factor, ``-mean``'s -1, made by
+# ``scalar_tensor`` and copied over).
+FACTORIES = {torch.scalar_tensor, torch.tensor, torch.as_tensor, torch.full, torch.zeros, torch.ones,
+             torch.empty, torch.arange}
 BF16, F32 = torch.bfloat16, torch.float32
 T, V, H = 48, 160, 32
 
@@ -48,7 +56,23 @@ def host_reads(fn, inputs, grad_pos, options, g=0.3) -> tuple[list[str], dict]:
         step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
-    return sorted({e.name for e in prof.events() if e.name in SYNCS}), chunked_counters()
+    reads = sorted({e.name for e in prof.events() if e.name in SYNCS})
+    return reads + host_made(), chunked_counters()
+
+
+def host_made() -> list[str]:
+    """The bodies' factory calls that make a host tensor (no ``device``; ``as_tensor`` of
+    a number): each a host-to-device copy a step on a GPU (see FACTORIES)."""
+    found = []
+    for key in GRAPH_BODIES:
+        graph = getattr(GRAPH_BODIES[key], "graph", None)
+        for n in graph.nodes if graph is not None else ():
+            if n.op != "call_function" or n.target not in FACTORIES or n.kwargs.get("device") is not None:
+                continue
+            if n.target is torch.as_tensor and isinstance(n.args[0], torch.fx.Node):
+                continue  # (of a tensor: no copy)
+            found.append(f"host tensor in body {key}: {n.format_node()}")
+    return found
 
 
 def _head(seed=0):

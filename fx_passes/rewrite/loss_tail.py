@@ -196,8 +196,11 @@ def _factors(g: Graph, tail: LossTail, env: dict) -> list[Node]:
             coef[n] = of[0]
         else:
             raise NoTail(f"{n.name} ({name}) is {rule.kind.value}, not a step of an affine map")
-    f64 = {"dtype": torch.float64}
-    return [c if isinstance(c, Node) else g.call_function(torch.scalar_tensor, (c or 0.0,), f64)
+    # A constant factor is made like the first reduction (a 0-d tensor on the call's
+    # device): a factory without a device would make a host tensor, and moving it to a
+    # GPU is a copy that syncs the host every step.
+    like, f64 = env[tail.reductions[0]], {"dtype": torch.float64}
+    return [c if isinstance(c, Node) else g.call_function(torch.full_like, (like, c or 0.0), f64)
             for c in coef[tail.loss]]
 
 
