@@ -108,3 +108,58 @@ def markdown(summary: dict) -> str:
     if summary["notes"]:
         out += ["", "Notes:", ""] + [f"* {line}" for line in summary["notes"]]
     return "\n".join(out) + "\n"
+
+
+# --- several runs merged: docs/gpu.md's Results table -------------------------------
+
+def merged(paths: list[pathlib.Path]) -> list[dict]:
+    """One row per (case, T, mode) over the runs' JSON files, a later file's row
+    replacing an earlier one's (a case rerun after a fix), each with its run's file
+    name and its peak memory over its case's stock row's (``peak_vs_stock``)."""
+    rows: dict[tuple, dict] = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["rows"]:
+            rows[(r["case"], r["T"], r["mode"])] = {**r, "run": path.stem}
+    out = list(rows.values())
+    for r in out:
+        stock = rows.get((r["case"], r["T"], r["mode"].replace("ours", "inductor").split(":")[0]
+                          + (":ro" if r["mode"].endswith(":ro") else "")))
+        measured = stock and min(r.get("peak_mib") or 0, stock.get("peak_mib") or 0) >= 1
+        r["peak_vs_stock"] = r["peak_mib"] / stock["peak_mib"] if measured else None  # (CUDA graphs:
+        # a replay's memory is the graph pool's, not counted: ~0 MiB)
+    return out
+
+
+def _sync_cell(r: dict) -> str:
+    mode = r.get("sync_mode", "-")
+    return mode.replace("fx_passes/", "") if mode.startswith("SYNC") else mode
+
+
+SUMMARY_COLUMNS = (  # header, cell
+    ("case", lambda r: r["case"]),
+    ("T", lambda r: str(r["T"])),
+    ("mode", lambda r: r["mode"]),
+    ("peak MiB", lambda r: fmt(r.get("peak_mib"), ".0f")),
+    ("peak vs stock", lambda r: fmt(r.get("peak_vs_stock"), ".2f")),
+    ("median ms", lambda r: fmt(r.get("t_median_ms"), ".1f")),
+    ("time vs stock", lambda r: fmt(r.get("t_ratio_vs_stock"), ".2f")),
+    ("predicted", lambda r: "-" if not r.get("predicted") else f"{r['predicted']['ratio']:.2f}"),
+    ("host syncs", _sync_cell),
+    ("run", lambda r: r["run"]),
+)
+
+
+def summary_table(paths: list[pathlib.Path]) -> str:
+    """The merged runs as one Markdown table (errors, kernels and counters stay in each
+    run's own page)."""
+    rows = merged(paths)
+    return "\n".join(_table([h for h, _ in SUMMARY_COLUMNS],
+                            [[cell(r) for _, cell in SUMMARY_COLUMNS] for r in rows])) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) < 2:
+        sys.exit("usage: python benchmarks/gpu_report.py RUN.json [RUN.json ...]  (later runs replace "
+                 "earlier rows)")
+    print(summary_table([pathlib.Path(p) for p in sys.argv[1:]]), end="")

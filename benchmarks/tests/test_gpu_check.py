@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from benchmarks import gpu_case, gpu_check
+from benchmarks import gpu_case, gpu_check, gpu_report
 from benchmarks.gpu_check import CASE_NAMES, DRY_T
 from fx_passes.env import without_ours as clean_env
 
@@ -161,3 +161,25 @@ def test_the_masked_per_token_case_reads_once(tmp_path):
     assert ours["syncs"] == ["aten::_local_scalar_dense", "aten::item"], ours["syncs"]
     for row in rows.values():
         assert "check_errors" not in row and "error" not in row, row
+
+
+def test_runs_merge_into_one_table(tmp_path):
+    """docs/gpu.md's Results table: a later run's row replaces an earlier one's, each
+    row's peak is set over its case's stock row, and an unmeasured peak (a CUDA-graph
+    replay: ~0 MiB) gives no ratio."""
+    def row(case, mode, peak, ratio, sync="ok"):
+        return {"case": case, "mode": mode, "T": 8, "V": 16, "H": 4, "peak_mib": peak,
+                "t_median_ms": 1.0, "t_ratio_vs_stock": ratio, "sync_mode": sync}
+    first, second = tmp_path / "run1.json", tmp_path / "run2.json"
+    first.write_text(json.dumps({"rows": [row("A", "inductor", 100.0, 1.0), row("A", "ours:gpu", 80.0, 1.5,
+                                                                               "SYNC: first only"),
+                                          row("R", "inductor:ro", 0.0, 1.0), row("R", "ours:ro", 0.0, 1.2)]}))
+    second.write_text(json.dumps({"rows": [row("A", "ours:gpu", 50.0, 1.1,
+                                                "SYNC x1: fx_passes/kernels/rows.py:69 select")]}))
+    rows = {(r["case"], r["mode"]): r for r in gpu_report.merged([first, second])}
+    assert rows["A", "ours:gpu"]["run"] == "run2" and rows["A", "ours:gpu"]["peak_vs_stock"] == 0.5
+    assert rows["A", "inductor"]["peak_vs_stock"] == 1.0 and rows["R", "ours:ro"]["peak_vs_stock"] is None
+    table = gpu_report.summary_table([first, second])
+    assert ("| A | 8 | ours:gpu | 50 | 0.50 | 1.0 | 1.10 | - | SYNC x1: kernels/rows.py:69 select | run2 |"
+            in table)
+    assert "| R | 8 | ours:ro | 0 | - |" in table and "first only" not in table
