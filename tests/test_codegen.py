@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes.testing.workloads import WORKLOADS
 from tests.codegen import allocations, full_fp32_buffers, step_codes
+from tests.helpers import auto_plan_computes_gradients_in_forward
 
 T, V = 256, 4096  # small enough for CPU CI, distinct so [T, V] is recognisable
 
@@ -36,7 +37,8 @@ def test_no_full_size_fp32_buffer(case, dynamic):
     codes = _codes(name, "chunked_logits", dynamic, **options)
     assert counters["chunked_logits"]["rewritten"] == 1
     if name == "W4":
-        assert counters["chunked_logits"]["gradients_in_forward"] == (0 if options else 1)
+        in_forward = not options and auto_plan_computes_gradients_in_forward()  # (not on AVX2-only CPUs)
+        assert counters["chunked_logits"]["gradients_in_forward"] == int(in_forward)
         # the lm_head loop bodies (one row chunk / vocabulary block each, sized by the
         # budget) are compiled on first use too; the outer graph is what calls the op
         codes = [c for c in codes if "torch.ops.chunked_logits.lm_head_" in c]

@@ -67,7 +67,9 @@ def _programs():
     z = rl.distinct_logits(24, 64, BF16, seed=1)
     kept = rl.kept_tokens(z)
     out = [("per_token", per_token, (h, w, tok), {}),
-           ("loss_in_graph", loss_in_graph, (h, w, tok, adv), {}),
+           # (two_sweeps: the plan that runs the loss in the graph on any CPU; "auto" runs
+           # fp32_tiles on an AVX2-only CPU, which computes no gradient in the forward)
+           ("loss_in_graph", loss_in_graph, (h, w, tok, adv), {"lm_head_plan": "two_sweeps"}),
            ("loss_in_graph_gpu", loss_in_graph, (h, w, tok, adv), {"lm_head_plan": "gpu"}),
            ("given_logits", given_logits, (z.requires_grad_(), tok), {}),
            ("saved_masks", rl.topk_logprob, (z, kept), {}),

@@ -23,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from tests.helpers import auto_plan_computes_gradients_in_forward
 from tests.hostile_programs import REGIONS, Program, args_of, make_inputs, programs
 from tests.property_programs import (
     CaptureAndTransform,
@@ -106,7 +107,9 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
     assert seen["head_smoothing"].get("row_local_lm_head") == 1, seen
     assert seen["head_topp"].get("row_local_lm_head_in_call") == 1, seen
     assert seen["lm_head"].get("lm_head_fused") == 1, seen
-    assert seen["loss"].get("gradients_in_forward") == 1, seen
+    # (the auto plan of an AVX2-only CPU, fp32_tiles, computes no gradient in the forward)
+    in_forward = 1 if auto_plan_computes_gradients_in_forward() else None
+    assert seen["loss"].get("gradients_in_forward") == in_forward, seen
     assert seen["returned"].get("lm_head_returns_logits") == 1, seen
     assert seen["vocab"].get("vocab_parallel_lm_head") == 1, seen
 

@@ -207,7 +207,9 @@ def test_gemms_per_step():
 
 
 def test_loop_bodies_compile_once_across_calls():
-    fn = torch.compile(pg_mean, backend="chunked_logits", dynamic=True)
+    # (two_sweeps: the loss in the graph on any CPU; "auto" is fp32_tiles on an AVX2-only one)
+    fn = torch.compile(pg_mean, backend="chunked_logits", dynamic=True,
+                       options={"lm_head_plan": "two_sweeps"})
     _run(fn, _inputs(torch.bfloat16))  # the outer graph and four bodies: logits and stats,
     compiled = counters["stats"]["unique_graphs"]  # the tail, the logits' gradient, the backward sweep
     assert compiled == 5 and counters["chunked_logits"]["gradients_in_forward"] == 1
