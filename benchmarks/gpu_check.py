@@ -1,4 +1,4 @@
-"""The GPU check: chunked_logits on one CUDA GPU at a large model's lm_head, in one run of 8 minutes.
+"""The GPU check: chunked_logits on one CUDA GPU at a large model's lm_head, in one run of 9 minutes.
 
     python benchmarks/gpu_check.py --out bench_out/gpu      # on a machine with one CUDA GPU
     python benchmarks/gpu_check.py --dry-run                # the same code paths on the CPU, tiny sizes
@@ -14,7 +14,7 @@ step: peak memory, time vs stock (interleaved medians, CUDA events), kernels
 and GEMM TFLOPS (profiler), max error vs FP64, host syncs (``set_sync_debug_mode("error")``
 and the profiler's sync ops), CUDA-graph replays, and the cost model's prediction beside
 it.  ``gpu_check.json`` and ``gpu_check.md`` in ``--out`` are rewritten after every case;
-a case that fails or is killed is recorded and the rest go on; the overall budget (440 s)
+a case that fails or is killed is recorded and the rest go on; the overall budget (480 s)
 ends the run.  See docs/gpu.md.
 """
 
@@ -89,10 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the gpu plan forced")
     p.add_argument("--cases", default=",".join(CASE_NAMES), help="comma list (default: all)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run (default 440; dry run 280)")
+                   help="seconds for the whole run (default 480; dry run 280)")
     p.add_argument("--case-guard", type=float, default=None,
                    help="seconds per case (default: the plan's, 25-55 s)")
-    p.add_argument("--tests-guard", type=float, default=60, help="seconds for the GPU tests (default 60)")
+    # (the 13 GPU tests took about 135 s with a cold Inductor cache on an H200: 60 s cut six)
+    p.add_argument("--tests-guard", type=float, default=150, help="seconds for the GPU tests (default 150)")
     p.add_argument("--steps", type=int, default=None, help="timing rounds (default 10; dry run 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; dry run 1)")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
@@ -101,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.cases) - set(CASE_NAMES))
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASE_NAMES)}")
-    args.budget = args.budget if args.budget is not None else (280 if args.dry_run else 440)
+    args.budget = args.budget if args.budget is not None else (280 if args.dry_run else 480)
     args.steps = args.steps or (2 if args.dry_run else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
     return args
