@@ -70,7 +70,8 @@ test-long: setup
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_properties.py
 
 # `make test` with every matrix of cases x dtypes x plans in full (tests/numerics.py's
-# dtype_matrix: CI runs half of each, every case and plan in both dtypes), and every
+# dtype_matrix: CI runs half of each, every case and plan in both dtypes), the tests
+# marked `full` (costly variants of behaviour other tests cover), and every
 # ISA-sensitive test as an AVX2-only CPU runs it (about 30 minutes more than `make test`)
 test-full: lint
 	CHUNKED_LOGITS_FULL_MATRIX=1 $(BIN)/python -m pytest -q $(WORKERS)

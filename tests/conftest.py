@@ -4,6 +4,18 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from fx_passes.reporting.session import session
+from tests.numerics import FULL_MATRIX
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``full`` (a costly variant of what other tests in ``make test`` cover)
+    run only under ``make test-full``, as the full dtype products do."""
+    if FULL_MATRIX:
+        return
+    skip = pytest.mark.skip(reason="a costly variant of covered behaviour: make test-full runs it")
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

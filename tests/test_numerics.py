@@ -26,7 +26,7 @@ from tests.cases import (
     shifted_bsv,
     tokens_for,
 )
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, max_err, reference, run
+from tests.numerics import F32, assert_no_less_accurate, dtype_matrix, max_err, reference, run
 
 
 def make_case(name, dtype):
@@ -74,8 +74,7 @@ CASES = [
     "cross_entropy_mean", "cross_entropy_sum", "cross_entropy_none",
     "cross_entropy_all_ignored_mean", "cross_entropy_masked_-inf",
 ]
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,dtype,out_rtol,grad_rtol", dtype_matrix(CASES))
 def test_no_less_accurate_than_stock(case, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = make_case(case, dtype)
     ref_outs, ref_grads = reference(fn, inputs, grad_pos)

@@ -30,7 +30,7 @@ from fx_passes.kernels.row_local.head import _row_local_head, _row_local_head_ba
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
 from tests.helpers import assert_retained_backward_repeats, chunked_counters
-from tests.numerics import F32, TOLERANCES
+from tests.numerics import F32, dtype_matrix
 
 T, V, H = rl.T, rl.V, 32
 WHOLE = {"row_local_sweeps": False}  # (the logits kept whole, for every body)
@@ -110,8 +110,7 @@ def test_bit_for_bit_the_plain_calls_results(name):
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
-@pytest.mark.parametrize("name", ["distillation", "kl_div_linear"])
+@pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol", dtype_matrix(["distillation", "kl_div_linear"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _case(name, dtype)
     c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True, **WHOLE)

@@ -27,7 +27,7 @@ from fx_passes.kernels.row_local.sweeps import _row_local_sweeps, row_local_swee
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
 from tests.helpers import assert_retained_backward_repeats, chunked_counters
-from tests.numerics import F32, TOLERANCES
+from tests.numerics import F32, dtype_matrix
 from tests.sweep_cases import EAGER, SPLIT, H, T, V, topp_policy
 from tests.sweep_cases import Wide as _Wide
 from tests.sweep_cases import case as _case
@@ -54,9 +54,9 @@ def test_a_frozen_weight_takes_only_the_row_sweep():
     assert c.get("row_local_lm_head") == 1, c
 
 
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
 # (losses without a float global: one Dynamo pass, one rewrite)
-@pytest.mark.parametrize("name", ["reverse_kl", "kl_div_linear", "smoothed_ce"])
+@pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
+                         dtype_matrix(["reverse_kl", "kl_div_linear", "smoothed_ce"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = _case(name, dtype)
     c = rl.check(fn, inputs, grad_pos, dtype, out_rtol, grad_rtol, dynamic=True, **BACKWARD_SWEEPS)

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes.testing.codegen import allocations, full_fp32_buffers
 from tests.helpers import chunked_counters, clean_env, ops, rewrite_graphs
-from tests.numerics import TOLERANCES, assert_no_less_accurate, reference, run
+from tests.numerics import assert_no_less_accurate, dtype_matrix, reference, run
 from tests.shard_heads import (
     HEADS,
     SMALL_BUDGET,
@@ -45,8 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # (conftest)
 
 
-@pytest.mark.parametrize("head", HEADS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+@pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
 def test_rewritten_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
     data = inputs(dtype)
     if head is not cross_entropy:
@@ -158,8 +157,7 @@ def test_a_loss_all_reduced_for_logging_stays_single_process(spelling):
 
 # --- the lm_head matmul inside the loop (fx_passes.kernels.log_softmax.shard) ---------------------
 
-@pytest.mark.parametrize("head", HEADS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("dtype,out_rtol,grad_rtol", TOLERANCES)
+@pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
 def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
     """``h @ w_shard.T`` feeding the region: every stage computes its logits per row chunk;
     loss and the gradients of h and of the weight shard no further from FP64 than stock."""
