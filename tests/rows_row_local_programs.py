@@ -122,8 +122,29 @@ def kd_over_a_vector(h, w, teacher, labels, mask, up=F32):
     return ((t.exp() * (t - s)).sum(-1) * mask.to(up)).sum() / mask.to(up).sum()
 
 
+def reverse_kl_by_logsumexp(h, w, teacher, labels, mask, up=F32):
+    """The student's log-probs as ``x - logsumexp(x)``, written out: the shifted logits'
+    interval is read from the relation (at most 0), not from the logits' bound alone."""
+    x = (h @ w.T).to(up)
+    s = x - x.logsumexp(-1, keepdim=True)
+    t = torch.log_softmax(teacher.to(up), -1)
+    return ((s.exp() * (s - t)).sum(-1) * mask.to(up)).sum() / mask.to(up).sum()
+
+
+def reverse_kl_by_hand(h, w, teacher, labels, mask, up=F32):
+    """A softmax by hand (Megatron's spelling): the row's max subtracted, ``exp``, its sum
+    (at least 1), ``log`` and a division by that sum."""
+    x = (h @ w.T).to(up)
+    x = x - x.max(dim=-1, keepdim=True).values
+    e = x.exp()
+    total = e.sum(-1, keepdim=True)
+    t = torch.log_softmax(teacher.to(up), -1)
+    kl = (e / total * (x - total.log() - t)).sum(-1)
+    return (kl * mask.to(up)).sum() / mask.to(up).sum()
+
+
 MASKED = [kd_masked_mean, kd_column_mask, kd_where, reverse_kl_temperature, kd_and_logprob, ensemble_ce,
-          smoothed_ce_zloss, sft_and_kd, kd_kl_div]
+          smoothed_ce_zloss, sft_and_kd, kd_kl_div, reverse_kl_by_logsumexp, reverse_kl_by_hand]
 UNPROVEN = [kd_mask_of_the_logits, kd_atan, kd_over_a_vector]
 
 

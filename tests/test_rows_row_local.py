@@ -25,6 +25,7 @@ from tests.rows_row_local_programs import (
     kd_and_logprob,
     kd_masked_mean,
     kd_where,
+    reverse_kl_by_hand,
     sft_and_kd,
     smoothed_ce_zloss,
     weighted_ce,
@@ -120,7 +121,7 @@ KINDS = ["teacher+inf, a masked row", "teacher nan, a masked row", "h+inf, a mas
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("fn", [kd_masked_mean, kd_where, kd_and_logprob, ensemble_ce],
+@pytest.mark.parametrize("fn", [kd_masked_mean, kd_where, kd_and_logprob, ensemble_ce, reverse_kl_by_hand],
                          ids=lambda f: f.__name__)
 def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:

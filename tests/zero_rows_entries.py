@@ -37,6 +37,7 @@ ENTRIES = {
     "where": lambda lp, adv, m, mf: _where(lp * adv, m),
     "masked_fill": lambda lp, adv, m, mf: (lp * adv).masked_fill(~m, 0.0),
     "exp": lambda lp, adv, m, mf: _where(torch.exp(lp + 5.0) * adv, m),
+    "log": lambda lp, adv, m, mf: _where(torch.log(lp.exp() + 1.0) * adv, m),
     "pow": lambda lp, adv, m, mf: _where((lp * 0.5).pow(3) * adv + lp ** 2, m),
     "square": lambda lp, adv, m, mf: _where(torch.square(lp) * adv, m),
     "clamp": lambda lp, adv, m, mf: _where(torch.clamp(lp, -3.0, 0.0) * adv, m),

@@ -58,6 +58,7 @@ class Kind(enum.Enum):
     ONE_COLUMN = "one value a row put at one column (a scatter): a where on the block's column indices"
     SELECT = "one of two operands per element by a condition (``where``, ``masked_fill``): no arithmetic"
     EXP = "``exp``: an increasing map whose derivative is its value"
+    LOG = "``log``: an increasing map on positive values whose derivative is ``1 / x``"
     POWER = "``x ** k`` for a whole number 1 <= k <= 8 (``pow``, ``square``): 0 where x is 0"
     CLAMP = "its operand clamped to number bounds: a derivative of 0 or 1"
     EXTREMUM = "the smaller / larger of two tensors per element: a derivative of 0, 1/2 or 1 each"
@@ -115,6 +116,7 @@ ZERO_ROWS: dict[str, Kind] = {
     **dict.fromkeys(("mul", "div"), Kind.FACTOR),
     **dict.fromkeys(("where", "masked_fill"), Kind.SELECT),
     "exp": Kind.EXP,
+    "log": Kind.LOG,
     **dict.fromkeys(("pow", "square"), Kind.POWER),
     **dict.fromkeys(("clamp", "clip", "clamp_min", "clamp_max"), Kind.CLAMP),
     **dict.fromkeys(("min", "max", "minimum", "maximum"), Kind.EXTREMUM),

@@ -31,7 +31,14 @@ out]), read through the body too.  See NOTE [rows a row-local body leaves out].
 # * only values one per row ``[n]`` / ``[n, 1]``, the vocabulary's ``[n, V]`` and values
 #   read whole are taken: the body is run once on a small example at rewrite time to
 #   read each node's shape; any other shape, or an op with no rule, gives "unknown" (its
-#   rows are computed, never guessed).
+#   rows are computed, never guessed);
+# * the shifted logits: the logits' bound ``z`` is loose (``|h|_1 * max|W|``), and an
+#   FP32 ``exp`` of more than 88 is unknown, so intervals alone lose a log-softmax written
+#   by hand.  Three relations are kept (``_relational``): ``x - x.amax(-1, keepdim=True)``
+#   (``max(..)[0]``) and ``x - x.logsumexp(-1, keepdim=True)`` are at most 0 (rounding
+#   is monotone: ``x_i <= max <= lse`` holds in floating point too), and
+#   ``exp(x - x.amax(-1, keepdim=True)).sum(-1)`` is at least 1 (its largest entry is
+#   ``exp(0)``, the others add nothing negative).
 
 from __future__ import annotations
 
@@ -108,6 +115,7 @@ class _BodyInterpreter(_Interpreter):
         self.env: dict[Node, Node] = {}
         self.facts: dict[Node, Value] = {}
         self.masks, self.logits, self.vocab = set(masks), logits, vocab
+        self.shifted: dict[Node, str] = {}  # x - top: the kind of top (``_relational``)
         self.kind = {n: self._kind(v) for n, v in values.items()}
         # exact: computed from the inputs that are not the logits, one value a row or whole
         self.exact: set[Node] = set()
@@ -224,6 +232,9 @@ class _BodyInterpreter(_Interpreter):
     def node_forward(self, n: Node) -> Value:
         f, name = self.f, op_name(n)
         out = self.kind.get(n)
+        related = self._relational(n)
+        if related is not None:
+            return related
         if name in _REDUCE or name in _NORMALIZE:
             x_ = self._wide(n)
             _, lo, hi = self.value(x_)
@@ -328,6 +339,8 @@ class _BodyInterpreter(_Interpreter):
             return [(x, f.and_(z, bounded), size)]
         if name == "gather" or _column(n):
             return [(n.args[0], z, m)]
+        if name == "getitem" and self._row_top(n) is not None:  # (max's values: a slope of 0 or 1)
+            return [(self._row_top(n)[1], z, m)]
         if name == "kl_div":
             x, t, log_target = self._kl_div(n)
             (_, xl, xh), (_, tl, th) = self.value(x), self.value(t)
@@ -355,12 +368,54 @@ class _BodyInterpreter(_Interpreter):
         return self._backward(n, z, m)
 
     def _divisor(self, n: Node) -> None:
-        """A ``div`` divides by one number a row (an exact per-row value or a scalar) only:
-        the rules read a divisor as one value, not an interval."""
+        """A ``div`` divides by one number a row (an exact per-row value or a scalar) or by
+        a value of the body (its interval a row: ``match/row_mask``'s rule), not by a tensor
+        read whole."""
         if op_name(n) == "div" and len(n.args) > 1 and isinstance(n.args[1], Node):
             d = n.args[1]
-            if d in self.inner or (self.kind.get(d) == "whole" and self.values[d].dim() > 0):
+            if d not in self.inner and self.kind.get(d) == "whole" and self.values[d].dim() > 0:
                 raise _NoRule(f"{n.name}: a divisor that is not one number a row")
+
+    def _row_top(self, r: Any) -> Optional[tuple[str, Node]]:
+        """``("amax", x)`` when ``r`` is the row's largest logit ``x.amax(-1, keepdim=True)``
+        (``x.max(-1, keepdim=True)[0]`` too), ``("logsumexp", x)`` for
+        ``x.logsumexp(-1, keepdim=True)``: values no entry of the row exceeds."""
+        if not isinstance(r, Node) or self.kind.get(r) != "row" or len(self.values[r].shape) != 2:
+            return None
+        if op_name(r) == "getitem" and r.args[1:] == (0,) and isinstance(r.args[0], Node):
+            r = r.args[0]
+            if op_name(r) != "max" or not (len(r.args) >= 2 or "dim" in r.kwargs):
+                return None  # (not the maximum over a dim: ``_wide`` refuses a second tensor)
+        name = op_name(r)
+        if name not in ("amax", "max", "logsumexp"):
+            return None
+        try:
+            x = self._wide(r)
+        except _NoRule:
+            return None
+        return ("logsumexp" if name == "logsumexp" else "amax"), x
+
+    def _relational(self, n: Node) -> Optional[Value]:
+        """Facts the intervals alone lose (NOTE [rows a row-local body leaves out], the
+        shifted logits): ``x - top`` with ``top`` a value no entry of ``x``'s row exceeds
+        is at most 0, and ``exp(x - x.amax(-1, keepdim=True)).sum(-1)`` at least 1 (the
+        largest entry adds ``exp(0)``).  None where neither applies."""
+        f, name = self.f, op_name(n)
+        if name == "sub" and n.op in ("call_function", "call_method") and len(n.args) == 2 and not n.kwargs:
+            x, r = n.args
+            top = self._row_top(r)
+            if top is not None and top[1] is x:
+                (vx, lx, _), (vr, _, ur) = self.value(x), self.value(r)
+                self.shifted[n] = top[0]
+                return f.and_(vx, vr), f.minus(lx, ur), 0.0
+        if name == "getitem" and self._row_top(n) is not None:  # (the values of ``max(x, -1, keepdim)``)
+            return self.value(self._row_top(n)[1])
+        if name == "sum" and self.kind.get(n) == "row":
+            e = self._wide(n)
+            if op_name(e) == "exp" and len(e.args) == 1 and self.shifted.get(e.args[0]) == "amax":
+                v, lo, hi = self.value(e)
+                return v, f.high(f.times(lo, self.width), 1.0), f.times(hi, self.width)
+        return None
 
     def finite(self, a) -> Any:
         _, lo, hi = self.value(a) if not isinstance(a, tuple) else a

@@ -85,6 +85,10 @@ class _Facts:
     def finite(self, m: Fact) -> Fact:
         return math.isfinite(m) if isinstance(m, (int, float)) else self.call(torch.isfinite, m)
 
+    def positive(self, a: Fact) -> Fact:
+        """``a > 0`` (False for NaN)."""
+        return (a > 0) if isinstance(a, (int, float)) else self.call(operator.gt, a, 0)
+
     def nonzero(self, m: Fact) -> Fact:
         """``m > 0`` (False for NaN): a magnitude that is not 0."""
         return (m > 0) if isinstance(m, (int, float)) else self.call(operator.gt, m, 0)
@@ -334,6 +338,15 @@ class _Interpreter:
         _, lo, hi = self.value(a)
         return self.f.magnitude(lo, hi)
 
+    def _inner(self, a) -> bool:
+        """Is ``a`` a value of the region (only an interval holds it)?"""
+        return isinstance(a, Node) and a in self.inner
+
+    def _apart_from_0(self, lo: Fact, hi: Fact) -> Fact:
+        """Does ``[lo, hi]`` leave 0 out (False where either end is NaN)?"""
+        f = self.f
+        return f.or_(f.positive(lo), f.positive(f.minus(0.0, hi)))
+
     def condition(self, c) -> Fact:
         """A ``where`` / ``masked_fill`` condition read from the tail's operands."""
         if isinstance(c, bool):
@@ -371,6 +384,8 @@ class _Interpreter:
             return va, f.minus(0.0, ua), f.minus(0.0, la)
         if rule is Kind.EXP:
             return False, f.exp(la), f.exp(ua)
+        if rule is Kind.LOG:  # (NaN or -inf where the interval reaches 0: not finite, capped)
+            return False, f.log(la), f.log(ua)
         if rule is Kind.POWER:  # (x ** k: monotone for an odd k; in [0, |x| ** k] for an even one)
             k = args[1]
             if k % 2:
@@ -390,9 +405,12 @@ class _Interpreter:
             (va, la, ua), (vb, lb, ub) = ((vb, lb, ub), (va, la, ua)) if op_name(n) == "rsub" else \
                 ((va, la, ua), (vb, lb, ub))
             return f.and_(va, vb), f.minus(la, ub), f.minus(ua, lb)
+        if rule is Kind.FACTOR and op_name(n) == "div" and self._inner(args[1]):
+            apart = self._apart_from_0(lb, ub)  # (a divisor that depends on the region: an interval)
+            ends = [f.over(a, b) for a in (la, ua) for b in (lb, ub)]
+            zero = f.and_(va, f.and_(apart, self.finite(args[1])))
+            return zero, f.select(apart, f.low(*ends), -math.inf), f.select(apart, f.high(*ends), math.inf)
         if rule is Kind.FACTOR and op_name(n) == "div":
-            if isinstance(args[1], Node) and args[1] in self.inner:
-                raise _NoRule("a divisor that depends on the region (only an interval holds it)")
             ends = (f.over(la, lb), f.over(ua, lb))  # (the divisor is one number a row: lb == ub)
             return f.and_(va, f.nonzero(self.size(args[1]))), f.low(*ends), f.high(*ends)
         if rule is Kind.FACTOR:
@@ -451,9 +469,20 @@ class _Interpreter:
             return [(args[0], f.and_(z, f.finite(slope)), f.times(m, slope))]
         if rule is Kind.SUM_OF_TERMS:
             return [(args[0], z, m), (args[1], z, m)]
+        if rule is Kind.LOG:  # c / x: bounded where x's interval is above 0
+            _, la, _ = self.value(args[0])
+            slope = f.select(f.positive(la), f.over(1.0, la), math.inf)
+            return [(args[0], f.and_(z, f.finite(slope)), f.times(m, slope))]
+        if rule is Kind.FACTOR and op_name(n) == "div" and self._inner(args[1]):
+            # c * (1 / y, -x / y ** 2): bounded where y's interval stays away from 0
+            _, lb, ub = self.value(args[1])
+            apart = self._apart_from_0(lb, ub)
+            least = f.select(apart, f.low(f._op(torch.abs, lb), f._op(torch.abs, ub)), 0.0)
+            sx = f.over(1.0, least)  # (inf where the interval holds 0)
+            sy = f.times(self.size(args[0]), f.times(sx, sx))
+            return [(args[0], f.and_(z, f.finite(sx)), f.times(m, sx)),
+                    (args[1], f.and_(z, f.finite(sy)), f.times(m, sy))]
         if rule is Kind.FACTOR and op_name(n) == "div":
-            if isinstance(args[1], Node) and args[1] in self.inner:
-                raise _NoRule("a divisor that depends on the region")
             size = self.size(args[1])
             return [(args[0], f.and_(z, f.nonzero(size)), f.over(m, size))]
         if rule is Kind.FACTOR:
