@@ -212,8 +212,10 @@ def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
     new = sorted(fused_calls(graph) - fused, key=lambda n: n.name)
     losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config) for call in new)))  # (in the forward)
     kept = [call for call in new if call in fused_calls(graph)]  # (those keeping per-token results)
-    masked = sum(skip_unread_rows(graph, call, config) for call in kept)
-    outcome = dataclasses.replace(outcome, losses=outcome.losses + losses, masked_per_token=masked)
+    why: list[str] = []  # (per-token results a mask leaves unread that every row computes: why)
+    masked = sum(skip_unread_rows(graph, call, config, why) for call in kept)
+    outcome = dataclasses.replace(outcome, losses=outcome.losses + losses, masked_per_token=masked,
+                                  rows_why=tuple(why))
     record_rewrite(where, counted(outcome, what, "lm_head_fused"), _with_lm_head(nbytes, outcome),
                    report_only=False)
     if region.unit_scale_dropped:

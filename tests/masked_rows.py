@@ -48,3 +48,10 @@ def _poisoned(kind):
 
 KINDS = ["h+inf, a masked row", "h nan, a kept row", "w+inf", "adv+inf, a masked row",
          "adv nan, a masked row", "adv -200, a masked row", "every row masked", "no row masked"]
+
+
+def every_row_said() -> list[str]:
+    """What the rewrites recorded since ``session.reset()`` say about a masked loss that
+    runs every row (NOTE [why every row runs]): the text after "though ...: "."""
+    from fx_passes.reporting.session import session
+    return [e.what.split("though ", 1)[1] for e in session.events if "though " in e.what]

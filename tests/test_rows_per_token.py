@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from fx_passes import compat
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
-from tests.masked_rows import BF16, EAGER, FP16, KINDS, T, _inputs, _pattern, _poisoned
+from tests.masked_rows import BF16, EAGER, FP16, KINDS, T, _inputs, _pattern, _poisoned, every_row_said
 from tests.numerics import assert_no_less_accurate
 
 F32 = torch.float32
@@ -145,11 +145,20 @@ def test_non_finite_values_as_stock(fn, kind):
 
 @pytest.mark.parametrize("fn", [logprobs_returned, mask_of_results], ids=lambda f: f.__name__)
 def test_rows_read_or_an_unproven_mask_run_every_row(fn):
+    """Every row runs; where the reads have a mask (not a mask made of the results), the
+    rewrite says why."""
+    from fx_passes.reporting.session import session
     inputs = _inputs(torch.bfloat16, 0.5)
     stock = _run(torch.compile(fn, backend="inductor"), inputs)
+    session.reset()
     ours, c = _ours(fn, inputs)
     assert c.get("lm_head_fused") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
     assert_no_less_accurate(ours, stock, _reference(fn, inputs), torch.bfloat16, *BF16)
+    said = every_row_said()
+    if fn is logprobs_returned:
+        assert c.get("masked_rows_not_skipped") == 1 and len(said) == 1 and "for every row" in said[0], said
+    else:
+        assert "masked_rows_not_skipped" not in c and not said, (c, said)
 
 
 def test_a_mask_computed_after_the_region():
@@ -160,6 +169,7 @@ def test_a_mask_computed_after_the_region():
 def test_the_option_turns_it_off():
     _, c = _ours(grpo_with_metrics, _inputs(torch.bfloat16, 0.5), skip_masked_rows=False)
     assert c.get("lm_head_fused") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
+    assert "masked_rows_not_skipped" not in c, c  # (nothing to say: the user turned it off)
 
 
 @pytest.mark.parametrize("plan", ["gpu", "blocks"])

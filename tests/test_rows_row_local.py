@@ -12,7 +12,7 @@ from torch.profiler import profile
 
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
-from tests.masked_rows import BF16, EAGER, FP16
+from tests.masked_rows import BF16, EAGER, FP16, every_row_said
 from tests.numerics import assert_no_less_accurate
 from tests.rows_row_local_programs import (
     MASKED,
@@ -190,11 +190,22 @@ def test_an_infinite_incoming_gradient_as_stock():
 
 @pytest.mark.parametrize("fn", UNPROVEN, ids=lambda f: f.__name__)
 def test_what_no_rule_proves_runs_every_row(fn):
+    """Every row runs; with the loss in the call (a mask the rules see), the rewrite says
+    why: the op with no rule."""
+    from fx_passes.reporting.session import session
     xs = inputs(torch.bfloat16, 0.5)
     stock = _run(torch.compile(fn, backend="inductor"), xs)
+    session.reset()
     ours, c = _ours(fn, xs)
     assert c.get("row_local_lm_head") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
     assert_no_less_accurate(ours, stock, _reference(fn, xs), torch.bfloat16, *BF16)
+    expected = {"kd_atan": "atan has no rule", "kd_over_a_vector": "a divisor that is not one number a row"}
+    said = every_row_said()
+    if fn.__name__ in expected:
+        assert c.get("masked_rows_not_skipped") == 1 and len(said) == 1, (c, said)
+        assert expected[fn.__name__] in said[0], said
+    else:  # (a mask made of the student's logits: no loss in the call, nothing to say)
+        assert "masked_rows_not_skipped" not in c and not said, (c, said)
 
 
 def test_the_option_turns_it_off():

@@ -14,7 +14,7 @@ import fx_passes
 from fx_passes import compat
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
-from tests.masked_rows import BF16, EAGER, FP16, KINDS, H, T, V, _inputs, _pattern, _poisoned  # noqa: F401
+from tests.masked_rows import BF16, EAGER, FP16, KINDS, H, T, V, _inputs, _pattern, _poisoned, every_row_said  # noqa: F401
 from tests.numerics import F32, assert_no_less_accurate
 from tests.zero_rows_entries import ENTRIES
 
@@ -144,11 +144,20 @@ def test_non_finite_values_as_stock(fn, kind):
 
 @pytest.mark.parametrize("fn", [sigmoid_masked, entropy_unmasked], ids=lambda f: f.__name__)
 def test_what_no_rule_proves_runs_every_row(fn):
+    """Every row runs, and the rewrite says why (its line, the summary, a counter)."""
+    from fx_passes.reporting import summary as exit_summary
+    from fx_passes.reporting.session import session
     inputs = _inputs(torch.bfloat16, 0.5)
     stock = _run(torch.compile(fn, backend="inductor"), inputs)
+    session.reset()
     ours, c = _ours(fn, inputs)
     assert c.get("gradients_in_forward") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
     assert_no_less_accurate(ours, stock, _reference(fn, inputs), torch.bfloat16, *BF16)
+    expected = "sigmoid has no rule" if fn is sigmoid_masked else "reads ent on every row, unmasked"
+    said = every_row_said()
+    assert c.get("masked_rows_not_skipped") == 1 and len(said) == 1 and expected in said[0], (c, said)
+    assert "1 rewrite(s) with a mask run every row" in exit_summary.format_text(exit_summary.collect())
+    assert fx_passes.summary()["masked_rows_not_skipped"] == 1
 
 
 def test_the_summary_counts_the_rows_skipped():

@@ -93,7 +93,7 @@ def test_summary_keys_and_text_match_the_exit_summary():
     assert sorted(s) == sorted([
         "regions_rewritten", "regions_would_rewrite", "regions_left_to_stock", "regions_declined",
         "declined_by_reason", "near_misses", "estimated_bytes_avoided", "rows_seen", "rows_skipped",
-        "rewritten", "would_rewrite", "left_to_stock", "declined",
+        "masked_rows_not_skipped", "rewritten", "would_rewrite", "left_to_stock", "declined",
         "graphs_compiled", "pass_failed", "installed", "disabled", "counters"])
     assert sorted(s["rewritten"][0]) == ["bytes_avoided", "compiles", "what", "where"]
     assert s["graphs_compiled"] == 1 and s["counters"] == {"rewritten": 1}

@@ -54,7 +54,7 @@ from ..fx.graph_ops import op_name
 from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind, pointwise_op
 from ..kernels.ops import user_bodies
 from .row_local import LOSS_PARAMS, loss_arg
-from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule
+from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule, no_rule, why_every_row
 
 __all__ = ["skip_rows_of_body"]
 
@@ -116,6 +116,7 @@ class _BodyInterpreter(_Interpreter):
         self.facts: dict[Node, Value] = {}
         self.masks, self.logits, self.vocab = set(masks), logits, vocab
         self.shifted: dict[Node, str] = {}  # x - top: the kind of top (``_relational``)
+        self.unknown: list[str] = []  # the ops with no rule, said (NOTE [why every row runs])
         self.kind = {n: self._kind(v) for n, v in values.items()}
         # exact: computed from the inputs that are not the logits, one value a row or whole
         self.exact: set[Node] = set()
@@ -423,11 +424,12 @@ class _BodyInterpreter(_Interpreter):
 
 
 def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_sums: int,
-                      masks: set[int]) -> Optional[str]:
+                      masks: set[int], why: Optional[list[str]] = None) -> Optional[str]:
     """The registered key of ``skip(width, z, *rows but the logits, *whole, *weights)`` for
     the joined body ``body_key`` (its row inputs' and whole inputs' ``(dtype, shape,
     device)``, the logits at ``index``; ``n_sums`` values summed; ``masks``: the row
-    inputs' positions that are masks, a masked mean's), or None when no row can be skipped."""
+    inputs' positions that are masks, a masked mean's), or None when no row can be skipped
+    (where the body has a mask, the reason appended to ``why``: NOTE [why every row runs])."""
     body = user_bodies.function(body_key)
     places = [p for p in body.graph.nodes if p.op == "placeholder"]
     try:
@@ -459,13 +461,23 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
             continue
         try:
             v, lo, hi = run.node_forward(n)
-        except (_NoRule, KeyError):
+        except (_NoRule, KeyError) as e:
+            if isinstance(e, _NoRule):
+                run.unknown.append(no_rule(n, e))
             v, lo, hi = False, -math.inf, math.inf
         run.facts[n] = (v, *f.capped(lo, hi, run.dtype(n)))
     skip: Any = True
     for s in sums:
         skip = f.and_(skip, run.value(s)[0] if s in run.inner else False)
+
+    def refused() -> None:
+        unmasked = [f"the loss sums {s.name} on every row, unmasked" for s in sums
+                    if s not in run.inner or run.value(s)[0] is False]
+        reason = why_every_row(bool(run.masks), run.unknown, unmasked)
+        if reason is not None and why is not None:
+            why.append(reason)
     if skip is False:
+        refused()
         return None
     Zc: dict[Node, Any] = {}
     Mc: dict[Node, Any] = {}
@@ -483,12 +495,15 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
         try:
             for a, za, ma in run.node_backward(n, z, m):
                 add(a, za, ma)
-        except (_NoRule, KeyError):
+        except (_NoRule, KeyError) as e:
+            if isinstance(e, _NoRule):
+                run.unknown.append(no_rule(n, e))
             for a in n.all_input_nodes:
                 add(a, False, math.inf)
     skip = f.and_(skip, Zc.get(places[index], True))
     skip = f.and_(skip, f.call(torch.isfinite, z))
     if skip is False:
+        refused()
         return None
     g.output(skip)
     return user_bodies.register(GraphModule(torch.nn.Module(), g))

@@ -50,7 +50,7 @@ from ..fx.op_rules import ZERO_ROWS, Kind
 from ..kernels.ops import user_bodies
 from .loss_tail import LossTail
 
-__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "ITEMS"]
+__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "no_rule", "why_every_row", "ITEMS"]
 
 ITEMS = ("lse_lo", "lse_hi", "lp_lo", "lp_hi", "ent_lo", "ent_hi")
 Fact = Union[bool, float, Node]  # a Python constant, or a node of the skip graph
@@ -214,32 +214,35 @@ def _rule(node: Node) -> tuple[Kind, list]:
     return rule, args
 
 
-def skip_rows_body(tail: LossTail) -> Optional[str]:
+def skip_rows_body(tail: LossTail, why: Optional[list[str]] = None) -> Optional[str]:
     """The registered key of the tail's skip graph, or None when no row can be skipped
-    whatever the inputs hold (a result read unmasked, an op with no rule on every path)."""
+    whatever the inputs hold (a result read unmasked, an op with no rule on every path;
+    where the tail has a mask, the reason is appended to ``why``: NOTE [why every row
+    runs])."""
     g = Graph()
     bounds = [g.placeholder(name) for name in ITEMS]
     env: dict[Node, Node] = {o: g.placeholder(f"row{i}") for i, o in enumerate(tail.row_operands)}
     env.update({o: g.placeholder(f"whole{i}") for i, o in enumerate(tail.whole)})
     weights = [g.placeholder(f"weight{k}") for k in range(len(tail.reductions))]
-    skip = _skip(_Interpreter(_Facts(g), tail, env), bounds, weights)
+    skip = _skip(_Interpreter(_Facts(g), tail, env), bounds, weights, why=why)
     return None if skip is None else user_bodies.register(GraphModule(torch.nn.Module(), g))
 
 
-def skip_rows_of_reads(tail: LossTail) -> Optional[tuple[str, list[Node]]]:
+def skip_rows_of_reads(tail: LossTail, why: Optional[list[str]] = None) -> Optional[tuple[str, list[Node]]]:
     """The skip graph of the per-token results' readers (``match.loss_tail.match_reads``):
     ``skip(*item_bounds, *operands) -> bool [rows]``, True where every value read (each sum,
     each per-row value leaving the graph) is exactly 0 whatever the results hold in their
     intervals and no result gets a gradient but an exact 0 or, through ``0 * inf``, NaN
     (each sum's incoming gradient is unknown here: taken as a finite number; the op's
     backward turns a skipped row's NaN cotangent into stock's NaN gradients).  Returns its
-    key and the tail's operands it reads, in order; None when no row can be skipped."""
+    key and the tail's operands it reads, in order; None when no row can be skipped (the
+    reason appended to ``why`` where the reads have a mask)."""
     g = Graph()
     bounds = [g.placeholder(name) for name in ITEMS]
     operands = [*tail.row_operands, *tail.whole]
     env: dict[Node, Node] = {o: g.placeholder(f"operand{i}") for i, o in enumerate(operands)}
     run = _Interpreter(_Facts(g), tail, env)
-    skip = _skip(run, bounds, [1.0] * len(tail.reductions), [n for n in tail.leaving if n in run.inner])
+    skip = _skip(run, bounds, [1.0] * len(tail.reductions), [n for n in tail.leaving if n in run.inner], why)
     if skip is None:
         return None
     read = [o for o in operands if env[o].users]
@@ -249,12 +252,47 @@ def skip_rows_of_reads(tail: LossTail) -> Optional[tuple[str, list[Node]]]:
     return user_bodies.register(GraphModule(torch.nn.Module(), g)), read
 
 
-def _skip(run: "_Interpreter", bounds: list[Node], weights: list, leaving: list[Node] = ()) -> Optional[Node]:
-    """The skip graph's output (set on ``run``'s graph), or None when it is False."""
+# NOTE [why every row runs]
+# A loss with a mask whose skip graph is False whatever the inputs hold runs every row, as
+# stock does; the user would expect the mask to count, so the rewrite says why not (the
+# region's line in the log and the exit summary; counter ``masked_rows_not_skipped``):
+# the first op with no rule (its facts unknown, so nothing proves a masked row's value and
+# gradient are 0), else the first result read without the mask (an entropy bonus's
+# ``ent.mean()``, a per-token value the graph returns for every row).  Nothing is said for
+# a loss with no mask at all (most per-token results), nor with the option off.
+
+
+def no_rule(n: Node, e: Exception) -> str:
+    """``e`` (a :class:`_NoRule` at node ``n``) as said: the node named once."""
+    said = str(e)
+    return said if said.startswith(f"{n.name}:") else f"{n.name}: {said}"
+
+
+def why_every_row(masks: bool, unknown: list[str], unmasked: list[str]) -> Optional[str]:
+    """The reason a masked loss runs every row (NOTE [why every row runs]), None without a mask."""
+    if not masks:
+        return None
+    if unknown:
+        return f"{unknown[0]}, so nothing proves a masked row's value and gradient are exactly 0"
+    if unmasked:
+        return unmasked[0]
+    return "nothing proves a masked row's gradient is exactly 0"
+
+
+def _skip(run: "_Interpreter", bounds: list[Node], weights: list, leaving: list[Node] = (),
+          why: Optional[list[str]] = None) -> Optional[Node]:
+    """The skip graph's output (set on ``run``'s graph), or None when it is False (the
+    reason appended to ``why``, where the tail has a mask)."""
     skip = run.forward(bounds, leaving)
     if skip is not False:
         skip = run.f.and_(skip, run.backward(weights, leaving))
     if skip is False:
+        unmasked = [f"{r.name} reads {r.all_input_nodes[0].name} on every row, unmasked"
+                    for r in run.tail.reductions if run.facts[r.all_input_nodes[0]][0] is False]
+        unmasked += [f"the graph returns {n.name} for every row" for n in leaving if run.facts[n][0] is False]
+        reason = why_every_row(bool(run.masks), run.unknown, unmasked)
+        if reason is not None and why is not None:
+            why.append(reason)
         return None
     return run.f.g.output(run.f.and_(skip, run.f.finite(bounds[1])))
 
@@ -315,6 +353,7 @@ class _Interpreter:
         self.inner = set(tail.items) | set(tail.rows)
         self.masks = _mask_like(tail)
         self.facts: dict[Node, Value] = {}
+        self.unknown: list[str] = []  # the ops with no rule, said (NOTE [why every row runs])
 
     def value(self, a) -> Value:
         """The facts of an operand of a tail node (V: False for a factor that is not a mask)."""
@@ -365,7 +404,8 @@ class _Interpreter:
         for n in self.tail.rows:
             try:
                 v, lo, hi = self._forward(n)
-            except _NoRule:
+            except _NoRule as e:
+                self.unknown.append(no_rule(n, e))
                 v, lo, hi = False, -math.inf, math.inf
             self.facts[n] = (v, *self.f.capped(lo, hi, getattr(meta(n), "dtype", None)))
         skip: Fact = True
@@ -445,7 +485,8 @@ class _Interpreter:
                 try:
                     for a, za, ma in self._backward(n, z, m):
                         add(a, za, ma)
-                except _NoRule:
+                except _NoRule as e:
+                    self.unknown.append(no_rule(n, e))
                     for a in n.all_input_nodes:
                         add(a, False, math.inf)
         skip: Fact = True

@@ -33,11 +33,13 @@ class LossInCall:
     plan: str  # "gpu" or "two_sweeps"
     gemms: int  # model-precision GEMMs a step with a unit incoming gradient
     masked_rows: bool = False  # the call skips the rows the loss leaves out
+    rows_why: str = ""  # the loss has a mask, but every row runs: why (NOTE [why every row runs])
 
     def describe(self) -> str:
+        rows = ", rows the loss leaves out skipped" if self.masked_rows else \
+            f", every row runs though the loss has a mask: {self.rows_why}" if self.rows_why else ""
         return (f", gradients in the forward through its {self.tail} ({self.plan}: {self.gemms} GEMMs a step "
-                "with a unit incoming gradient)" + (", rows the loss leaves out skipped" if self.masked_rows
-                                                    else ""))
+                "with a unit incoming gradient)" + rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Outcome:
     saved_normalizers: int = 0  # row-local: softmax normalisers its forward saves for its backward
     losses: tuple[LossInCall, ...] = ()  # the loss tails its calls compute (gradients in the forward)
     masked_per_token: int = 0  # fused calls keeping per-token results that skip the rows nothing reads
+    rows_why: tuple[str, ...] = ()  # those with a mask that run every row: why (NOTE [why every row runs])
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":
@@ -85,10 +88,15 @@ def counted(outcome: Outcome, what: str, fused: str) -> str:
         c["gradients_in_forward"] += 1
         if loss.masked_rows:
             c["masked_rows"] += 1
+        elif loss.rows_why:
+            c["masked_rows_not_skipped"] += 1
         what += loss.describe()
     if outcome.masked_per_token:
         c["masked_rows"] += outcome.masked_per_token
         what += ", rows whose per-token results nothing reads (a mask) skipped"
+    for why in outcome.rows_why:
+        c["masked_rows_not_skipped"] += 1
+        what += f", every row's per-token results computed though a mask leaves some unread: {why}"
     if outcome.saved_masks:
         c["row_local_saved_masks"] += 1
         what += f", {outcome.saved_masks} mask(s) saved bit-packed for the backward (no sort again)"

@@ -40,6 +40,7 @@ def from_data(data: dict[str, Any]) -> dict[str, Any]:
         "estimated_bytes_avoided": sum(r["bytes_avoided"] for r in rewritten),
         "rows_seen": data["counters"].get("rows_seen", 0),
         "rows_skipped": data["counters"].get("rows_skipped", 0),
+        "masked_rows_not_skipped": data["counters"].get("masked_rows_not_skipped", 0),
         "rewritten": rewritten,
         "would_rewrite": would,
         "left_to_stock": stock,
@@ -68,6 +69,8 @@ def summary() -> dict[str, Any]:
       0 for a region of symbolic size;
     * ``rows_seen`` / ``rows_skipped``: rows the loops with a loss-tail mask ran over, and
       those left out because the loss zeroes them (``Config.skip_masked_rows``), per step;
+    * ``masked_rows_not_skipped``: rewrites whose loss has a mask but runs every row (per
+      compile); the region's ``what`` says why (an op with no rule, a result read unmasked);
     * ``rewritten`` / ``would_rewrite`` / ``left_to_stock`` (its ``what`` ends with why):
       ``[{"where", "what", "bytes_avoided", "compiles"}]``;
       ``declined``: the same plus ``"reason"``;

@@ -196,6 +196,9 @@ def format_text(data: dict[str, Any]) -> str:
     if seen:
         lines.append(f"  rows skipped: {skipped} of {seen} ({100 * skipped / seen:.0f}%) that the loss "
                      "leaves out (mask, ignore_index), GEMMs included")
+    every_row = data["counters"].get("masked_rows_not_skipped", 0)
+    if every_row:
+        lines.append(f"  {every_row} rewrite(s) with a mask run every row: the line of each says why")
     failed = data["counters"].get("pass_failed", 0)
     if failed:
         lines.append(f"  the pass failed on {failed} graph(s), which were compiled unchanged "

@@ -233,7 +233,8 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[Los
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
         return None
     _recount(graph, tail, head.hidden)
-    mask_key = (skip_rows_body(tail) or "") if config.skip_masked_rows else ""
+    why: list[str] = []  # (a masked loss that runs every row: why, NOTE [why every row runs])
+    mask_key = (skip_rows_body(tail, why) or "") if config.skip_masked_rows else ""
     loss = LossOptions(tail_key, final_key, _kinds(tail), requires_grad(head.hidden),
                        requires_grad(head.weight) or requires_grad(head.bias), mask_key)
     e = Emitter(graph, tail.loss)
@@ -244,28 +245,33 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[Los
     order = {n: i for i, n in enumerate(graph.nodes)}
     for n in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(n)
-    return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key))
+    return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key), "".join(why[:1]))
 
 
-def skip_unread_rows(graph: Graph, stats: Node, config: Config) -> bool:
+def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[list[str]] = None) -> bool:
     """Make the fused call ``stats``, which keeps its per-token results,
     ``lm_head_row_stats_masked`` with the skip graph of their readers
     (``match/row_mask.skip_rows_of_reads``: rows a mask leaves unread are left out of its
-    loop); False where it has none (the reason logged at debug level)."""
+    loop); False where it has none (the reason logged at debug level; where the reads have
+    a mask, appended to ``why`` too: NOTE [why every row runs])."""
     if not config.skip_masked_rows:
         return False
     try:
         if len(stats.args) > 10:  # (``returned_like``: the graph returns the logits, every row)
             raise NoTail("the graph returns its logits")
-        found = skip_rows_of_reads(match_reads(graph, stats))
+        said: list[str] = []
+        found = skip_rows_of_reads(match_reads(graph, stats), said)
         if found is None:
-            raise NoTail("no mask leaves a row's results unread")
+            raise NoTail(said[0] if said else "no mask leaves a row's results unread")
+        said.append("")  # (a mask: the reasons below are said too)
         key, read = found
         if any(not isinstance(meta(o), torch.Tensor) for o in read):
             raise NoTail("the mask reads a number")
         early = _earlier(graph, stats, read)
-    except NoTail as why:
-        log.debug("chunked_logits: %s: every row runs: %s", stats.name, why)
+    except NoTail as reason:
+        log.debug("chunked_logits: %s: every row runs: %s", stats.name, reason)
+        if said and why is not None:
+            why.append(str(reason))
         return False
     for n in early:
         stats.prepend(n)
@@ -345,7 +351,9 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
         if not isinstance(split, Split):
             raise NoTail(f"the loss's gradient needs whole rows: {split}")
         final = _final(tail)  # (before the graph changes: it may still say no)
-        mask_key = _body_mask(joined, index, n, rows, whole, inputs, tail) if config.skip_masked_rows else ""
+        why: list[str] = []  # (NOTE [why every row runs])
+        mask_key = _body_mask(joined, index, n, rows, whole, inputs, tail, why) \
+            if config.skip_masked_rows else ""
         plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
     except (NoTail, Decline) as why:
@@ -364,11 +372,11 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in sorted(tail.nodes, key=order.__getitem__, reverse=True):
         graph.erase_node(node)
-    return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key))
+    return LossInCall(tail.describe(), plan, GEMMS[plan], bool(mask_key), "".join(why[:1]))
 
 
 def _body_mask(joined: str, index: int, n: int, rows: tuple, whole: tuple, inputs: list,
-               tail: LossTail) -> str:
+               tail: LossTail, why: list[str]) -> str:
     """The joined body's skip graph (``match/body_mask.py``), "" where no row can be
     skipped (``rows``, ``whole``: the region's input specs; ``inputs``: its row inputs but
     the logits, then the tensors it reads whole)."""
@@ -376,7 +384,7 @@ def _body_mask(joined: str, index: int, n: int, rows: tuple, whole: tuple, input
     masks = {i for i, o in enumerate(nodes) if o is not None and o in masks_among(tail, [o])}
     specs = rows + tuple(spec_of(meta(o), (0,)) for o in tail.row_operands)
     key = skip_rows_of_body(joined, index, specs, whole + tuple(spec_of(meta(o)) for o in tail.whole),
-                            len(tail.reductions), masks)
+                            len(tail.reductions), masks, why)
     if key is None:
         log.debug("chunked_logits: %s: every row runs (no mask the rules can read)", joined)
     return key or ""
