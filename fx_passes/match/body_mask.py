@@ -35,8 +35,9 @@ out]), read through the body too.  See NOTE [rows a row-local body leaves out].
 # * the shifted logits: the logits' bound ``z`` is loose (``|h|_1 * max|W|``), and an
 #   FP32 ``exp`` of more than 88 is unknown, so intervals alone lose a log-softmax written
 #   by hand.  Three relations are kept (``_relational``): ``x - x.amax(-1, keepdim=True)``
-#   (``max(..)[0]``) and ``x - x.logsumexp(-1, keepdim=True)`` are at most 0 (rounding
-#   is monotone: ``x_i <= max <= lse`` holds in floating point too), and
+#   (``max(..)[0]``; without ``keepdim`` as a column) and
+#   ``x - x.logsumexp(-1, keepdim=True)`` are at most 0 (rounding is monotone:
+#   ``x_i <= max <= lse`` holds in floating point too), and
 #   ``exp(x - x.amax(-1, keepdim=True)).sum(-1)`` is at least 1 (its largest entry is
 #   ``exp(0)``, the others add nothing negative).
 
@@ -340,8 +341,8 @@ class _BodyInterpreter(_Interpreter):
             return [(x, f.and_(z, bounded), size)]
         if name == "gather" or _column(n):
             return [(n.args[0], z, m)]
-        if name == "getitem" and self._row_top(n) is not None:  # (max's values: a slope of 0 or 1)
-            return [(self._row_top(n)[1], z, m)]
+        if name == "getitem" and self._top(n) is not None:  # (max's values: a slope of 0 or 1)
+            return [(self._top(n)[1], z, m)]
         if name == "kl_div":
             x, t, log_target = self._kl_div(n)
             (_, xl, xh), (_, tl, th) = self.value(x), self.value(t)
@@ -377,24 +378,35 @@ class _BodyInterpreter(_Interpreter):
             if d not in self.inner and self.kind.get(d) == "whole" and self.values[d].dim() > 0:
                 raise _NoRule(f"{n.name}: a divisor that is not one number a row")
 
-    def _row_top(self, r: Any) -> Optional[tuple[str, Node]]:
-        """``("amax", x)`` when ``r`` is the row's largest logit ``x.amax(-1, keepdim=True)``
-        (``x.max(-1, keepdim=True)[0]`` too), ``("logsumexp", x)`` for
-        ``x.logsumexp(-1, keepdim=True)``: values no entry of the row exceeds."""
-        if not isinstance(r, Node) or self.kind.get(r) != "row" or len(self.values[r].shape) != 2:
+    def _top(self, r: Any) -> Optional[tuple[str, Node]]:
+        """``("amax", x)`` when ``r`` is the row's largest logit ``x.amax(-1)`` (or
+        ``x.max(-1)[0]`` / ``.values``), ``("logsumexp", x)`` for ``x.logsumexp(-1)``, with
+        or without ``keepdim``: a value no entry of the row exceeds; else None."""
+        if not isinstance(r, Node) or self.kind.get(r) != "row":
             return None
         if op_name(r) == "getitem" and r.args[1:] == (0,) and isinstance(r.args[0], Node):
             r = r.args[0]
             if op_name(r) != "max" or not (len(r.args) >= 2 or "dim" in r.kwargs):
                 return None  # (not the maximum over a dim: ``_wide`` refuses a second tensor)
-        name = op_name(r)
-        if name not in ("amax", "max", "logsumexp"):
+        elif op_name(r) not in ("amax", "logsumexp"):
             return None
         try:
             x = self._wide(r)
         except _NoRule:
             return None
-        return ("logsumexp" if name == "logsumexp" else "amax"), x
+        return ("logsumexp" if op_name(r) == "logsumexp" else "amax"), x
+
+    def _row_top(self, r: Any) -> Optional[tuple[str, Node]]:
+        """:meth:`_top` of a column ``[n, 1]`` (``keepdim=True``, or ``unsqueeze(-1)`` /
+        ``[:, None]`` of one without): what ``x - r`` broadcasts over the row."""
+        if not isinstance(r, Node) or self.kind.get(r) != "row" or tuple(self.values[r].shape)[1:] != (1,):
+            return None
+        unsqueezed = op_name(r) == "unsqueeze" and r.args[1:] in ((-1,), (1,)) and not r.kwargs
+        if unsqueezed or _column(r):
+            r = r.args[0]
+            if not isinstance(r, Node) or self.kind.get(r) != "row" or self.values[r].dim() != 1:
+                return None
+        return self._top(r)
 
     def _relational(self, n: Node) -> Optional[Value]:
         """Facts the intervals alone lose (NOTE [rows a row-local body leaves out], the
@@ -409,8 +421,8 @@ class _BodyInterpreter(_Interpreter):
                 (vx, lx, _), (vr, _, ur) = self.value(x), self.value(r)
                 self.shifted[n] = top[0]
                 return f.and_(vx, vr), f.minus(lx, ur), 0.0
-        if name == "getitem" and self._row_top(n) is not None:  # (the values of ``max(x, -1, keepdim)``)
-            return self.value(self._row_top(n)[1])
+        if name == "getitem" and self._top(n) is not None:  # (the values of ``max(x, -1)``)
+            return self.value(self._top(n)[1])
         if name == "sum" and self.kind.get(n) == "row":
             e = self._wide(n)
             if op_name(e) == "exp" and len(e.args) == 1 and self.shifted.get(e.args[0]) == "amax":
