@@ -11,6 +11,9 @@ Three orders of the same bf16 ``[T, H] x [H, V]`` GEMMs (docs/gemms.md):
   forward's row chunks (logits, the weight reordered once for the loop as
   ``kernels/chunk_gemm.py`` does, and ``grad_hidden``), the backward's vocabulary blocks
   (the logits again, ``grad_weight``), at the chunk sizes the kernel picks;
+* ``stock, fp32 operands``: stock's three GEMMs on FP32 copies, not an order a step runs:
+  what the bf16 GEMMs cost on this CPU next to FP32 ones (on a CPU without bf16 units,
+  ATen's bf16 ``g @ W`` is many times slower: docs/measured.md);
 * ``fp32 sums (3)``: the three-GEMM order a CPU could run, ``grad_weight`` summed over
   the row chunks in an FP32 ``[V, H]`` buffer.  The only GEMM in torch on a CPU with bf16
   inputs and an FP32 result is oneDNN's FP32 GEMM under
@@ -65,6 +68,7 @@ def families(T: int, H: int, V: int, budget: int, rows: int = 0, cols: int = 0) 
         finally:
             torch.backends.mkldnn.matmul.fp32_precision = old
 
+    h32, w32, g32 = h.float(), w.float(), g.float()
     reordered = row_chunk_logits(w, None, "matmul", row_chunks)  # (as the kernel: once a loop)
     chunk_logits = lambda: [reordered(h[a:b]) for a, b in row_chunks]  # noqa: E731
     chunk_grad_h = lambda: [torch.mm(g[a:b], w, out=grad_h[a:b]) for a, b in row_chunks]  # noqa: E731
@@ -76,6 +80,11 @@ def families(T: int, H: int, V: int, budget: int, rows: int = 0, cols: int = 0) 
             "logits again": lambda: [h @ w[a:b].t() for a, b in blocks],
             "grad_weight": lambda: [torch.mm(g[:, a:b].t(), h, out=grad_w[a:b]) for a, b in blocks]},
         "fp32 sums (3)": {"logits": chunk_logits, "grad_hidden": chunk_grad_h, "grad_weight": fp32_sums},
+        # (stock's three GEMMs on FP32 copies: what the bf16 GEMMs cost on this CPU; not an
+        # order any step runs.  Without bf16 units (AVX2 only) ATen's bf16 ``g @ W`` takes a
+        # slow path: docs/measured.md)
+        "stock, fp32 operands": {"logits": lambda: h32 @ w32.t(), "grad_hidden": lambda: g32 @ w32,
+                                 "grad_weight": lambda: g32.t() @ h32},
         # (the forward's logits as they ran before kernels/chunk_gemm.py: the weight reordered
         # by oneDNN at every chunk's GEMM; not an order of its own)
         "logits, weight reordered every chunk": {"logits": lambda: [h[a:b] @ w.t() for a, b in row_chunks]},
