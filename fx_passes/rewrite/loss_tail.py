@@ -256,10 +256,10 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[li
     a mask, appended to ``why`` too: NOTE [why every row runs])."""
     if not config.skip_masked_rows:
         return False
+    said: list[str] = []  # (non-empty once the reads are known to have a mask)
     try:
         if len(stats.args) > 10:  # (``returned_like``: the graph returns the logits, every row)
             raise NoTail("the graph returns its logits")
-        said: list[str] = []
         found = skip_rows_of_reads(match_reads(graph, stats), said)
         if found is None:
             raise NoTail(said[0] if said else "no mask leaves a row's results unread")
