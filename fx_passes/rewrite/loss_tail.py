@@ -337,6 +337,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
     args = bound_args(call)  # (row_local_sweeps' parameters)
     key, budget, n, index, how = (args[k] for k in ("key", "budget_bytes", "n_rows", "index", "how"))
     hidden, weight, bias, inputs = args["hidden"], args["weight"], args["bias"], list(args["inputs"])
+    why: list[str] = []  # (a masked loss that runs every row: why, NOTE [why every row runs])
     body = user_bodies.function(key)
     n_out = len(next(iter(body.graph.find_nodes(op="output"))).args[0])
     try:
@@ -351,7 +352,6 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
         if not isinstance(split, Split):
             raise NoTail(f"the loss's gradient needs whole rows: {split}")
         final = _final(tail)  # (before the graph changes: it may still say no)
-        why: list[str] = []  # (NOTE [why every row runs])
         mask_key = _body_mask(joined, index, n, rows, whole, inputs, tail, why) \
             if config.skip_masked_rows else ""
         plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
