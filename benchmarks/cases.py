@@ -66,7 +66,7 @@ def default_modes(name: str) -> list[str]:
 
 STOCK = "inductor"
 # the lm_head matmul is in the graph
-LM_HEAD_WORKLOADS = ("W4", "W4L", "W4C", "W4M", "W4E", "W4S", "WV", "WD", "WDM")
+LM_HEAD_WORKLOADS = ("W4", "W4L", "W4C", "W4M", "W4E", "W4S", "WV", "WD", "WDM", "WDE")
 LM_HEAD_HIDDEN = 1024  # H of W4 (workloads._make_lm_head's default)
 LM_HEAD_CHUNK_ROWS = 256  # rows of the one FP32 logits chunk W4's limit allows
 
@@ -185,7 +185,7 @@ def limit_bytes(name: str, T: int, V: int) -> int:
         return 2 * 4 * T
     if name in LM_HEAD_WORKLOADS:
         H = LM_HEAD_HIDDEN
-        chunks = 2 if name in ("WD", "WDM") else 1  # (the teacher's logits chunk too)
+        chunks = 2 if name in ("WD", "WDM", "WDE") else 1  # (the teacher's logits chunk too)
         return 2 * T * H + 2 * V * H + chunks * 4 * min(T, LM_HEAD_CHUNK_ROWS) * V
     return 2 * T * V
 

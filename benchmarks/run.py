@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of T values, each its own set of cases (default: the workload's T)")
     p.add_argument("--vocab", type=int, default=0, help="V instead of the workload's (before --scale)")
     p.add_argument("--mask", type=float, default=0.5,
-                   help="share of the rows the masked workloads (W4C, W4M, W4E, W4S, WDM) leave out of "
+                   help="share of the rows the masked workloads (W4C, W4M, W4E, W4S, WDM, WDE) leave out of "
                         "the loss")
     p.add_argument("--mask-style", default="prompt", choices=("prompt", "padding"),
                    help="which rows of each sequence they leave out: the first (prompt) or the last")

@@ -157,3 +157,37 @@ def inputs(dtype, masked=0.5, t=T, seed=0):
     labels = torch.randint(0, V, (t,), generator=g)
     mask = (torch.arange(t) % 32 >= round(32 * masked)).float()
     return [h, w, teacher, labels, mask]
+
+
+# Row-local regions whose per-row results the graph keeps (``row_local_sweeps_masked``):
+# more than the loss leaves the graph, so no loss tail joins the body.
+
+def kd_and_masked_kl(h, w, teacher, labels, mask, up=F32):
+    """The masked-mean KL and its masked per-token values, returned for logging."""
+    kl = _kl(h, w, teacher, up) * mask.to(up)
+    return kl.sum() / mask.to(up).sum(), kl.detach()
+
+
+def kd_and_kl_where(h, w, teacher, labels, mask, up=F32):
+    """A KL selected by a boolean mask, its sum over a clamped count, and the selected values."""
+    kl = torch.where(mask > 0, _kl(h, w, teacher, up), 0.0)
+    return kl.sum() / mask.sum().clamp(min=1), kl.detach()
+
+
+def forward_and_reverse_kl(h, w, teacher, labels, mask, up=F32):
+    """Two masked-mean losses of one region: a forward and a reverse KL."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    fwd = (t.exp() * (t - s)).sum(-1)
+    rev = (s.exp() * (s - t)).sum(-1)
+    m = mask.to(up)
+    return (fwd * m).sum() / m.sum(), (rev * m).sum() / m.sum()
+
+
+def kd_and_every_kl(h, w, teacher, labels, mask, up=F32):
+    """The per-token KL returned for every row: nothing can be skipped."""
+    kl = _kl(h, w, teacher, up)
+    return (kl * mask.to(up)).sum() / mask.to(up).sum(), kl.detach()
+
+
+PER_TOKEN = [kd_and_masked_kl, kd_and_kl_where, forward_and_reverse_kl]

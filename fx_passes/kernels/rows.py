@@ -18,7 +18,7 @@ from .. import compat
 from .log_softmax.bodies import parse_transforms
 from .tiling import granule
 
-__all__ = ["logit_bounds", "item_bounds", "select", "COUNTER"]
+__all__ = ["logit_bounds", "item_bounds", "select", "inside", "COUNTER"]
 
 COUNTER = "chunked_logits"
 F64 = torch.float64
@@ -54,6 +54,20 @@ def item_bounds(z: torch.Tensor, vocab: int) -> tuple[torch.Tensor, ...]:
     log_v = math.log(vocab)
     zero = torch.zeros_like(z)
     return -z, z + log_v, -2 * z - log_v, zero, zero, zero + log_v
+
+
+def inside(lo, hi, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a value of ``dtype`` in ``[lo, hi]``, whether there is one) per row (FP64 ends, or
+    numbers): 0 where the interval holds it, else an end that rounds into it.  A skipped
+    row's result is written as this value, so the graph's own ops on it compute the zeros
+    the skip graph proved for any value of the interval (``match/body_mask.py``)."""
+    lo, hi = torch.as_tensor(lo, dtype=F64), torch.as_tensor(hi, dtype=F64)
+    a, b = lo.to(dtype), hi.to(dtype)
+
+    def holds(x: torch.Tensor) -> torch.Tensor:
+        return (lo <= x.double()) & (x.double() <= hi)
+    zero, a_in, b_in = (lo <= 0) & (hi >= 0), holds(a), holds(b)
+    return torch.where(zero, 0, torch.where(a_in, a, b)), zero | a_in | b_in
 
 
 def select(skip: torch.Tensor, rounding: bool = True) -> Optional[torch.Tensor]:

@@ -54,10 +54,12 @@ from torch.fx import Graph, GraphModule, Node
 from ..fx.graph_ops import op_name
 from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind, pointwise_op
 from ..kernels.ops import user_bodies
+from ..kernels.rows import inside
+from .loss_tail import LossTail
 from .row_local import LOSS_PARAMS, loss_arg
-from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule, no_rule, why_every_row
+from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule, no_rule, say_why, why_every_row
 
-__all__ = ["skip_rows_of_body"]
+__all__ = ["skip_rows_of_body", "skip_rows_of_region_reads"]
 
 _N = 13  # rows of the shape-reading example (``kernels/row_local/split._ROWS``: no other size shares it)
 _REDUCE = {"sum", "mean", "amax", "amin", "logsumexp"}
@@ -435,33 +437,24 @@ class _BodyInterpreter(_Interpreter):
         return self.f.and_(self.f.finite(lo), self.f.finite(hi))
 
 
-def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_sums: int,
-                      masks: set[int], why: Optional[list[str]] = None) -> Optional[str]:
-    """The registered key of ``skip(width, z, *rows but the logits, *whole, *weights)`` for
-    the joined body ``body_key`` (its row inputs' and whole inputs' ``(dtype, shape,
-    device)``, the logits at ``index``; ``n_sums`` values summed; ``masks``: the row
-    inputs' positions that are masks, a masked mean's), or None when no row can be skipped
-    (where the body has a mask, the reason appended to ``why``: NOTE [why every row runs])."""
-    body = user_bodies.function(body_key)
+def _run_body(body: GraphModule, index: int, rows: tuple, whole: tuple, masks: set[int],
+              f: _Facts) -> Optional[tuple[_BodyInterpreter, Node]]:
+    """The forward facts of every node of ``body`` as nodes of ``f``'s graph, whose
+    placeholders ``width``, ``z`` and the body's inputs but the logits (``input{i}``) it
+    adds; None where the body does not run on the shape-reading example."""
     places = [p for p in body.graph.nodes if p.op == "placeholder"]
     try:
         values = _shapes(body, list(rows), list(whole))
     except Exception:  # noqa: BLE001 - a body that does not run on the example: every row runs
         return None
-    vocab = rows[index][1][-1]
-    g = Graph()
-    f = _Facts(g)
+    g = f.g
     width, z = g.placeholder("width"), g.placeholder("z")
-    run = _BodyInterpreter(f, body, values, places[index], vocab, width,
+    run = _BodyInterpreter(f, body, values, places[index], rows[index][1][-1], width,
                            {places[i] for i in masks if i < len(rows)})
-    made = {p: z if i == index else g.placeholder(f"input{i}") for i, p in enumerate(places)}
-    weights = [g.placeholder(f"weight{k}") for k in range(n_sums)]
-    for p, x in made.items():
-        run.env[p] = x
+    for i, p in enumerate(places):
+        run.env[p] = x = z if i == index else g.placeholder(f"input{i}")
         if p not in run.exact:
             run.input_place(p, x)
-    out = next(iter(body.graph.find_nodes(op="output")))
-    sums = list(out.args[0])
     for n in body.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -478,6 +471,52 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
                 run.unknown.append(no_rule(n, e))
             v, lo, hi = False, -math.inf, math.inf
         run.facts[n] = (v, *f.capped(lo, hi, run.dtype(n)))
+    return run, z
+
+
+def _body_backward(run: _BodyInterpreter, body: GraphModule, seeds: list[tuple[Node, Any, Any]]) -> dict:
+    """Per inner node of ``body``: "its cotangent is exactly 0" (``Zc``), from the
+    cotangent facts ``seeds`` ``(result, Zc, Mc)`` of the body's results (none: 0)."""
+    f = run.f
+    Zc: dict[Node, Any] = {}
+    Mc: dict[Node, Any] = {}
+
+    def add(x, zero, m) -> None:
+        if isinstance(x, Node) and x in run.inner:
+            Zc[x] = f.and_(Zc.get(x, True), zero)
+            Mc[x] = f.plus(Mc.get(x, 0.0), m)
+    for x, zero, m in seeds:
+        add(x, zero, m)
+    for n in reversed(list(body.graph.nodes)):
+        if n not in Zc or n.op == "placeholder":
+            continue
+        z, m = Zc[n], f.capped(f.minus(0.0, Mc[n]), Mc[n], run.dtype(n))[1]
+        try:
+            for a, za, ma in run.node_backward(n, z, m):
+                add(a, za, ma)
+        except (_NoRule, KeyError) as e:
+            if isinstance(e, _NoRule):
+                run.unknown.append(no_rule(n, e))
+            for a in n.all_input_nodes:
+                add(a, False, math.inf)
+    return Zc
+
+
+def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_sums: int,
+                      masks: set[int], why: Optional[list[str]] = None) -> Optional[str]:
+    """The registered key of ``skip(width, z, *rows but the logits, *whole, *weights)`` for
+    the joined body ``body_key`` (its row inputs' and whole inputs' ``(dtype, shape,
+    device)``, the logits at ``index``; ``n_sums`` values summed; ``masks``: the row
+    inputs' positions that are masks, a masked mean's), or None when no row can be skipped
+    (where the body has a mask, the reason appended to ``why``: NOTE [why every row runs])."""
+    body = user_bodies.function(body_key)
+    f = _Facts(Graph())
+    found = _run_body(body, index, rows, whole, masks, f)
+    if found is None:
+        return None
+    run, z = found
+    weights = [f.g.placeholder(f"weight{k}") for k in range(n_sums)]
+    sums = list(next(iter(body.graph.find_nodes(op="output"))).args[0])
     skip: Any = True
     for s in sums:
         skip = f.and_(skip, run.value(s)[0] if s in run.inner else False)
@@ -491,31 +530,64 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
     if skip is False:
         refused()
         return None
-    Zc: dict[Node, Any] = {}
-    Mc: dict[Node, Any] = {}
-
-    def add(x, zero, m) -> None:
-        if isinstance(x, Node) and x in run.inner:
-            Zc[x] = f.and_(Zc.get(x, True), zero)
-            Mc[x] = f.plus(Mc.get(x, 0.0), m)
-    for s, w in zip(sums, weights):
-        add(s, f.call(operator.eq, w, 0), f.call(torch.abs, w))
-    for n in reversed(list(body.graph.nodes)):
-        if n not in Zc or n.op == "placeholder":
-            continue
-        z, m = Zc[n], f.capped(f.minus(0.0, Mc[n]), Mc[n], run.dtype(n))[1]
-        try:
-            for a, za, ma in run.node_backward(n, z, m):
-                add(a, za, ma)
-        except (_NoRule, KeyError) as e:
-            if isinstance(e, _NoRule):
-                run.unknown.append(no_rule(n, e))
-            for a in n.all_input_nodes:
-                add(a, False, math.inf)
-    skip = f.and_(skip, Zc.get(places[index], True))
+    Zc = _body_backward(run, body, [(s, f.call(operator.eq, w, 0), f.call(torch.abs, w))
+                                    for s, w in zip(sums, weights)])
+    skip = f.and_(skip, Zc.get(run.logits, True))
     skip = f.and_(skip, f.call(torch.isfinite, z))
     if skip is False:
         refused()
         return None
-    g.output(skip)
-    return user_bodies.register(GraphModule(torch.nn.Module(), g))
+    f.g.output(skip)
+    return user_bodies.register(GraphModule(torch.nn.Module(), f.g))
+
+
+def skip_rows_of_region_reads(body_key: str, index: int, rows: tuple, whole: tuple, tail: LossTail,
+                              masks: set[int],
+                              why: Optional[list[str]] = None) -> Optional[tuple[str, list[Node]]]:
+    """The skip graph of a row-local region whose per-row results the graph keeps
+    (``row_local_sweeps_masked``): ``skip(width, z, *rows but the logits, *whole,
+    *operands) -> (bool [rows], fill_0, fill_1, ..)``, True where every value the
+    results' readers ``tail`` (``match.loss_tail.match_region_reads``) read is exactly 0
+    whatever each result holds in its interval (the body's forward facts, NOTE [rows a
+    row-local body leaves out]; ``fill_i``: a value of result ``i``'s dtype in it, what a
+    skipped row's result is written as, ``kernels/rows.inside``), and the readers' zero cotangents, carried
+    back through the body, give the logits an exactly-zero gradient.  Each sum's incoming
+    gradient is taken as a finite number (the op's backward runs every row where a
+    skipped row's cotangent is not 0).  Returns its key and the tail's operands it reads,
+    in order (``masks``: the body's row inputs that are masks); None when no row can be
+    skipped (the reason appended to ``why`` where the reads have a mask)."""
+    body = user_bodies.function(body_key)
+    f = _Facts(Graph())
+    found = _run_body(body, index, rows, whole, masks, f)
+    if found is None:
+        return None
+    run, z = found
+    results = list(next(iter(body.graph.find_nodes(op="output"))).args[0])
+    items: list[Value] = []
+    for r in results:
+        if not isinstance(r, Node) or run.kind.get(r) != "row":
+            return None  # (a result that is not one value a row: a top-k's ``[n, k]``)
+        items.append(run.value(r))
+    operands = [*tail.row_operands, *tail.whole]
+    env: dict[Node, Node] = {o: f.g.placeholder(f"operand{i}") for i, o in enumerate(operands)}
+    reads = _Interpreter(f, tail, env)
+    leaving = [n for n in tail.leaving if n in reads.inner]
+    skip = reads.forward([], leaving, items)
+    if skip is not False:
+        reads.backward([1.0] * len(tail.reductions), leaving)
+        seeds = [(results[i], *reads.cotangents[item]) for item, i in tail.items.items()]
+        skip = f.and_(skip, _body_backward(run, body, seeds).get(run.logits, True))
+    if skip is False:
+        say_why(reads, leaving, why, run.unknown, bool(run.masks))
+        return None
+    fills = []
+    for r, (_, lo, hi) in zip(results, items):  # (a value of the result's dtype in its interval, per row)
+        fill = f.g.call_function(inside, (lo, hi, run.dtype(r)))
+        skip = f.and_(skip, f.call(operator.getitem, fill, 1))
+        fills.append(f.call(operator.getitem, fill, 0))
+    f.g.output((f.and_(skip, f.call(torch.isfinite, z)), *fills))
+    read = [o for o in operands if env[o].users]
+    for o in operands:
+        if not env[o].users:
+            f.g.erase_node(env[o])
+    return user_bodies.register(GraphModule(torch.nn.Module(), f.g)), read

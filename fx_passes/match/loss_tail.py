@@ -42,7 +42,8 @@ from ..fx.graph_ops import canon, is_pure, is_scalar, meta, op_name, requires_gr
 from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
 
-__all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "match_reads", "VIEWS"]
+__all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "match_reads", "match_region_reads",
+           "VIEWS"]
 
 # Views that keep the row-major order of the values (one per row): identities on the flat rows.
 VIEWS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.ROW_VIEW}
@@ -199,6 +200,12 @@ def match_reads(graph: Graph, stats: Node) -> LossTail:
         raise NoTail("the call returns the logits too" if _is_stats(stats)
                      else f"{stats.name} is not a fused call")
     return _match(graph, stats, range(3), reads=True)
+
+
+def match_region_reads(graph: Graph, call: Node, n_results: int) -> LossTail:
+    """:func:`match_reads` of a row-local call (``row_local_sweeps``) whose ``n_results``
+    per-row results the graph keeps; :class:`NoTail` when another kind of node reads them."""
+    return _match(graph, call, range(n_results), reads=True)
 
 
 def _match(graph: Graph, stats: Node, results: range, reads: bool) -> LossTail:

@@ -50,7 +50,8 @@ from ..fx.op_rules import ZERO_ROWS, Kind
 from ..kernels.ops import user_bodies
 from .loss_tail import LossTail
 
-__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "no_rule", "why_every_row", "ITEMS"]
+__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "no_rule", "why_every_row", "say_why",
+           "ITEMS"]
 
 ITEMS = ("lse_lo", "lse_hi", "lp_lo", "lp_hi", "ent_lo", "ent_hi")
 Fact = Union[bool, float, Node]  # a Python constant, or a node of the skip graph
@@ -287,14 +288,22 @@ def _skip(run: "_Interpreter", bounds: list[Node], weights: list, leaving: list[
     if skip is not False:
         skip = run.f.and_(skip, run.backward(weights, leaving))
     if skip is False:
-        unmasked = [f"{r.name} reads {r.all_input_nodes[0].name} on every row, unmasked"
-                    for r in run.tail.reductions if run.facts[r.all_input_nodes[0]][0] is False]
-        unmasked += [f"the graph returns {n.name} for every row" for n in leaving if run.facts[n][0] is False]
-        reason = why_every_row(bool(run.masks), run.unknown, unmasked)
-        if reason is not None and why is not None:
-            why.append(reason)
+        say_why(run, leaving, why)
         return None
     return run.f.g.output(run.f.and_(skip, run.f.finite(bounds[1])))
+
+
+def say_why(run: "_Interpreter", leaving: list[Node], why: Optional[list[str]],
+            unknown: list[str] = (), masked: bool = False) -> None:
+    """Append to ``why`` the reason the reads of ``run`` skip no row (NOTE [why every row
+    runs]; ``unknown``, ``masked``: ops with no rule met before them and whether a mask
+    was, a row-local body's)."""
+    unmasked = [f"{r.name} reads {r.all_input_nodes[0].name} on every row, unmasked"
+                for r in run.tail.reductions if run.facts[r.all_input_nodes[0]][0] is False]
+    unmasked += [f"the graph returns {n.name} for every row" for n in leaving if run.facts[n][0] is False]
+    reason = why_every_row(masked or bool(run.masks), [*unknown, *run.unknown], unmasked)
+    if reason is not None and why is not None:
+        why.append(reason)
 
 
 def _column(n: Node) -> bool:
@@ -396,11 +405,12 @@ class _Interpreter:
             raise _NoRule("a condition that depends on the region")
         return self.env[c]
 
-    def forward(self, bounds: list[Node], leaving: list[Node] = ()) -> Fact:
+    def forward(self, bounds: list, leaving: list[Node] = (), items: Optional[list[Value]] = None) -> Fact:
         """Where every value the loss sums (and each per-row value ``leaving`` the graph)
-        is exactly 0."""
+        is exactly 0 (result ``i``'s interval ``bounds[2 i: 2 i + 2]``, or its facts
+        ``items[i]``: a row-local body's, ``match/body_mask.skip_rows_of_region_reads``)."""
         for item, i in self.tail.items.items():
-            self.facts[item] = (False, bounds[2 * i], bounds[2 * i + 1])
+            self.facts[item] = items[i] if items is not None else (False, bounds[2 * i], bounds[2 * i + 1])
         for n in self.tail.rows:
             try:
                 v, lo, hi = self._forward(n)
@@ -489,6 +499,8 @@ class _Interpreter:
                     self.unknown.append(no_rule(n, e))
                     for a in n.all_input_nodes:
                         add(a, False, math.inf)
+        # (each result's cotangent facts, for a row-local body's backward after these reads)
+        self.cotangents = {item: (Zc.get(item, True), Mc.get(item, 0.0)) for item in self.tail.items}
         skip: Fact = True
         for item in self.tail.items:
             skip = f.and_(skip, Zc.get(item, True))

@@ -56,15 +56,25 @@ from ..kernels.log_softmax.loss import PLANS, lm_head_loss, trace_tail
 from ..kernels.ops import user_bodies
 from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local.loss import row_bytes, row_local_loss
+from ..kernels.row_local.masked import row_local_sweeps_masked
 from ..kernels.row_local.split import Split, spec_of, split_of_spec
 from ..kernels.tiling import backward_plan
-from ..match.body_mask import skip_rows_of_body
-from ..match.loss_tail import VIEWS, LossTail, NoTail, match_loss_tail, match_reads, match_tail
+from ..match.body_mask import skip_rows_of_body, skip_rows_of_region_reads
+from ..match.loss_tail import (
+    VIEWS,
+    LossTail,
+    NoTail,
+    match_loss_tail,
+    match_reads,
+    match_region_reads,
+    match_tail,
+)
 from ..match.row_mask import masks_among, skip_rows_body, skip_rows_of_reads
 from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log
 
-__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "skip_unread_rows", "fused_calls", "GEMMS"]
+__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "skip_unread_rows", "skip_unread_region_rows",
+           "fused_calls", "GEMMS"]
 
 # model-precision-input GEMMs of one step, in units of [T, H] x [H, V], per plan (unit incoming gradient)
 GEMMS = {"gpu": 3, "two_sweeps": 4}
@@ -277,6 +287,44 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[li
         stats.prepend(n)
     stats.target = lm_head_row_stats_masked
     stats.kwargs = {**stats.kwargs, "mask_key": key, "mask_operands": list(read)}
+    return True
+
+
+def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config,
+                            why: list[str]) -> bool:
+    """Make the ``row_local_sweeps`` call ``call``, whose per-row results the graph keeps,
+    ``row_local_sweeps_masked`` with the skip graph of the body and the results' readers
+    (``match/body_mask.skip_rows_of_region_reads``: NOTE [row-local rows a mask leaves
+    unread]; ``rows``, ``whole``: the body's input specs, the logits' among the rows);
+    False where it has none (the reason logged at debug level; where the reads have a
+    mask, appended to ``why`` too: NOTE [why every row runs])."""
+    if not config.skip_masked_rows:
+        return False
+    args = bound_args(call)  # (row_local_sweeps' parameters)
+    key, n, index, inputs = args["key"], args["n_rows"], args["index"], list(args["inputs"])
+    said: list[str] = []  # (non-empty once the reads are known to have a mask)
+    try:
+        n_out = len(next(iter(user_bodies.function(key).graph.find_nodes(op="output"))).args[0])
+        tail = match_region_reads(graph, call, n_out)
+        nodes = [*inputs[:index], None, *inputs[index:n - 1]]
+        masks = {i for i, o in enumerate(nodes) if o is not None and o in masks_among(tail, [o])}
+        found = skip_rows_of_region_reads(key, index, rows, whole, tail, masks, said)
+        if found is None:
+            raise NoTail(said[0] if said else "no mask leaves a row's results unread")
+        said.append("")  # (a mask: the reasons below are said too)
+        mask_key, read = found
+        if any(not isinstance(meta(o), torch.Tensor) for o in read):
+            raise NoTail("the mask reads a number")
+        early = _earlier(graph, call, read)
+    except NoTail as reason:
+        log.debug("chunked_logits: %s: every row runs: %s", call.name, reason)
+        if said:
+            why.append(str(reason))
+        return False
+    for node in early:
+        call.prepend(node)
+    call.target = row_local_sweeps_masked
+    call.kwargs = {**call.kwargs, "mask_key": mask_key, "mask_operands": list(read)}
     return True
 
 

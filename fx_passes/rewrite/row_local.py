@@ -68,7 +68,7 @@ from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, los
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
-from .loss_tail import rewrite_row_loss_tail
+from .loss_tail import rewrite_row_loss_tail, skip_unread_region_rows
 from .saved import saved_for_backward
 
 __all__ = ["rewrite_row_region", "build_body", "plan_row_region"]
@@ -345,6 +345,14 @@ def _call(graph: Graph, region: RowRegion, head: _Head | None, key: str, saving:
                                                 h.hidden, h.weight, h.bias, *rows, *whole), kwargs)
 
 
+def _detached(o: Node, region: RowRegion) -> bool:
+    """Does the result ``o`` take no gradient though the region's inputs do (a ``.detach()``
+    in the region, a metric)?  The call's results all would: its replacement is detached."""
+    v = meta(o)
+    return isinstance(v, torch.Tensor) and v.is_floating_point() and not v.requires_grad \
+        and any(requires_grad(_node(r)) for r in region.rows)
+
+
 def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outcome:
     """Replace the region by one ``row_local`` call; raises Decline before touching the graph."""
     anchor, detach = plan_row_region(graph, region)
@@ -366,7 +374,7 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             value = graph.call_function(operator.getitem, (call, i))
             if o in region.terminals:
                 value = _reduce_outside(graph, o, value, region)
-            if o in detach:  # (a terminal loss too: computed without grad, it needs none)
+            if o in detach or _detached(o, region):  # (a terminal loss too: computed without grad)
                 value = graph.call_method("detach", (value,))
             keep_meta(value, o)
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
@@ -378,8 +386,14 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
         if not n.users:
             graph.erase_node(n)
     if sweeps:  # (with the loss in the graph: its gradients in the forward, when only the lm_head's)
-        if alone and config.gradients_in_forward:  # (the loss tail's match reads the new nodes' values)
+        if alone and (config.gradients_in_forward or config.skip_masked_rows):
+            # (the loss tail's match, or the reads', reads the new nodes' values)
             Emitter(graph, anchor).fill([n for n in graph.nodes if n not in before])
         loss = rewrite_row_loss_tail(graph, call, *specs, config) if alone else None
-        return Outcome(Fused.FUSED, losses=(loss,) if loss is not None else ())
+        if loss is not None or not alone:  # (a row input besides the logits takes a gradient: every row)
+            return Outcome(Fused.FUSED, losses=(loss,) if loss is not None else ())
+        # (its per-row results kept: the rows a mask leaves unread skipped)
+        why: list[str] = []
+        masked = skip_unread_region_rows(graph, call, *specs, config, why)
+        return Outcome(Fused.FUSED, masked_per_token=int(masked), rows_why=tuple(why))
     return Outcome(Fused.IN_CALL, whole_why, saved_masks=masks, saved_normalizers=normalizers)

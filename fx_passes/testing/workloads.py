@@ -95,6 +95,15 @@ def wdm_masked_distillation(hidden, weight, teacher_logits, mask):
     return ((t.exp() * (t - s)).sum(-1) * mask).sum() / mask.sum()
 
 
+def wde_masked_distillation_metrics(hidden, weight, teacher_logits, mask):
+    """Training: WDM's masked-mean KL, and its masked per-token values returned for logging
+    (two values leave the graph: the row-local call keeps its per-row results)."""
+    s = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
+    t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (t.exp() * (t - s)).sum(-1) * mask
+    return kl.sum() / mask.sum(), kl.detach()
+
+
 TOP_K, TOP_P = 50, 0.9
 
 
@@ -231,7 +240,7 @@ def _make_lm_head_ce(T, V, dtype=torch.bfloat16, seed=0, H=1024):
 
 
 # (fraction of the rows a loss leaves out, "prompt" (the first rows of each sequence) or
-# "padding" (the last)) of the masked workloads W4C, W4M, W4E, W4S and WDM; ``set_mask`` changes it.
+# "padding" (the last)) of the masked workloads W4C, W4M, W4E, W4S, WDM and WDE; ``set_mask`` changes it.
 MASK = {"fraction": 0.5, "style": "prompt"}
 SEQUENCE = 1024  # rows per sequence of the masked workloads
 
@@ -328,6 +337,9 @@ EXTRA_WORKLOADS = {
     "WD": Workload("WD", wd_distillation, True, _make_distillation, (4096, 32768), (0, 1)),
     # WD with a share of the rows out of the loss (MASK): the row-local engine's rows that count
     "WDM": Workload("WDM", wdm_masked_distillation, True, _make_masked_distillation, (4096, 32768), (0, 1)),
+    # WDM with its masked per-token KL returned too: a row-local call that keeps its results
+    "WDE": Workload("WDE", wde_masked_distillation_metrics, True, _make_masked_distillation, (4096, 32768),
+                    (0, 1)),
     "WP": Workload("WP", wp_top_p_policy_loss, True, _make_top_p_policy, (4096, 32768), (0,)),
     # the row-local losses' memory table (docs/how-it-works.md 1b): W3's size
     **{name: Workload(name, fn, True, make, (2048, 32768), (0,)) for name, fn, make in (
