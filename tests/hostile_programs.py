@@ -6,7 +6,7 @@ over the rows plus a z-loss; a label-smoothed CE of ``h @ w.T``, whose matmul th
 runs chunk by chunk; a top-p masked log-prob of ``h @ w.T``, whose matmul the call runs
 whole), the lm_head matmul in the graph (per-token results; a loss
 the graph reduces, whose gradients the fused loop computes in the forward; per-token results
-read through a mask computed after the region), the lm_head whose logits
+read through a mask computed after the region; the same in the row-local engine), the lm_head whose logits
 the graph also returns, a vocab-parallel region on a one-rank group) with one *state change* put into it
 (:data:`CHANGES`): a statement inserted at a slot, or a run of the region's statements
 wrapped in a ``with`` block.  Every slot and every run from the region's first absorbed
@@ -112,6 +112,17 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "m = (tok % 3 > 0).to(up)",
         "loss = -(picked * m).sum() / m.sum()",
     ], "loss, (picked * m).detach()", 2),
+    # the same in the row-local engine: a label-smoothed CE per token (a body the lm_head
+    # path does not derive), its per-row results kept (kernels/row_local/masked.py)
+    "masked_row_local": ("h, w, tok", [
+        "h = h * 1",
+        "w = w * 1",
+        "logits = h @ w.T",
+        "ce = torch.nn.functional.cross_entropy(logits.to(up), tok, label_smoothing=0.1, reduction='none')",
+        "m = (tok % 3 > 0).to(up)",
+        "kept = (ce * m).detach()",
+        "loss = (ce * m).sum() / m.sum()",
+    ], "loss, kept", 2),
     "returned": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",
@@ -167,6 +178,7 @@ _APPLIES = {
     # (the mask's hazards: its input changed in place between the region and the mask, and
     # the in-place changes and graph breaks around the call; the grad-mode wraps are lm_head's)
     "masked": ("tok_add", "mul_h", "zero_h_view", "mul_w", "mul_logits", "rng", "seed"),
+    "masked_row_local": ("tok_add", "mul_h", "mul_logits", "seed"),
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
 }

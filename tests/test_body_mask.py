@@ -4,6 +4,8 @@ values and its logits' gradient are exactly 0 in eager FP32 (hostile rows includ
 and NaN logits, a teacher's inf, a class weight of 0 or NaN); and every clean masked row
 is left out (a rule that fell back to "unknown" fails)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,3 +245,30 @@ def test_each_elementwise_entry_in_a_body(name, hostile):
     _check_sound(fn, xs, skip)
     missed = (mask == 0) & torch.isfinite(adv) & ~skip
     assert not missed.any(), (name, missed.nonzero().flatten().tolist())
+
+
+def test_the_bound_sums_rows_in_blocks_as_whole(monkeypatch):
+    """``|h|`` summed per row in FP64 by blocks of rows (no FP64 ``[T, H]`` copy) is the
+    whole sum, bit for bit, inf and NaN rows included."""
+    from fx_passes.kernels import rows
+    h = torch.randn(37, 24).bfloat16()
+    h[3, 2], h[9, 0] = float("inf"), float("nan")
+    monkeypatch.setattr(rows, "_SUM_BLOCK_BYTES", 8 * 24 * 5)  # (blocks of 5 rows)
+    torch.testing.assert_close(rows._abs_sums(h), h.abs().sum(-1, dtype=F64), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_skipped_rows_value_lies_in_its_interval(dtype):
+    """``rows.inside``: 0 where the interval holds it, else an end rounded into it; where
+    no value of the dtype lies in the interval (or an end is NaN), none is offered."""
+    from fx_passes.kernels.rows import inside
+    lo = torch.tensor([-3.0, 1.0001, -5.0, 2.0, float("nan"), -math.inf, 1.0 + 2**-12], dtype=F64)
+    hi = torch.tensor([4.0, 1.0002, -4.99, 2.0, 1.0, 3.0, 1.0 + 2**-11], dtype=F64)
+    fill, ok = inside(lo, hi, dtype)
+    assert fill.dtype == dtype
+    d = fill.double()
+    assert bool(((lo <= d) & (d <= hi))[ok].all()) and fill[0] == 0 and ok[3] and fill[3] == 2
+    assert not ok[4], "a NaN end"
+    assert ok[5] and fill[5] == 0
+    # (a float32 1.0001 lies in the narrow interval; bf16 / fp16 have none there)
+    assert bool(ok[1]) == (dtype == torch.float32)

@@ -111,6 +111,9 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
     in_forward = 1 if auto_plan_computes_gradients_in_forward() else None
     assert seen["loss"].get("gradients_in_forward") == in_forward, seen
     assert seen["returned"].get("lm_head_returns_logits") == 1, seen
+    # (its per-row results kept, the rows the mask leaves unread skipped)
+    assert seen["masked_row_local"].get("row_local_lm_head") == 1, seen
+    assert seen["masked_row_local"].get("masked_rows") == 1, seen
     assert seen["vocab"].get("vocab_parallel_lm_head") == 1, seen
 
 

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from .. import compat
 from .log_softmax.bodies import parse_transforms
-from .tiling import granule
+from .tiling import even_splits, granule
 
 __all__ = ["logit_bounds", "item_bounds", "select", "inside", "COUNTER"]
 
@@ -30,7 +30,7 @@ def logit_bounds(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     ``z`` as the lm_head loop forms them (``x = h @ W.T + b`` rounded to the model dtype, the
     ``transforms`` in FP32, then ``/ t`` or ``* t``); inf or NaN where a value might not be
     finite (a NaN or inf anywhere in the operands, a bound past the dtype's range)."""
-    x = hidden.abs().sum(-1, dtype=F64) * _largest(weight)
+    x = _abs_sums(hidden) * _largest(weight)
     if bias is not None:
         x = x + _largest(bias)
     x = torch.where(x <= torch.finfo(hidden.dtype).max / 2, x, math.inf)
@@ -40,6 +40,20 @@ def logit_bounds(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         t = scale.double().abs()
         x = x / t if scale_is_div else x * t
     return torch.where(x <= torch.finfo(torch.float32).max / 2, x, math.inf)
+
+
+_SUM_BLOCK_BYTES = 16 * 2**20  # (the FP64 copy of a block of rows that ``sum(dtype=)`` makes)
+
+
+def _abs_sums(hidden: torch.Tensor) -> torch.Tensor:
+    """``|h|`` summed per row in FP64, by blocks of rows: ``sum(-1, dtype=float64)``
+    converts its whole operand first, an FP64 ``[T, H]`` copy (512 MiB at T 16384, H
+    4096) where a block's is enough."""
+    n, width = hidden.shape[0], max(1, hidden.shape[-1])
+    out = torch.empty(n, dtype=F64, device=hidden.device)
+    for a, b in even_splits(n, max(1, _SUM_BLOCK_BYTES // (8 * width))):
+        torch.sum(hidden[a:b].abs(), -1, dtype=F64, out=out[a:b])
+    return out
 
 
 def _largest(x: torch.Tensor) -> torch.Tensor:
