@@ -437,11 +437,14 @@ class _BodyInterpreter(_Interpreter):
         return self.f.and_(self.f.finite(lo), self.f.finite(hi))
 
 
-def _run_body(body: GraphModule, index: int, rows: tuple, whole: tuple, masks: set[int],
-              f: _Facts) -> Optional[tuple[_BodyInterpreter, Node]]:
-    """The forward facts of every node of ``body`` as nodes of ``f``'s graph, whose
-    placeholders ``width``, ``z`` and the body's inputs but the logits (``input{i}``) it
-    adds; None where the body does not run on the shape-reading example."""
+def _run_body(body_key: str, index: int, rows: tuple, whole: tuple,
+              masks: set[int]) -> Optional[tuple[GraphModule, _Facts, _BodyInterpreter, Node]]:
+    """(the body ``body_key``, a skip graph's facts, the forward facts of every node of the
+    body as nodes of that graph, its placeholder ``z``): the graph's placeholders are
+    ``width``, ``z`` and the body's inputs but the logits (``input{i}``); None where the
+    body does not run on the shape-reading example."""
+    body = user_bodies.function(body_key)
+    f = _Facts(Graph())
     places = [p for p in body.graph.nodes if p.op == "placeholder"]
     try:
         values = _shapes(body, list(rows), list(whole))
@@ -471,7 +474,7 @@ def _run_body(body: GraphModule, index: int, rows: tuple, whole: tuple, masks: s
                 run.unknown.append(no_rule(n, e))
             v, lo, hi = False, -math.inf, math.inf
         run.facts[n] = (v, *f.capped(lo, hi, run.dtype(n)))
-    return run, z
+    return body, f, run, z
 
 
 def _body_backward(run: _BodyInterpreter, body: GraphModule, seeds: list[tuple[Node, Any, Any]]) -> dict:
@@ -509,12 +512,10 @@ def skip_rows_of_body(body_key: str, index: int, rows: tuple, whole: tuple, n_su
     device)``, the logits at ``index``; ``n_sums`` values summed; ``masks``: the row
     inputs' positions that are masks, a masked mean's), or None when no row can be skipped
     (where the body has a mask, the reason appended to ``why``: NOTE [why every row runs])."""
-    body = user_bodies.function(body_key)
-    f = _Facts(Graph())
-    found = _run_body(body, index, rows, whole, masks, f)
+    found = _run_body(body_key, index, rows, whole, masks)
     if found is None:
         return None
-    run, z = found
+    body, f, run, z = found
     weights = [f.g.placeholder(f"weight{k}") for k in range(n_sums)]
     sums = list(next(iter(body.graph.find_nodes(op="output"))).args[0])
     skip: Any = True
@@ -556,12 +557,10 @@ def skip_rows_of_region_reads(body_key: str, index: int, rows: tuple, whole: tup
     skipped row's cotangent is not 0).  Returns its key and the tail's operands it reads,
     in order (``masks``: the body's row inputs that are masks); None when no row can be
     skipped (the reason appended to ``why`` where the reads have a mask)."""
-    body = user_bodies.function(body_key)
-    f = _Facts(Graph())
-    found = _run_body(body, index, rows, whole, masks, f)
+    found = _run_body(body_key, index, rows, whole, masks)
     if found is None:
         return None
-    run, z = found
+    body, f, run, z = found
     results = list(next(iter(body.graph.find_nodes(op="output"))).args[0])
     items: list[Value] = []
     for r in results:

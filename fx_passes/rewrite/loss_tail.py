@@ -266,28 +266,12 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[li
     a mask, appended to ``why`` too: NOTE [why every row runs])."""
     if not config.skip_masked_rows:
         return False
-    said: list[str] = []  # (non-empty once the reads are known to have a mask)
-    try:
+
+    def find(said: list[str]) -> Optional[tuple[str, list[Node]]]:
         if len(stats.args) > 10:  # (``returned_like``: the graph returns the logits, every row)
             raise NoTail("the graph returns its logits")
-        found = skip_rows_of_reads(match_reads(graph, stats), said)
-        if found is None:
-            raise NoTail(said[0] if said else "no mask leaves a row's results unread")
-        said.append("")  # (a mask: the reasons below are said too)
-        key, read = found
-        if any(not isinstance(meta(o), torch.Tensor) for o in read):
-            raise NoTail("the mask reads a number")
-        early = _earlier(graph, stats, read)
-    except NoTail as reason:
-        log.debug("chunked_logits: %s: every row runs: %s", stats.name, reason)
-        if said and why is not None:
-            why.append(str(reason))
-        return False
-    for n in early:
-        stats.prepend(n)
-    stats.target = lm_head_row_stats_masked
-    stats.kwargs = {**stats.kwargs, "mask_key": key, "mask_operands": list(read)}
-    return True
+        return skip_rows_of_reads(match_reads(graph, stats), said)
+    return _masked_call(graph, stats, find, lm_head_row_stats_masked, why)
 
 
 def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config,
@@ -296,35 +280,44 @@ def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple,
     ``row_local_sweeps_masked`` with the skip graph of the body and the results' readers
     (``match/body_mask.skip_rows_of_region_reads``: NOTE [row-local rows a mask leaves
     unread]; ``rows``, ``whole``: the body's input specs, the logits' among the rows);
-    False where it has none (the reason logged at debug level; where the reads have a
-    mask, appended to ``why`` too: NOTE [why every row runs])."""
+    False where it has none (as :func:`skip_unread_rows`)."""
     if not config.skip_masked_rows:
         return False
     args = bound_args(call)  # (row_local_sweeps' parameters)
     key, n, index, inputs = args["key"], args["n_rows"], args["index"], list(args["inputs"])
-    said: list[str] = []  # (non-empty once the reads are known to have a mask)
-    try:
+
+    def find(said: list[str]) -> Optional[tuple[str, list[Node]]]:
         n_out = len(next(iter(user_bodies.function(key).graph.find_nodes(op="output"))).args[0])
         tail = match_region_reads(graph, call, n_out)
         nodes = [*inputs[:index], None, *inputs[index:n - 1]]
         masks = {i for i, o in enumerate(nodes) if o is not None and o in masks_among(tail, [o])}
-        found = skip_rows_of_region_reads(key, index, rows, whole, tail, masks, said)
+        return skip_rows_of_region_reads(key, index, rows, whole, tail, masks, said)
+    return _masked_call(graph, call, find, row_local_sweeps_masked, why)
+
+
+def _masked_call(graph: Graph, call: Node, find, target, why: Optional[list[str]]) -> bool:
+    """Retarget ``call`` to its masked op ``target`` with the skip graph ``find(said)``
+    gives (its key and the nodes it reads; None, or :class:`NoTail`, where it has none:
+    logged, and said in ``why`` where ``said`` shows the reads have a mask)."""
+    said: list[str] = []  # (non-empty once the reads are known to have a mask)
+    try:
+        found = find(said)
         if found is None:
             raise NoTail(said[0] if said else "no mask leaves a row's results unread")
         said.append("")  # (a mask: the reasons below are said too)
-        mask_key, read = found
+        key, read = found
         if any(not isinstance(meta(o), torch.Tensor) for o in read):
             raise NoTail("the mask reads a number")
         early = _earlier(graph, call, read)
     except NoTail as reason:
         log.debug("chunked_logits: %s: every row runs: %s", call.name, reason)
-        if said:
+        if said and why is not None:
             why.append(str(reason))
         return False
-    for node in early:
-        call.prepend(node)
-    call.target = row_local_sweeps_masked
-    call.kwargs = {**call.kwargs, "mask_key": mask_key, "mask_operands": list(read)}
+    for n in early:
+        call.prepend(n)
+    call.target = target
+    call.kwargs = {**call.kwargs, "mask_key": key, "mask_operands": list(read)}
     return True
 
 
