@@ -191,3 +191,26 @@ def kd_and_every_kl(h, w, teacher, labels, mask, up=F32):
 
 
 PER_TOKEN = [kd_and_masked_kl, kd_and_kl_where, forward_and_reverse_kl]
+
+
+def poisoned(kind):
+    """:func:`inputs` (bf16, half the rows masked) with one non-finite value, or a mask of
+    every row or none (``kind``)."""
+    h, w, teacher, labels, mask = inputs(torch.bfloat16, 0.5)
+    if kind == "teacher+inf, a masked row":
+        teacher[1, 7] = float("inf")
+    elif kind == "teacher nan, a masked row":
+        teacher[2, 9] = float("nan")
+    elif kind == "h+inf, a masked row":
+        h[3, 5] = float("inf")
+    elif kind == "h nan, a kept row":
+        h[20, 0] = float("nan")
+    elif kind == "w+inf":
+        w[9, 4] = float("inf")
+    elif kind == "teacher -inf, a kept row":
+        teacher[24, 3] = float("-inf")
+    elif kind == "every row masked":
+        mask.zero_()
+    elif kind == "no row masked":
+        mask.fill_(1)
+    return [h, w, teacher, labels, mask]

@@ -25,6 +25,7 @@ from tests.rows_row_local_programs import (
     kd_and_logprob,
     kd_masked_mean,
     kd_where,
+    poisoned,
     reverse_kl_by_hand,
     sft_and_kd,
     smoothed_ce_zloss,
@@ -99,23 +100,6 @@ def test_fp16_dynamic_shapes_and_an_incoming_gradient(dynamic):
     assert _check(smoothed_ce_zloss, torch.bfloat16, BF16, 0.5, "two_sweeps", dynamic)["rows_skipped"]
 
 
-def _poisoned(kind):
-    h, w, teacher, labels, mask = inputs(torch.bfloat16, 0.5)
-    if kind == "teacher+inf, a masked row":
-        teacher[1, 7] = float("inf")
-    elif kind == "teacher nan, a masked row":
-        teacher[2, 9] = float("nan")
-    elif kind == "h+inf, a masked row":
-        h[3, 5] = float("inf")
-    elif kind == "h nan, a kept row":
-        h[20, 0] = float("nan")
-    elif kind == "w+inf":
-        w[9, 4] = float("inf")
-    elif kind == "teacher -inf, a kept row":
-        teacher[24, 3] = float("-inf")
-    return [h, w, teacher, labels, mask]
-
-
 KINDS = ["teacher+inf, a masked row", "teacher nan, a masked row", "h+inf, a masked row", "h nan, a kept row",
          "w+inf", "teacher -inf, a kept row"]
 
@@ -127,7 +111,7 @@ def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:
     ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there; an
     ignored label's row still gets ``0 * exp(lp)``, NaN, from log-softmax's backward."""
-    xs = _poisoned(kind)
+    xs = poisoned(kind)
     stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
     ours, c = _ours(fn, xs)
     assert _pattern(ours) == stock, (_pattern(ours), stock, c)
@@ -159,7 +143,7 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
         row = next(r for r in range(T) if xs[4][r] > 0 and xs[3][r] % 4 == 0)
         xs[0][row, 5] = float("inf")
     else:
-        xs = _poisoned(kind)
+        xs = poisoned(kind)
     stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
     ours, c = _ours(fn, xs)
     assert _pattern(ours) == stock and c.get("rows_seen") == T, (_pattern(ours), stock, c)
@@ -173,7 +157,7 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
 def test_non_finite_values_with_an_incoming_gradient_as_stock(kind):
     """An incoming gradient of 0.3: the backward's both sweeps run on the kept rows, with
     stock's (NaN, +inf, -inf) counts."""
-    xs = _poisoned(kind)
+    xs = poisoned(kind)
     stock = _pattern(_run(torch.compile(kd_masked_mean, backend="inductor"), xs, 0.3))
     ours, c = _ours(kd_masked_mean, xs, scale=0.3)
     assert _pattern(ours) == stock and c.get("rows_skipped"), (_pattern(ours), stock, c)

@@ -24,6 +24,7 @@ from tests.rows_row_local_programs import (
     kd_and_every_kl,
     kd_and_kl_where,
     kd_and_masked_kl,
+    poisoned,
 )
 
 
@@ -88,23 +89,6 @@ def test_a_non_finite_incoming_gradient_gives_stock_nans(scale):
     assert c.get("rows_skipped", 0) > 0 and _pattern(ours) == stock, (_pattern(ours), stock, c)
 
 
-def _poisoned(kind):
-    h, w, teacher, labels, mask = inputs(torch.bfloat16, 0.5)
-    if kind == "teacher+inf, a masked row":
-        teacher[1, 7] = float("inf")
-    elif kind == "teacher nan, a masked row":
-        teacher[2, 3] = float("nan")
-    elif kind == "h+inf, a masked row":
-        h[1, 5] = float("inf")
-    elif kind == "h nan, a kept row":
-        h[20, 0] = float("nan")
-    elif kind == "every row masked":
-        mask.zero_()
-    elif kind == "no row masked":
-        mask.fill_(1)
-    return [h, w, teacher, labels, mask]
-
-
 KINDS = ["teacher+inf, a masked row", "teacher nan, a masked row", "h+inf, a masked row", "h nan, a kept row",
          "every row masked", "no row masked"]
 
@@ -114,7 +98,7 @@ KINDS = ["teacher+inf, a masked row", "teacher nan, a masked row", "h+inf, a mas
 def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of every output and both gradients equal stock Inductor's;
     a masked row holding a non-finite value is computed."""
-    xs = _poisoned(kind)
+    xs = poisoned(kind)
     stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
     ours, c = _ours(fn, xs)
     assert _pattern(ours) == stock, (_pattern(ours), stock, c)
