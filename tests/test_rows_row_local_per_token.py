@@ -147,3 +147,86 @@ def _gemms(masked):
 def test_half_the_rows_masked_half_the_gemms():
     full, half = _gemms(0.0), _gemms(0.5)
     assert 0 < half <= 0.55 * full, (half, full)
+
+
+# A region whose call has no masked variant runs every row; with a mask it says why (NOTE
+# [why every row runs]), without one it says nothing.
+
+def _said_for(fn, xs, grads=2, **options):
+    from fx_passes.reporting.session import session
+    session.reset()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 0.125, **options})
+    leaves = [x.detach().clone().requires_grad_(i < grads) for i, x in enumerate(xs)]
+    with compiling_with(EAGER):
+        outs = compiled(*leaves)
+        sum(o for o in outs if o.requires_grad).backward()
+    return dict(counters["chunked_logits"]), every_row_said()
+
+
+def test_a_call_that_keeps_its_logits_whole_says_why_it_runs_every_row():
+    c, said = _said_for(kd_and_masked_kl, inputs(torch.bfloat16, 0.5), row_local_sweeps=False)
+    assert c.get("row_local_lm_head_in_call") == 1 and "rows_skipped" not in c, c
+    assert c.get("masked_rows_not_skipped") == 1 and len(said) == 1, (c, said)
+    assert "its logits are kept whole" in said[0], said
+
+
+def test_a_teacher_that_takes_a_gradient_says_why_it_runs_every_row():
+    c, said = _said_for(kd_and_masked_kl, inputs(torch.bfloat16, 0.5), grads=3)
+    assert c.get("row_local_lm_head") == 1 and "rows_skipped" not in c, c
+    assert c.get("masked_rows_not_skipped") == 1 and len(said) == 1, (c, said)
+    assert "a row input besides the logits, takes a gradient" in said[0], said
+
+
+def _given_logits_kl(logits, teacher, labels, mask):
+    s = torch.log_softmax(logits.float(), -1)
+    t = torch.log_softmax(teacher.float(), -1)
+    kl = torch.where(mask > 0, (t.exp() * (t - s)).sum(-1), 0.0)
+    return kl.sum() / mask.sum(), kl.detach()
+
+
+def test_given_logits_with_a_mask_say_why_they_run_every_row():
+    h, w, teacher, labels, mask = inputs(torch.bfloat16, 0.5)
+    c, said = _said_for(_given_logits_kl, [h @ w.T, teacher, labels, mask], grads=1)
+    assert "rows_skipped" not in c and c.get("masked_rows_not_skipped") == 1, (c, said)
+    assert len(said) == 1 and "its logits are given whole" in said[0], said
+
+
+def _unmasked_kl(h, w, teacher, labels, mask):
+    kl = _kl_of(h, w, teacher)
+    return kl.mean(), kl.detach()
+
+
+def _kl_of(h, w, teacher):
+    s = torch.log_softmax((h @ w.T).float(), -1)
+    t = torch.log_softmax(teacher.float(), -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+@pytest.mark.parametrize("options", [{"row_local_sweeps": False}, {}], ids=["whole", "sweeps"])
+def test_a_region_without_a_mask_says_nothing(options):
+    """Token ids are not a mask: nothing to say (an integer row input counts only where
+    the loss sums it whole)."""
+    c, said = _said_for(_unmasked_kl, inputs(torch.bfloat16, 0.5), **options)
+    assert "masked_rows_not_skipped" not in c and not said, (c, said)
+
+
+def test_with_the_option_off_nothing_is_said():
+    c, said = _said_for(kd_and_masked_kl, inputs(torch.bfloat16, 0.5), row_local_sweeps=False,
+                        skip_masked_rows=False)
+    assert "masked_rows_not_skipped" not in c and not said, (c, said)
+
+
+def _kd_and_top_logprobs(h, w, teacher, labels, mask):
+    """A masked KL, and the top-4 log-probs of each row (``[n, 4]``) for logging."""
+    s = torch.log_softmax((h @ w.T).float(), -1)
+    t = torch.log_softmax(teacher.float(), -1)
+    kl = (t.exp() * (t - s)).sum(-1) * mask
+    return kl.sum() / mask.sum(), s.topk(4, -1).values.detach()
+
+
+def test_results_that_are_not_one_value_a_row_say_why_they_run_every_row():
+    c, said = _said_for(_kd_and_top_logprobs, inputs(torch.bfloat16, 0.5))
+    assert "rows_skipped" not in c and c.get("masked_rows_not_skipped") == 1, (c, said)
+    assert len(said) == 1 and "not one value" in said[0], said

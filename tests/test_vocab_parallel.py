@@ -45,6 +45,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # (conftest)
 
 
+def _masked(head) -> dict:
+    """The counter a head with a mask adds (its ignored labels: the stages run every row
+    and say why, NOTE [why every row runs])."""
+    return {"masked_rows_not_skipped": 1} if head is cross_entropy else {}
+
+
 @pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
 def test_rewritten_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
     data = inputs(dtype)
@@ -56,7 +62,7 @@ def test_rewritten_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_r
     torch._dynamo.reset()
     counters.clear()
     ours = run(torch.compile(head, backend="chunked_logits"), data, (0,))
-    assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1}
+    assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, **_masked(head)}
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
@@ -169,7 +175,7 @@ def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, gr
     counters.clear()
     ours = run(torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET), data, (0, 1))
     assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "vocab_parallel_lm_head": 1,
-                                  "vocab_parallel_one_pass": 1}
+                                  "vocab_parallel_one_pass": 1, **_masked(head)}
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
@@ -378,7 +384,9 @@ def test_every_rank_every_head(tmp_path, ranks, dp, extra):
             # come in whole)
             whole = dp > 1 and "loss" not in extra
             fused = {} if whole else {"vocab_parallel_lm_head": 1, "vocab_parallel_one_pass": 1}
-            assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused}, ours["events"]
+            # (the cross-entropy's ignored labels are a mask: every row runs, said)
+            said = {"masked_rows_not_skipped": 1} if head == "ce" else {}
+            assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused, **said}, ours["events"]
             assert ours["loss"]["max"] <= stock["loss"]["max"] + 2e-6 * max(stock["loss"]["scale"], 1.0)
             for name, got in ours["grads"].items():
                 st = stock["grads"][name]
@@ -436,3 +444,34 @@ def test_a_body_that_fails_to_compile_runs_eagerly(caplog):
     assert "injected compile failure" in caplog.text
     for got, want in zip(ours[0] + ours[1], stock[0] + stock[1]):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2**-8 * want.abs().max().item())
+
+
+# --- a mask on the loss: every row runs, and the log says why --------------------------------------
+
+def _masked_mean(head, where):
+    def fn(h, w, tok, mask):
+        y = head(h @ w.t(), tok)
+        kept = torch.where(mask > 0, y, 0.0) if where else y * mask
+        return kept.sum() / mask.sum()
+    return fn
+
+
+@pytest.mark.parametrize("where", [False, True], ids=["mul", "where"])
+def test_a_masked_loss_runs_every_row_and_says_why(where):
+    """Skipping rows in the vocab-parallel stages is not built: a loss with a mask says
+    so (counter ``masked_rows_not_skipped``, the rewrite's line); the heads above, whose
+    ``where(own, picked, 0)`` picks the rank owning a target before an all-reduce, have
+    no mask and say nothing (their exact counters; ``cross_entropy``'s ignored labels are
+    one, and say so there)."""
+    from fx_passes.reporting.session import session
+    h, w, tok = lm_inputs(torch.bfloat16, logprob)
+    mask = (torch.arange(T) % 4 != 0).float()
+    torch._dynamo.reset()
+    counters.clear()
+    session.reset()
+    step = torch.compile(_masked_mean(logprob, where), backend="chunked_logits", options=SMALL_BUDGET)
+    step(h.requires_grad_(), w, tok, mask).backward()
+    c = chunked_counters()
+    assert c.get("vocab_parallel_one_pass") == 1 and c.get("masked_rows_not_skipped") == 1, c
+    said = [e.what for e in session.events if "though a mask" in e.what]
+    assert len(said) == 1 and "the vocab-parallel stages run every row" in said[0], said

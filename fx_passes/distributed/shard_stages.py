@@ -75,6 +75,7 @@ from ..kernels.ops.args import grads_by_name
 from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.ops.registry import CAPTURE_SAFE, emitted
 from ..match.lm_head import LMHead, producer
+from ..match.row_mask import mask_read
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
@@ -268,6 +269,10 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
     FP32 ``[.., V]`` nodes erased.  Plans every stage (Decline) before it edits the graph.
     Returns what became of the lm_head matmul and of the one pass."""
     fuse_lm_head, budget_bytes = config.fuse_lm_head, config.device_budget_bytes
+    mask = mask_read(region.reductions, frozenset(region.nodes) | set(region.reductions)) \
+        if config.skip_masked_rows else None
+    rows_why = (f"the loss reads {mask.name}, a mask, but the vocab-parallel stages run every row "
+                "(skipping rows there is not built)",) if mask is not None else ()
     head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
@@ -291,12 +296,12 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
         if (n in region.reductions or n in region.nodes) and not n.users:
             graph.erase_node(n)
     if head is None:
-        return Outcome.not_fused(why)
+        return Outcome.not_fused(why, rows_why=rows_why)
     for n in (region.x, head.transpose):
         if n is not None and not n.users:
             graph.erase_node(n)
     one_pass = None if len(plans) < 2 else one is not None
-    return Outcome(LMHeadOutcome.FUSED, one_pass=one_pass, one_pass_why=one_pass_why)
+    return Outcome(LMHeadOutcome.FUSED, one_pass=one_pass, one_pass_why=one_pass_why, rows_why=rows_why)
 
 
 def _one_pass(region: ShardRegion, plans: list, order: dict[Node, int]):

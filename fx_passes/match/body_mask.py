@@ -57,7 +57,17 @@ from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
 from .loss_tail import LossTail
 from .row_local import LOSS_PARAMS, loss_arg
-from .row_mask import Value, _column, _Facts, _Interpreter, _NoRule, no_rule, say_why, why_every_row
+from .row_mask import (
+    Value,
+    _column,
+    _Facts,
+    _Interpreter,
+    _NoRule,
+    masks_among,
+    no_rule,
+    say_why,
+    why_every_row,
+)
 
 __all__ = ["skip_rows_of_body", "skip_rows_of_region_reads"]
 
@@ -564,8 +574,11 @@ def skip_rows_of_region_reads(body_key: str, index: int, rows: tuple, whole: tup
     results = list(next(iter(body.graph.find_nodes(op="output"))).args[0])
     items: list[Value] = []
     for r in results:
-        if not isinstance(r, Node) or run.kind.get(r) != "row":
-            return None  # (a result that is not one value a row: a top-k's ``[n, k]``)
+        if not isinstance(r, Node) or run.kind.get(r) != "row":  # (a top-k's ``[n, k]``)
+            if why is not None and (run.masks or masks_among(tail, tail.row_operands)):
+                why.append(f"the region's result {getattr(r, 'name', r)} is not one value a row: only such "
+                           "results are skipped")
+            return None
         items.append(run.value(r))
     operands = [*tail.row_operands, *tail.whole]
     env: dict[Node, Node] = {o: f.g.placeholder(f"operand{i}") for i, o in enumerate(operands)}

@@ -45,13 +45,13 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..fx.graph_ops import canon, meta, op_name
+from ..fx.graph_ops import canon, is_collective, meta, op_name
 from ..fx.op_rules import ZERO_ROWS, Kind
 from ..kernels.ops import user_bodies
 from .loss_tail import LossTail
 
-__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "no_rule", "why_every_row", "say_why",
-           "ITEMS"]
+__all__ = ["skip_rows_body", "skip_rows_of_reads", "masks_among", "mask_read", "no_rule", "why_every_row",
+           "say_why", "ITEMS"]
 
 ITEMS = ("lse_lo", "lse_hi", "lp_lo", "lp_hi", "ent_lo", "ent_hi")
 Fact = Union[bool, float, Node]  # a Python constant, or a node of the skip graph
@@ -349,6 +349,56 @@ def masks_among(tail: LossTail, nodes: list) -> list:
         if src & summed or any(isinstance(d, torch.dtype) and not d.is_floating_point for d in kinds):
             out.append(o)
     return out
+
+
+_MASKING = {"mul", "where", "masked_fill", "masked_fill_"}
+
+
+def mask_read(results: list[Node], region: frozenset = frozenset(), inputs: list = (),
+              limit: int = 400) -> Optional[Node]:
+    """A mask that what reads ``results`` (per-row values of a region whose call has no
+    masked variant) applies to them, else None: an operand of a ``mul`` / ``where`` /
+    ``masked_fill`` that is boolean or integer, or that they divide by the sum of (a
+    masked mean).  An op whose result a collective reads is not one (a vocab-parallel
+    ``where(own, picked, 0)`` selects the rank that owns a target), nor one of ``region``
+    (the region's own nodes, read through); of the region's row ``inputs``, one that is
+    boolean or summed so (a mask its body applies).  For a near miss only (NOTE [why every
+    row runs]): nothing is proved."""
+    seen: dict[Node, None] = {}
+    stack = list(results)
+    while stack and len(seen) < limit:
+        for u in stack.pop().users:
+            if u not in seen and u.op != "output":
+                seen[u] = None
+                stack.append(u)
+    summed: set[Node] = set()
+    for n in seen:
+        if op_name(n) in ("div", "true_divide") and len(n.args) > 1 and isinstance(n.args[1], Node):
+            d = n.args[1]
+            while op_name(d) in ("clamp", "clamp_min", "clip") and d.all_input_nodes:
+                d = d.all_input_nodes[0]
+            if op_name(d) in ("sum", "mean") and d.all_input_nodes:
+                summed |= _sources(d.all_input_nodes[0])
+    shared: set[Node] = set()  # read by a collective, through the readers
+    stack = [n for n in seen if is_collective(n)]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a in seen and a not in shared:
+                shared.add(a)
+                stack.append(a)
+    inner = set(results) | set(seen)
+    for n in seen:
+        if op_name(n) not in _MASKING or n in shared or n in region:
+            continue
+        for a in n.all_input_nodes:
+            dtype = getattr(meta(a), "dtype", None)
+            if a not in inner and (_sources(a) & summed or isinstance(dtype, torch.dtype)
+                                   and not dtype.is_floating_point):
+                return a
+    for a in inputs:
+        if isinstance(a, Node) and (_sources(a) & summed or getattr(meta(a), "dtype", None) is torch.bool):
+            return a
+    return None
 
 
 Value = tuple[Fact, Fact, Fact]  # (V: exactly 0, L, U: an interval holding the value)

@@ -70,7 +70,8 @@ def summary() -> dict[str, Any]:
     * ``rows_seen`` / ``rows_skipped``: rows the loops with a loss-tail mask ran over, and
       those left out because the loss zeroes them (``Config.skip_masked_rows``), per step;
     * ``masked_rows_not_skipped``: rewrites whose loss has a mask but runs every row (per
-      compile); the region's ``what`` says why (an op with no rule, a result read unmasked);
+      compile); the region's ``what`` says why (an op with no rule, a result read unmasked,
+      a call with no masked variant: logits kept whole, vocab-parallel stages);
     * ``rewritten`` / ``would_rewrite`` / ``left_to_stock`` (its ``what`` ends with why):
       ``[{"where", "what", "bytes_avoided", "compiles"}]``;
       ``declined``: the same plus ``"reason"``;

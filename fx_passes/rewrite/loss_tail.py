@@ -275,12 +275,13 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[li
 
 
 def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config,
-                            why: list[str]) -> bool:
+                            why: list[str], masked: bool = False) -> bool:
     """Make the ``row_local_sweeps`` call ``call``, whose per-row results the graph keeps,
     ``row_local_sweeps_masked`` with the skip graph of the body and the results' readers
     (``match/body_mask.skip_rows_of_region_reads``: NOTE [row-local rows a mask leaves
     unread]; ``rows``, ``whole``: the body's input specs, the logits' among the rows);
-    False where it has none (as :func:`skip_unread_rows`)."""
+    False where it has none (as :func:`skip_unread_rows`; ``masked``: the region is
+    known to have a mask, so the reason is said whatever stops the match)."""
     if not config.skip_masked_rows:
         return False
     args = bound_args(call)  # (row_local_sweeps' parameters)
@@ -292,13 +293,15 @@ def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple,
         nodes = [*inputs[:index], None, *inputs[index:n - 1]]
         masks = {i for i, o in enumerate(nodes) if o is not None and o in masks_among(tail, [o])}
         return skip_rows_of_region_reads(key, index, rows, whole, tail, masks, said)
-    return _masked_call(graph, call, find, row_local_sweeps_masked, why)
+    return _masked_call(graph, call, find, row_local_sweeps_masked, why, masked)
 
 
-def _masked_call(graph: Graph, call: Node, find, target, why: Optional[list[str]]) -> bool:
+def _masked_call(graph: Graph, call: Node, find, target, why: Optional[list[str]],
+                 masked: bool = False) -> bool:
     """Retarget ``call`` to its masked op ``target`` with the skip graph ``find(said)``
     gives (its key and the nodes it reads; None, or :class:`NoTail`, where it has none:
-    logged, and said in ``why`` where ``said`` shows the reads have a mask)."""
+    logged, and said in ``why`` where ``said`` shows the reads have a mask, or
+    ``masked``)."""
     said: list[str] = []  # (non-empty once the reads are known to have a mask)
     try:
         found = find(said)
@@ -311,7 +314,7 @@ def _masked_call(graph: Graph, call: Node, find, target, why: Optional[list[str]
         early = _earlier(graph, call, read)
     except NoTail as reason:
         log.debug("chunked_logits: %s: every row runs: %s", call.name, reason)
-        if said and why is not None:
+        if (said or masked) and why is not None:
             why.append(str(reason))
         return False
     for n in early:

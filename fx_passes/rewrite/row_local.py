@@ -65,6 +65,7 @@ from ..match.lm_head import (
     producer,
 )
 from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg
+from ..match.row_mask import mask_read
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
@@ -353,6 +354,15 @@ def _detached(o: Node, region: RowRegion) -> bool:
         and any(requires_grad(_node(r)) for r in region.rows)
 
 
+def _masked(region: RowRegion, inputs: list) -> bool:
+    """Does the region's loss have a mask (for a call that runs every row to say why,
+    NOTE [why every row runs]): what reads its results applies one, one of its row
+    ``inputs`` is one (``match/row_mask.mask_read``), or its body ignores labels (a
+    cross-entropy's ``ignore_index``)?"""
+    return mask_read(region.outputs, frozenset(region.nodes), inputs) is not None \
+        or any(op_name(n) in ("cross_entropy", "nll_loss") for n in region.nodes)
+
+
 def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outcome:
     """Replace the region by one ``row_local`` call; raises Decline before touching the graph."""
     anchor, detach = plan_row_region(graph, region)
@@ -367,6 +377,8 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     if head is not None:
         detach = head.detach
     alone = head is not None and not _others(region, head)
+    inputs = [_node(r) for r in region.rows]
+    has_mask = config.skip_masked_rows and _masked(region, inputs)
     before = set(graph.nodes)
     with graph.inserting_before(anchor):
         call = _call(graph, region, head, key, saving, config, sweeps)
@@ -381,7 +393,9 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
     for n in reversed(region.nodes):
         graph.erase_node(n)
     if head is None:
-        return Outcome.not_fused(why, saved_masks=masks, saved_normalizers=normalizers)
+        rows_why = ("its logits are given whole, not made by an lm_head its call runs: only a fused lm_head "
+                    "skips rows",) if has_mask else ()
+        return Outcome.not_fused(why, saved_masks=masks, saved_normalizers=normalizers, rows_why=rows_why)
     for n in filter(None, [head.head.logits, head.head.transpose]):  # (a W.T read elsewhere stays)
         if not n.users:
             graph.erase_node(n)
@@ -390,10 +404,17 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             # (the loss tail's match, or the reads', reads the new nodes' values)
             Emitter(graph, anchor).fill([n for n in graph.nodes if n not in before])
         loss = rewrite_row_loss_tail(graph, call, *specs, config) if alone else None
-        if loss is not None or not alone:  # (a row input besides the logits takes a gradient: every row)
-            return Outcome(Fused.FUSED, losses=(loss,) if loss is not None else ())
+        if loss is not None:
+            return Outcome(Fused.FUSED, losses=(loss,))
+        if not alone:  # (a row input besides the logits takes a gradient: every row)
+            names = ", ".join(inputs[i].name for i in _others(region, head))
+            why_all = f"{names}, a row input besides the logits, takes a gradient: only the logits skip rows"
+            return Outcome(Fused.FUSED, rows_why=(why_all,) if has_mask else ())
         # (its per-row results kept: the rows a mask leaves unread skipped)
         why: list[str] = []
-        masked = skip_unread_region_rows(graph, call, *specs, config, why)
+        masked = skip_unread_region_rows(graph, call, *specs, config, why, has_mask)
         return Outcome(Fused.FUSED, masked_per_token=int(masked), rows_why=tuple(why))
-    return Outcome(Fused.IN_CALL, whole_why, saved_masks=masks, saved_normalizers=normalizers)
+    rows_why = ("its logits are kept whole: only a call that makes them chunk by chunk skips rows",) \
+        if has_mask else ()
+    return Outcome(Fused.IN_CALL, whole_why, saved_masks=masks, saved_normalizers=normalizers,
+                   rows_why=rows_why)
