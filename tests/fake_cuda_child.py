@@ -29,6 +29,7 @@ from fx_passes.kernels.ops import registry
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER
 from tests import row_local_cases as rl
+from tests import rows_row_local_programs as rrl
 from tests import sweep_cases
 from tests.cases import lm_logprob_entropy, policy_loss
 from tests.helpers import dynamo_graph
@@ -83,6 +84,8 @@ def paths():
         # (strict off: row_split traces the region on real tensors of the inputs' device)
         "row_local_lm_head_loss": (sweep_cases.forward_kl, (sh, sw, teacher), {"strict": False}),
         "row_local_lm_head_sweeps": (sweep_cases.forward_kl, (frozen_h, frozen_w, teacher), {}),
+        # (its per-row results kept, masked: on a GPU every row runs, said)
+        "row_local_lm_head_sweeps_masked": (rrl.kd_and_masked_kl, rrl.inputs(torch.bfloat16, 0.5), {}),
     }
 
 

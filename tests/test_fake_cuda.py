@@ -50,6 +50,9 @@ RUNS = {
     "row_local_given_logits": "fx_passes.kernels.row_local.engine.row_local",
     "row_local_given_logits_symbolic_scalar": "fx_passes.kernels.row_local.engine.row_local",
     "row_local_lm_head_sweeps": "fx_passes.kernels.row_local.sweeps.row_local_sweeps",
+    # (a masked KL whose per-row results the graph keeps: not the masked op, NOTE [row-local
+    # rows a mask leaves unread])
+    "row_local_lm_head_sweeps_masked": "fx_passes.kernels.row_local.sweeps.row_local_sweeps",
 }
 # the paths whose rewrite traces on real tensors of the device (see the docstring)
 TRACED_ON_THE_DEVICE = {"row_local_lm_head_loss"}
@@ -97,6 +100,14 @@ def test_the_count_of_rows_run_is_a_host_tensor(result, kind):
     assert got["counters"].get("masked_rows") == 1 and got["count_devices"] == ["cpu"], got
     assert all(p["count_devices"] == [] for name, p in result[kind]["paths"].items()
                if name != "lm_head_per_token_masked"), result[kind]
+
+
+@pytest.mark.parametrize("kind", ["as_built", "gpu_kernels"])
+def test_a_row_local_region_keeping_masked_results_runs_every_row_and_says_why(result, kind):
+    """On a GPU its backward would read the skipped rows' cotangents and the count from the
+    device: the rewrite keeps ``row_local_sweeps`` (asserted above) and counts the near miss."""
+    got = result[kind]["paths"]["row_local_lm_head_sweeps_masked"]
+    assert got["counters"].get("masked_rows_not_skipped") == 1 and "masked_rows" not in got["counters"], got
 
 
 def test_lm_head_loss_in_graph(result):

@@ -286,6 +286,14 @@ def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple,
         return False
     args = bound_args(call)  # (row_local_sweeps' parameters)
     key, n, index, inputs = args["key"], args["n_rows"], args["index"], list(args["inputs"])
+    device = getattr(meta(args["hidden"]), "device", None)
+    if device is not None and device.type != "cpu":  # (NOTE [row-local rows a mask leaves unread])
+        reason = (f"on {device.type} this call runs every row: its backward would read the skipped rows' "
+                  "cotangents and the count from the device, two more syncs a step")
+        log.debug("chunked_logits: %s: every row runs: %s", call.name, reason)
+        if masked:
+            why.append(reason)
+        return False
 
     def find(said: list[str]) -> Optional[tuple[str, list[Node]]]:
         n_out = len(next(iter(user_bodies.function(key).graph.find_nodes(op="output"))).args[0])

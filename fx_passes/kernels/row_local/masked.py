@@ -21,8 +21,9 @@ leaves some rows' results unread.  See NOTE [row-local rows a mask leaves unread
 # row, as stock, so stock's NaN pattern is the body's own.  That check reads
 # the cotangents, and the backward reads the count of rows run: both are host memory on a
 # CPU, so the call compacts on CPUs only (on a GPU they would be a second device read a
-# step, and the check a third: there it runs every row, as ``row_local_sweeps``).  Both
-# ops are ``cudagraph_unsafe`` (a host tensor, host reads).
+# step, and the check a third): for a region on another device the rewrite keeps
+# ``row_local_sweeps`` and says why; the op itself runs every row on one.  Both ops are
+# ``cudagraph_unsafe`` (a host tensor, host reads).
 
 from __future__ import annotations
 
