@@ -190,6 +190,16 @@ def kd_and_every_kl(h, w, teacher, labels, mask, up=F32):
     return (kl * mask.to(up)).sum() / mask.to(up).sum(), kl.detach()
 
 
+def kd_and_masked_top_logprobs(h, w, teacher, labels, mask, up=F32):
+    """A masked KL, and each row's masked top-4 log-probs (``[n, 4]``), the mask's column
+    written after the loss that reads the KL (the region reads it: it moves before the call)."""
+    s = torch.log_softmax((h @ w.T).to(up), -1)
+    t = torch.log_softmax(teacher.to(up), -1)
+    kl = (t.exp() * (t - s)).sum(-1) * mask.to(up)
+    loss = kl.sum() / mask.to(up).sum()
+    return loss, s.topk(4, -1).values.detach() * mask.to(up)[:, None]
+
+
 PER_TOKEN = [kd_and_masked_kl, kd_and_kl_where, forward_and_reverse_kl]
 
 

@@ -55,7 +55,7 @@ from .graph_ops import (
 )
 
 __all__ = ["State", "states", "changes_state", "writes_in_place", "first_mutation",
-           "check_placement", "same_state", "view_family", "mutation_of"]
+           "check_placement", "same_state", "view_family", "mutation_of", "movable_before"]
 
 
 def writes_in_place(node: Node) -> bool:
@@ -161,6 +161,54 @@ def same_state(graph: Graph, nodes: Iterable[Node]) -> None:
             raise Decline(Reason.STATE, f"{n.name} runs under grad mode {state[n].grad} and "
                           f"{_describe(state[n])}, {nodes[0].name} under grad mode {state[nodes[0]].grad} "
                           f"and {_describe(state[nodes[0]])}")
+
+
+def _draws(node: Node) -> bool:
+    """Does ``node`` draw random numbers (moving it past another draw changes both)?"""
+    name = call_name(node) if node.op == "call_function" else str(node.target)
+    return "dropout" in name or name.startswith("rand") or name in ("bernoulli", "multinomial", "normal",
+                                                                     "uniform", "bernoulli_", "normal_")
+
+
+def movable_before(graph: Graph, before: Node, read: Iterable[Node],
+                   avoid: frozenset = frozenset()) -> "list[Node] | str":
+    """The nodes to move before ``before`` (in order) so that ``read`` are computed before
+    it: ``read`` and what they read that is computed after it (a mask's ``.float()``,
+    ``mask[:, None]``), each a call with no side effect and no random draw, inside
+    ``before``'s autocast / inference-mode blocks and, when it reads a value that takes a
+    gradient, under its grad mode, none reading a node of ``avoid`` (a region whose
+    results they would then read before they exist), none of their inputs changed in
+    place in between; else why not.  Moving them is exact: each computes the same value
+    from the same inputs."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    state, _ = states(graph)
+    moved: dict[Node, None] = {}
+
+    def visit(n: Node) -> Optional[str]:
+        if n in avoid or n is before:
+            return f"it reads {n.name}, which reads the region's result or comes where its call goes"
+        if order[n] < order[before] or n in moved:
+            return None
+        if n.op not in ("call_function", "call_method") or mutates(n) or is_mode_switch(n) or _draws(n):
+            return f"{n.name} cannot move (a side effect, a random draw, or not a call)"
+        if state[n].blocks != state[before].blocks or (  # (a grad mode matters to what takes a gradient)
+                state[n].grad != state[before].grad and any(requires_grad(a) for a in n.all_input_nodes)):
+            return f"{n.name} runs under another grad mode or block than {before.name}"
+        for a in n.all_input_nodes:
+            why = visit(a)
+            if why is not None:
+                return why
+        for a in n.all_input_nodes:  # (through a view of it too)
+            writers = (u for v in view_family(a) for u in v.users)
+            if any(order[before] < order[u] < order[n] and mutates(u) for u in writers):
+                return f"{a.name}, which {n.name} reads, changes in place in between"
+        moved[n] = None
+        return None
+    for o in read:
+        why = visit(o)
+        if why is not None:
+            return why
+    return list(moved)
 
 
 def first_mutation(graph: Graph, start: Node, end: Node,

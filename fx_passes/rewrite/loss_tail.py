@@ -40,7 +40,6 @@ from ..config import Config
 from ..fx.emitter import Emitter
 from ..fx.graph_ops import (
     bound_args,
-    is_pure,
     is_scalar,
     keep_meta,
     meta,
@@ -50,7 +49,7 @@ from ..fx.graph_ops import (
     scalar_tensor,
 )
 from ..fx.op_rules import Kind, tail_rule
-from ..fx.placement import check_placement
+from ..fx.placement import check_placement, movable_before
 from ..kernels.log_softmax.lm_head import lm_head_row_stats, lm_head_row_stats_masked
 from ..kernels.log_softmax.loss import PLANS, lm_head_loss, trace_tail
 from ..kernels.ops import user_bodies
@@ -334,25 +333,11 @@ def _masked_call(graph: Graph, call: Node, find, target, why: Optional[list[str]
 
 def _earlier(graph: Graph, stats: Node, read: list[Node]) -> list[Node]:
     """The nodes to move before ``stats`` (in order) so that ``read`` are computed before
-    it: those computed after it (a mask's ``.float()``, ``> 0``), each pure, none of their
-    inputs changed in place in between; or :class:`NoTail`."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    moved: dict[Node, None] = {}
-
-    def visit(n: Node) -> None:
-        if order[n] < order[stats] or n in moved:
-            return
-        if n.op not in ("call_function", "call_method") or not is_pure(n):
-            raise NoTail(f"the mask reads {n.name}, computed after the region by an op that cannot move")
-        for a in n.all_input_nodes:
-            visit(a)
-        for a in n.all_input_nodes:
-            if any(order[stats] < order[u] < order[n] and not is_pure(u) for u in a.users):
-                raise NoTail(f"{a.name}, which the mask reads, changes in place after the region")
-        moved[n] = None
-    for o in read:
-        visit(o)
-    return list(moved)
+    it (``fx/placement.movable_before``: a mask's ``.float()``, ``> 0``); or :class:`NoTail`."""
+    moved = movable_before(graph, stats, read)
+    if isinstance(moved, str):
+        raise NoTail(f"the mask is computed after the region: {moved}")
+    return moved
 
 
 def _joined(body: GraphModule, n_rows: int, tail: LossTail) -> GraphModule:

@@ -49,7 +49,7 @@ from ..fx.graph_ops import (
     scalar_tensor,
     tensor_input,
 )
-from ..fx.placement import check_placement, states
+from ..fx.placement import check_placement, movable_before, states
 from ..kernels.ops import user_bodies
 from ..kernels.ops.registry import REPLAYING_BODIES
 from ..kernels.row_local.engine import row_local
@@ -190,7 +190,9 @@ def _reduce_outside(graph: Graph, n: Node, partial: Node, region: RowRegion) -> 
 
 
 def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
-    """Every check: (the node the call goes before, results to detach); raises Decline."""
+    """Every check: (the node the call goes before, results to detach); raises Decline.
+    A row input computed after that node moves before it where that is exact
+    (``fx/placement.movable_before``): the one change it makes to the graph."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(region.nodes)
     last = max(region.nodes, key=order.__getitem__)
@@ -198,10 +200,15 @@ def plan_row_region(graph: Graph, region: RowRegion) -> tuple[Node, set[Node]]:
     # first (not at the first reader always: a random draw or a print between the region
     # and its reader would then lie between the absorbed nodes and the call)
     anchor = min(first_user(region.outputs, inside, order), last.next, key=order.__getitem__)
-    for a in [*map(_node, region.rows), *(w for w in region.whole if isinstance(w, Node))]:
-        if order[a] > order[anchor]:
-            raise Decline(Reason.ORDER, f"{a.name}, which the region reads, is computed after {anchor.name}, "
-                                        "which reads its result")
+    late = [a for a in [*map(_node, region.rows), *(w for w in region.whole if isinstance(w, Node))]
+            if order[a] > order[anchor]]
+    if late:  # (``mask[:, None]`` written after the loss that reads a result: moved, exact)
+        moved = movable_before(graph, anchor, late, frozenset(inside))
+        if isinstance(moved, str):
+            raise Decline(Reason.ORDER, f"{late[0].name}, which the region reads, is computed after "
+                                        f"{anchor.name}, which reads its result, and cannot move: {moved}")
+        for n in moved:
+            anchor.prepend(n)
     at = states(graph)[0][anchor]
     if any(kind == "autocast" for kind, _, _ in at.blocks):
         raise Decline(Reason.STATE, f"{anchor.name} runs under autocast, which the chunk bodies would "
@@ -392,10 +399,8 @@ def rewrite_row_region(graph: Graph, region: RowRegion, config: Config) -> Outco
             o.replace_all_uses_with(value, delete_user_cb=lambda u: u not in inside)
     for n in reversed(region.nodes):
         graph.erase_node(n)
-    if head is None:
-        rows_why = ("its logits are given whole, not made by an lm_head its call runs: only a fused lm_head "
-                    "skips rows",) if has_mask else ()
-        return Outcome.not_fused(why, saved_masks=masks, saved_normalizers=normalizers, rows_why=rows_why)
+    if head is None:  # (logits given whole: skipping rows would save only the body's work, not said)
+        return Outcome.not_fused(why, saved_masks=masks, saved_normalizers=normalizers)
     for n in filter(None, [head.head.logits, head.head.transpose]):  # (a W.T read elsewhere stays)
         if not n.users:
             graph.erase_node(n)
