@@ -185,8 +185,10 @@ def movable_before(graph: Graph, before: Node, read: Iterable[Node],
     moved: dict[Node, None] = {}
 
     def visit(n: Node) -> Optional[str]:
-        if n in avoid or n is before:
-            return f"it reads {n.name}, which reads the region's result or comes where its call goes"
+        if n in avoid:
+            return f"it reads {n.name}, which the region computes or which reads its result"
+        if n is before:
+            return f"it reads {n.name}, where the region's call goes"
         if order[n] < order[before] or n in moved:
             return None
         if n.op not in ("call_function", "call_method") or mutates(n) or is_mode_switch(n) or _draws(n):

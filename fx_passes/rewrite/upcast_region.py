@@ -30,8 +30,8 @@ from torch.fx import Graph, Node
 
 from ..config import Config
 from ..fx.emitter import Emitter
-from ..fx.graph_ops import canon, get_arg, is_pure, meta, requires_grad
-from ..fx.placement import check_placement
+from ..fx.graph_ops import canon, get_arg, meta, requires_grad
+from ..fx.placement import check_placement, movable_before
 from ..kernels.log_softmax.given import row_stats
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
 from ..match.lm_head import FUSION_OFF, LMHead, match_lm_head
@@ -71,19 +71,15 @@ def _replay_view(e: Emitter, view: Node, src: Node, on_hidden: bool = False) -> 
 
 
 def _late_index_nodes(graph: Graph, region: Region, anchor: Node) -> list[Node]:
-    """The index node and its ancestors defined after ``anchor``, in graph order."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    late: set[Node] = set()
-    stack = [region.index] if region.index is not None else []
-    while stack:
-        n = stack.pop()
-        if order[n] < order[anchor] or n in late:
-            continue
-        if n in region.roles or not is_pure(n):
-            raise Decline(Reason.ORDER, f"{region.index.name} needs {n.name}")
-        late.add(n)
-        stack.extend(n.all_input_nodes)
-    return sorted(late, key=order.__getitem__)
+    """The index node and its ancestors defined after ``anchor``, in graph order: moved
+    before it by the rule of ``fx/placement.movable_before``; Decline where they cannot."""
+    if region.index is None:
+        return []
+    moved = movable_before(graph, anchor, [region.index], frozenset(region.roles))
+    if isinstance(moved, str):
+        raise Decline(Reason.ORDER, f"{region.index.name}, computed after {anchor.name}, cannot move before "
+                                    f"it: {moved}")
+    return moved
 
 
 def emit_stats(e: Emitter, region: Region, xv: Node, tokens: Node | None, config: Config,
