@@ -6,7 +6,8 @@
 Each rank holds the hidden states ``[T, H]`` and its lm_head shard ``[V / 2, H]`` (bf16) and
 runs examples/vocab_parallel_step.py's GRPO-style loss (``--head``): the Megatron-style
 code on the local shard, under stock Inductor, eager, and under ``chunked_logits`` (and
-with its ``fuse_lm_head=False``: ``chunked_logits_unfused``); and,
+with its ``fuse_lm_head=False``: ``chunked_logits_unfused``; with ``skip_masked_rows=False``:
+``chunked_logits_all_rows``); and,
 for ``--head ce``, what DTensor users write without us: eager ``F.cross_entropy`` under
 ``loss_parallel()`` (``loss_parallel_eager``).  Every backend runs in a fresh ``torchrun``
 job: one warm-up step (compiles); VmRSS, VmHWM reset, the measured step, VmHWM
@@ -54,6 +55,7 @@ def rank_child(argv: list[str]) -> None:
     p.add_argument("--vocab", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--steps", type=int)
+    p.add_argument("--ignored", type=float, default=None)
     p.add_argument("--out", type=pathlib.Path)
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
@@ -81,6 +83,8 @@ def rank_child(argv: list[str]) -> None:
         backend, options = args.backend, None
         if backend == "chunked_logits_unfused":  # the pass with the lm_head matmul left whole
             backend, options = "chunked_logits", {"fuse_lm_head": False}
+        if backend == "chunked_logits_all_rows":  # the pass running every row, masked or not
+            backend, options = "chunked_logits", {"skip_masked_rows": False}
 
         def run():
             vp.step(args.head, backend, h, w[lo:lo + shard], tok, old_logp, adv, lo, options=options)
@@ -124,11 +128,13 @@ def main() -> None:
     p.add_argument("--steps", default="3", help="timed steps after the measured one (median, slower rank)")
     p.add_argument("--backends", default=None, help="default: inductor,eager,chunked_logits "
                    "(+ loss_parallel_eager for --head ce)")
+    p.add_argument("--ignored", default=None,
+                   help="--head ce: the fraction of labels -100, the first rows (default: every 7th row)")
     args = p.parse_args()
     backends = args.backends.split(",") if args.backends else [
         *BACKENDS, *(["loss_parallel_eager"] if args.head == "ce" else [])]
     sizes = ["--head", args.head, "--rows", args.rows, "--vocab", args.vocab, "--hidden", args.hidden,
-             "--steps", args.steps]
+             "--steps", args.steps, *(["--ignored", args.ignored] if args.ignored is not None else [])]
     T, V, H = int(args.rows), int(args.vocab), int(args.hidden)
     limit = limit_mib(T, V // 2, H)
     print(f"2 ranks, gloo, CPU, 1 thread each; head {args.head}; T {T}, V {V} ({V // 2} per rank), H {H}, "

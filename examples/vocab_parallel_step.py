@@ -117,7 +117,11 @@ def inputs(args, head: str):
     w = (torch.randn(args.vocab, args.hidden, generator=g) / args.hidden ** 0.25).to(torch.bfloat16)
     tok = torch.randint(0, args.vocab, (args.rows,), generator=g)
     if head == "ce":
-        tok[::7] = IGNORE
+        ignored = getattr(args, "ignored", None)
+        if ignored is None:
+            tok[::7] = IGNORE
+        else:  # (a prompt: the first rows' labels ignored)
+            tok[:int(args.rows * ignored)] = IGNORE
     old_logp = torch.randn(args.rows, generator=g).clamp(max=0) - 8.0
     adv = torch.randn(args.rows, generator=g)
     return h, w, tok, old_logp, adv

@@ -54,7 +54,9 @@ class Config:
         skip_masked_rows: there, run the chunk loop (GEMMs included) only on the rows whose
             value and gradient the loss does not zero by a mask or ``ignore_index``; on the
             per-token path (CPUs), only the rows whose results something reads unmasked
-            (``match/row_mask.py``; one host read a step; docs/how-it-works.md section 5c).
+            (``match/row_mask.py``; one host read a step; docs/how-it-works.md section 5c);
+            in a vocab-parallel one-pass loop (CPUs), the rows every rank may leave out
+            (``distributed/shard_mask.py``).
     """
 
     rewrite: bool = True

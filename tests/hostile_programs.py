@@ -140,6 +140,20 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "picked = zs.gather(-1, tok[:, None]).squeeze(-1)",
         "lp = picked - s.log()",
     ], "lp", 2),
+    # the vocab-parallel one-pass loop with a mask computed after it, its masked per-token
+    # values returned too (distributed/shard_mask.py: the rows it leaves out are skipped)
+    "masked_vocab": ("h, w, tok", [
+        "h = h * 1",
+        "w = w * 1",
+        "logits = h @ w.T",
+        "z = logits.to(up) / 0.7",
+        "m = funcol.all_reduce(z.detach().amax(-1), 'max', dist.group.WORLD)",
+        "zs = z - m.unsqueeze(-1)",
+        "s = funcol.all_reduce(zs.exp().sum(-1), 'sum', dist.group.WORLD)",
+        "lp = zs.gather(-1, tok[:, None]).squeeze(-1) - s.log()",
+        "keep = (tok % 3 > 0).to(up)",
+        "loss = -(lp * keep).sum() / keep.sum()",
+    ], "loss, (lp * keep).detach()", 2),
 }
 
 # Each change: ("insert", statement) or ("wrap", with-header); {V} is the vocabulary size.
@@ -181,6 +195,7 @@ _APPLIES = {
     "masked_row_local": ("tok_add", "mul_h", "mul_logits", "seed"),
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
+    "masked_vocab": ("tok_add", "mul_h"),
 }
 
 

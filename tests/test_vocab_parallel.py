@@ -45,10 +45,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # (conftest)
 
 
-def _masked(head) -> dict:
-    """The counter a head with a mask adds (its ignored labels: the stages run every row
-    and say why, NOTE [why every row runs])."""
-    return {"masked_rows_not_skipped": 1} if head is cross_entropy else {}
+def _masked(head, one_pass: bool = False) -> dict:
+    """The counters a head with a mask adds (its ignored labels): the one-pass loop skips
+    their rows (8 of ``T``, ``tests/test_vocab_parallel_masked.py``); the stages without it
+    run every row and say why (NOTE [why every row runs])."""
+    if head is not cross_entropy:
+        return {}
+    if one_pass:
+        return {"masked_rows": 1, "rows_seen": T, "rows_skipped": 8}
+    return {"masked_rows_not_skipped": 1}
 
 
 @pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
@@ -175,7 +180,7 @@ def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, gr
     counters.clear()
     ours = run(torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET), data, (0, 1))
     assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "vocab_parallel_lm_head": 1,
-                                  "vocab_parallel_one_pass": 1, **_masked(head)}
+                                  "vocab_parallel_one_pass": 1, **_masked(head, one_pass=True)}
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
@@ -250,7 +255,8 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
     """The forward computes each row chunk's logits once for all stages, the glue (the
     max's all-reduce, in-place or functional) running per chunk; glue that is not per row
     keeps one pass per stage, with the reason in the log.  Results as stock's either way;
-    the backward's two sweeps compute the logits twice (``two_sweeps``)."""
+    the backward's two sweeps compute the logits twice (``two_sweeps``); the rows the
+    cross-entropy ignores are computed neither way."""
     fn, (h, w, tok) = with_lm_head(head), lm_inputs(torch.bfloat16, head)
     torch._dynamo.reset()
     counters.clear()
@@ -260,8 +266,10 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
         forward, backward = logits_rows(monkeypatch, lambda: step(hr, wr, tok))
     one_pass = head not in NOT_ONE_PASS
     assert chunked_counters().get("vocab_parallel_one_pass", 0) == one_pass
-    assert forward == (1 if one_pass else 2) * T * V
-    assert backward == 2 * T * V
+    ran = T - chunked_counters().get("rows_skipped", 0)  # (the cross-entropy's ignored labels: left out)
+    assert ran == (T - 8 if head is cross_entropy else T)
+    assert forward == (1 if one_pass else 2) * ran * V
+    assert backward == 2 * ran * V
     if not one_pass:
         assert "one lm_head pass per stage: glue between stages:" in caplog.text
         assert NOT_ONE_PASS[head] in caplog.text
@@ -384,9 +392,15 @@ def test_every_rank_every_head(tmp_path, ranks, dp, extra):
             # come in whole)
             whole = dp > 1 and "loss" not in extra
             fused = {} if whole else {"vocab_parallel_lm_head": 1, "vocab_parallel_one_pass": 1}
-            # (the cross-entropy's ignored labels are a mask: every row runs, said)
-            said = {"masked_rows_not_skipped": 1} if head == "ce" else {}
+            # (the cross-entropy's ignored labels are a mask: the one-pass loop leaves their
+            # rows out where the shards are as wide, and runs every row where they are not;
+            # the stages of logits that come in whole run every row, and say so)
+            said = {} if head != "ce" else {"masked_rows_not_skipped": 1} if whole else {"masked_rows": 1}
+            got = ours["counters"]
+            rows = {k: got.pop(k) for k in ("rows_seen", "rows_skipped") if k in got}
             assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused, **said}, ours["events"]
+            if head == "ce" and not whole:
+                assert rows["rows_seen"] > 0 and (rows["rows_skipped"] == 0) == (extra == UNEVEN), rows
             assert ours["loss"]["max"] <= stock["loss"]["max"] + 2e-6 * max(stock["loss"]["scale"], 1.0)
             for name, got in ours["grads"].items():
                 st = stock["grads"][name]
@@ -446,7 +460,8 @@ def test_a_body_that_fails_to_compile_runs_eagerly(caplog):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2**-8 * want.abs().max().item())
 
 
-# --- a mask on the loss: every row runs, and the log says why --------------------------------------
+# --- a mask on the loss the rows of which run anyway: the log says why ----------------------------
+# (the one-pass loop skips them: tests/test_vocab_parallel_masked.py)
 
 def _masked_mean(head, where):
     def fn(h, w, tok, mask):
@@ -456,22 +471,29 @@ def _masked_mean(head, where):
     return fn
 
 
-@pytest.mark.parametrize("where", [False, True], ids=["mul", "where"])
-def test_a_masked_loss_runs_every_row_and_says_why(where):
-    """Skipping rows in the vocab-parallel stages is not built: a loss with a mask says
-    so (counter ``masked_rows_not_skipped``, the rewrite's line); the heads above, whose
-    ``where(own, picked, 0)`` picks the rank owning a target before an all-reduce, have
-    no mask and say nothing (their exact counters; ``cross_entropy``'s ignored labels are
-    one, and say so there)."""
+def _masked_given(local, tok, mask):
+    return (logprob(local, tok) * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("case", ["given_logits", "in_place_all_reduce"])
+def test_a_masked_loss_that_runs_every_row_says_why(case):
+    """Where the stages run every row, a loss with a mask says so (counter
+    ``masked_rows_not_skipped``, the rewrite's line): the stages of logits the graph is
+    given (no lm_head in the loop: skipping rows there is not built), and Megatron's
+    in-place ``dist.all_reduce`` (a ``copy_`` among the readers, which the proof does not
+    read)."""
     from fx_passes.reporting.session import session
     h, w, tok = lm_inputs(torch.bfloat16, logprob)
     mask = (torch.arange(T) % 4 != 0).float()
     torch._dynamo.reset()
     counters.clear()
     session.reset()
-    step = torch.compile(_masked_mean(logprob, where), backend="chunked_logits", options=SMALL_BUDGET)
-    step(h.requires_grad_(), w, tok, mask).backward()
+    if case == "given_logits":
+        step, args, expect = _masked_given, ((h @ w.t()).requires_grad_(), tok, mask), "run every row"
+    else:
+        step, args, expect = _masked_mean(logprob_inplace, False), (h.requires_grad_(), w, tok, mask), "copy_"
+    torch.compile(step, backend="chunked_logits", options=SMALL_BUDGET)(*args).backward()
     c = chunked_counters()
-    assert c.get("vocab_parallel_one_pass") == 1 and c.get("masked_rows_not_skipped") == 1, c
+    assert c.get("masked_rows_not_skipped") == 1 and "rows_skipped" not in c, c
     said = [e.what for e in session.events if "though a mask" in e.what]
-    assert len(said) == 1 and "the vocab-parallel stages run every row" in said[0], said
+    assert len(said) == 1 and expect in said[0], said

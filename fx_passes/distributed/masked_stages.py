@@ -76,11 +76,18 @@ def _kept_rows(name: str, hidden: torch.Tensor, weight: torch.Tensor, mask_key: 
     n = hidden.shape[0]
     if not mask_key or hidden.device.type != "cpu" or n == 0:
         return None, []
+    groups = ONE_PASS_PLANS[name].groups
+    # (agreed with one all-reduce: each row's bound, the largest over the ranks, so every
+    # rank bounds its logits alike (a bound that is not finite is inf before the MAX); the
+    # widest and the narrowest shard, where alone the proof's intervals are every rank's)
     z = rows_of.logit_bounds(hidden, weight, None, None, False, "")
     width = torch.full((), float(weight.shape[0]), dtype=F64, device=hidden.device)
+    mine = torch.cat([torch.where(torch.isfinite(z), z, torch.inf), width.reshape(1), -width.reshape(1)])
+    agreed = _all_reduce(mine, "max", groups)
+    z, same_width = agreed[:n], agreed[n] == -agreed[n + 1]
     skip, *fills = user_bodies.function(mask_key)(width, z, *operands)
-    skip = _all_reduce(skip.expand(n).to(torch.int32), "min", ONE_PASS_PLANS[name].groups)
-    return rows_of.select(skip.bool()), fills
+    skip = skip.expand(n) & same_width
+    return rows_of.select(_all_reduce(skip.to(torch.int32), "min", groups).bool()), fills
 
 
 def _forward(name: str, hidden, weight, externals, budget_bytes: int, mask_key: str,
@@ -218,6 +225,6 @@ def shard_lm_head_stages_masked(name: str, differentiable: bool, budget_bytes: i
     [vocab-parallel rows a mask leaves out])."""
     if not differentiable:
         hidden, weight = hidden.detach(), weight.detach()
-    operands = [o.reshape(-1) if o.dim() else o for o in mask_operands]
-    out = _masked(name, hidden, weight, [e.detach() for e in externals], budget_bytes, mask_key, operands)
+    out = _masked(name, hidden, weight, [e.detach() for e in externals], budget_bytes, mask_key,
+                  [o.detach() for o in mask_operands])
     return tuple(out[:-2])

@@ -64,6 +64,7 @@ from ..fx.graph_ops import (
     is_low_precision,
     is_scalar,
     meta,
+    op_name,
     requires_grad,
     scalar_tensor,
     tensor_input,
@@ -75,12 +76,16 @@ from ..kernels.ops.args import grads_by_name
 from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.ops.registry import CAPTURE_SAFE, emitted
 from ..match.lm_head import LMHead, producer
+from ..match.loss_tail import match_region_reads
 from ..match.row_mask import mask_read
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
+from ..rewrite.loss_tail import _masked_call
+from .masked_stages import shard_lm_head_stages_masked
 from .one_pass import getitems, plan_one_pass, shard_lm_head_stages
 from .one_pass import register as register_one_pass
+from .shard_mask import StagesView, skip_rows_of_stages, view_of
 from .shard_regions import (
     ShardRegion,
     ancestors,
@@ -271,8 +276,8 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
     fuse_lm_head, budget_bytes = config.fuse_lm_head, config.device_budget_bytes
     mask = mask_read(region.reductions, frozenset(region.nodes) | set(region.reductions)) \
         if config.skip_masked_rows else None
-    rows_why = (f"the loss reads {mask.name}, a mask, but the vocab-parallel stages run every row "
-                "(skipping rows there is not built)",) if mask is not None else ()
+    rows_why = (f"the loss reads {mask.name}, a mask, but these vocab-parallel stages run every row "
+                "(only the one-pass loop of a fused lm_head skips rows)",) if mask is not None else ()
     head, why = _fusable_lm_head(region) if fuse_lm_head else (None, "")
     order = {n: i for i, n in enumerate(graph.nodes)}
     plans = []
@@ -288,20 +293,64 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
         plans.append(_Stage(reductions, operands, late, any(needs_grad(r) for r in reductions),
                             _build(region, reductions, operands), indexes))
     one, one_pass_why = _one_pass(region, plans, order) if head is not None and len(plans) > 1 else (None, "")
+    view = None
     if one is not None:
-        _rewrite_one_pass(graph, region, plans, one, head, budget_bytes)
+        if mask is not None:  # (what the skip graph reads of the stages, before the edit erases them)
+            rows = numel(tuple(meta(region.upcast).shape[:-1]))
+            view = view_of(one[0], plans, rows, (meta(head.hidden).dtype, meta(head.weight).shape[0]))
+        call = _rewrite_one_pass(graph, region, plans, one, head, budget_bytes)
     else:
         _rewrite_stages(graph, region, plans, head, budget_bytes)
     for n in reversed(list(graph.nodes)):
         if (n in region.reductions or n in region.nodes) and not n.users:
             graph.erase_node(n)
+    masked = 0
+    if view is not None:
+        said: list[str] = []
+        masked = int(_skip_masked_rows(graph, call, view, said))
+        rows_why = () if masked else tuple(said[:1]) or rows_why
     if head is None:
         return Outcome.not_fused(why, rows_why=rows_why)
     for n in (region.x, head.transpose):
         if n is not None and not n.users:
             graph.erase_node(n)
     one_pass = None if len(plans) < 2 else one is not None
-    return Outcome(LMHeadOutcome.FUSED, one_pass=one_pass, one_pass_why=one_pass_why, rows_why=rows_why)
+    return Outcome(LMHeadOutcome.FUSED, one_pass=one_pass, one_pass_why=one_pass_why, rows_why=rows_why,
+                   masked_per_token=masked)
+
+
+def _skip_masked_rows(graph: Graph, call: Node, view: StagesView, why: list[str]) -> bool:
+    """Make the one-pass call ``call`` ``shard_lm_head_stages_masked`` with the skip graph of
+    its stages and readers (``distributed/shard_mask.py``); False where it has none (the
+    reason appended to ``why``)."""
+    device = getattr(meta(call.args[3]), "device", None)
+    if device is not None and device.type != "cpu":  # (NOTE [vocab-parallel rows a mask leaves out])
+        why.append(f"on {device.type} this call runs every row: its backward would read the skipped rows' "
+                   "cotangents and the count from the device, two more syncs a step")
+        return False
+
+    view.externals = list(call.args[5:])  # (a number among them: its 0-d tensor, as the call reads it)
+
+    def find(said: list[str]):
+        tail = match_region_reads(graph, call, len(view.outputs), collectives=True)
+        glue = list(view.glue.graph.nodes) if view.glue is not None else []
+        # (the groups of the loop's collectives: the op agrees its skip vector over them)
+        return skip_rows_of_stages(view, tail, _group_sizes(glue), said)
+    return _masked_call(graph, call, find, shard_lm_head_stages_masked, why, masked=True)
+
+
+def _group_sizes(nodes: list[Node]) -> dict[str, int]:
+    """The size of each process group an all-reduce of ``nodes`` names (by name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    sizes = {}
+    for n in nodes:
+        if is_collective(n) and op_name(n).split(".")[0] == "all_reduce" and len(n.args) == 3 \
+                and isinstance(n.args[2], str) and n.args[2] not in sizes:
+            try:
+                sizes[n.args[2]] = _resolve_process_group(n.args[2]).size()
+            except (RuntimeError, ValueError, KeyError):  # (not a group of this process: no size, no rule)
+                continue
+    return sizes
 
 
 def _one_pass(region: ShardRegion, plans: list, order: dict[Node, int]):
@@ -334,7 +383,7 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
 
 
 def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], planned, head: LMHead,
-                      budget_bytes: int) -> None:
+                      budget_bytes: int) -> Node:
     one, late = planned
     anchor = plans[0].reductions[0]
     for n in late:
@@ -353,3 +402,4 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
     for n in reversed(one.glue):
         if not n.users:
             graph.erase_node(n)
+    return call

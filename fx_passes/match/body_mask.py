@@ -123,12 +123,15 @@ class _BodyInterpreter(_Interpreter):
     """The facts of a joined body's nodes (NOTE [rows a row-local body leaves out])."""
 
     def __init__(self, f: _Facts, body: GraphModule, values: dict[Node, Any], logits: Node, vocab: int,
-                 width: Node, masks: set[Node]) -> None:
+                 width: Node, masks: set[Node], inner_inputs: frozenset = frozenset()) -> None:
         self.f, self.values, self.width = f, values, width
         self.env: dict[Node, Node] = {}
         self.facts: dict[Node, Value] = {}
         self.masks, self.logits, self.vocab = set(masks), logits, vocab
         self.shifted: dict[Node, str] = {}  # x - top: the kind of top (``_relational``)
+        # inputs known by an interval only (the caller sets their facts), and those of them
+        # no entry of a body value's row exceeds: ``{input: (kind, value)}`` (``_row_top``)
+        self.tops: dict[Node, tuple[str, Node]] = {}
         self.unknown: list[str] = []  # the ops with no rule, said (NOTE [why every row runs])
         self.kind = {n: self._kind(v) for n, v in values.items()}
         # exact: computed from the inputs that are not the logits, one value a row or whole
@@ -146,7 +149,7 @@ class _BodyInterpreter(_Interpreter):
                 self.const.add(n)
                 continue
             # (a value read whole is computed from values read whole only: never a sum over rows)
-            if n is not logits and (n.op == "placeholder" or _copyable(n)) \
+            if n is not logits and n not in inner_inputs and (n.op == "placeholder" or _copyable(n)) \
                     and kind in ("row", "whole") and all(a in self.exact for a in ins) \
                     and (kind == "row" or all(self.kind[a] == "whole" for a in ins)):
                 self.exact.add(n)
@@ -297,7 +300,26 @@ class _BodyInterpreter(_Interpreter):
         if out not in ("row", "wide"):
             raise _NoRule(f"{n.name}: a shape the rules do not read")
         self._divisor(n)
+        hull = self._hull(n)
+        if hull is not None:
+            (vx, lx, ux), c = self.value(hull[0]), hull[1]
+            return f.and_(vx, c == 0), f.low(lx, c), f.high(ux, c)
         return self._forward(n)
+
+    def _hull(self, n: Node) -> Optional[tuple[Node, float]]:
+        """``(x, c)`` for ``where(cond, x, c)`` / ``where(cond, c, x)`` (``c`` a number) whose
+        boolean ``cond`` is not computed from the row inputs alone (a vocab-parallel stage's
+        ``arange(V) == index``, its gather): the value is ``x`` or ``c``, in the hull of both,
+        and passes ``x`` at most its own cotangent; else None (the exact rule reads ``cond``)."""
+        if op_name(n) != "where" or n.kwargs or len(n.args) != 3:
+            return None
+        cond, a, b = n.args
+        if not isinstance(cond, Node) or self.dtype(cond) != torch.bool or cond in self.exact:
+            return None
+        for x, c in ((a, b), (b, a)):
+            if isinstance(x, Node) and isinstance(c, (int, float)) and not isinstance(c, bool):
+                return x, float(c)
+        return None
 
     def _kl_div(self, n: Node) -> tuple[Node, Any, bool]:
         """A ``kl_div(reduction='none')`` over the vocabulary, read: (input, target, log_target)."""
@@ -342,6 +364,9 @@ class _BodyInterpreter(_Interpreter):
 
     def node_backward(self, n: Node, z: Any, m: Any) -> list[tuple[Any, Any, Any]]:
         f, name = self.f, op_name(n)
+        hull = self._hull(n)
+        if hull is not None:
+            return [(hull[0], z, m)]
         if name in _REDUCE or name in _NORMALIZE:
             x = self._wide(n)
             bounded = self.finite(x)
@@ -411,6 +436,8 @@ class _BodyInterpreter(_Interpreter):
     def _row_top(self, r: Any) -> Optional[tuple[str, Node]]:
         """:meth:`_top` of a column ``[n, 1]`` (``keepdim=True``, or ``unsqueeze(-1)`` /
         ``[:, None]`` of one without): what ``x - r`` broadcasts over the row."""
+        if r in self.tops:
+            return self.tops[r]
         if not isinstance(r, Node) or self.kind.get(r) != "row" or tuple(self.values[r].shape)[1:] != (1,):
             return None
         unsqueezed = op_name(r) == "unsqueeze" and r.args[1:] in ((-1,), (1,)) and not r.kwargs

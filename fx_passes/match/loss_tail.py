@@ -38,7 +38,17 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from ..fx.graph_ops import canon, is_pure, is_scalar, meta, op_name, requires_grad, same, same_shape
+from ..fx.graph_ops import (
+    canon,
+    is_collective,
+    is_pure,
+    is_scalar,
+    meta,
+    op_name,
+    requires_grad,
+    same,
+    same_shape,
+)
 from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
 
@@ -94,6 +104,7 @@ class _Matcher:
         self.kind: dict[Node, str] = {}
         self.row_operands: dict[Node, None] = {}
         self.whole: dict[Node, None] = {}
+        self.collectives = False  # an all_reduce / wait_tensor of per-row values is a row node
 
     def operand(self, node: Node, a: Node, per_row_shape: Any) -> None:
         """``a`` (not in the tail) read by ``node``: a per-row tensor of ``per_row_shape``
@@ -114,8 +125,13 @@ class _Matcher:
             raise NoTail(f"{node.name} reads {a.name} {tuple(t.shape)}: neither one value per row of the "
                          "region in the result's shape nor a 0-d tensor")
 
+    def _collective(self, node: Node) -> bool:
+        """A functional all-reduce / wait of per-row values, where those are row nodes."""
+        return self.collectives and is_collective(node) \
+            and op_name(node).split(".")[0] in ("all_reduce", "wait_tensor")
+
     def classify(self, node: Node) -> str:
-        if not is_pure(node):
+        if not is_pure(node) and not self._collective(node):
             raise NoTail(f"{node.name} has a side effect or changes a tensor in place")
         name, out = op_name(node), _tensor(node)
         if out is None:
@@ -140,6 +156,8 @@ class _Matcher:
         if not same(out.numel(), self.n) or out.device != src.device:
             raise NoTail(f"{node.name} ({name}) makes {tuple(out.shape)}, not one value per row of the "
                          "region")
+        if self._collective(node):
+            return ROW
         if name in VIEWS:
             if node.all_input_nodes != [inner[0]] and name in ("view", "reshape"):
                 raise NoTail(f"{node.name} reshapes to a size the graph computes")
@@ -202,13 +220,15 @@ def match_reads(graph: Graph, stats: Node) -> LossTail:
     return _match(graph, stats, range(3), reads=True)
 
 
-def match_region_reads(graph: Graph, call: Node, n_results: int) -> LossTail:
+def match_region_reads(graph: Graph, call: Node, n_results: int, collectives: bool = False) -> LossTail:
     """:func:`match_reads` of a row-local call (``row_local_sweeps``) whose ``n_results``
-    per-row results the graph keeps; :class:`NoTail` when another kind of node reads them."""
-    return _match(graph, call, range(n_results), reads=True)
+    per-row results the graph keeps; :class:`NoTail` when another kind of node reads them.
+    ``collectives``: a functional ``all_reduce`` / ``wait_tensor`` of per-row values is a
+    row node (a vocab-parallel call's readers)."""
+    return _match(graph, call, range(n_results), reads=True, collectives=collectives)
 
 
-def _match(graph: Graph, stats: Node, results: range, reads: bool) -> LossTail:
+def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: bool = False) -> LossTail:
     items: dict[Node, int] = {}
     for u in stats.users:
         i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
@@ -221,6 +241,7 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool) -> LossTail:
     if any(t is None for t in read) or not all(same(t.numel(), read[0].numel()) for t in read):
         raise NoTail("the results the graph reads are not one value per row each")
     m = _Matcher(stats, read[0].numel())
+    m.collectives = collectives
     m.kind.update(dict.fromkeys(items, ROW))
     order = {n: i for i, n in enumerate(graph.nodes)}
     found, stack = set(items), list(items)
