@@ -6,9 +6,11 @@ mask leaves out].
 
 # NOTE [vocab-parallel rows a mask leaves out]
 # The call takes a skip graph ``skip(width, z, *operands) -> (bool [rows], fill_0, ..)``
-# (``z``: this rank's logits bound a row, ``kernels/rows.logit_bounds`` of its weight
-# shard; ``width``: its shard's columns; one fill per result of the plan, the value a
-# skipped row's result is written as).  Each rank evaluates it on its own shard, then
+# (``distributed/shard_mask.py``; ``z``: a row's logits bound, ``kernels/rows.logit_bounds``
+# of each rank's weight shard, the largest over the ranks, agreed with one all-reduce
+# that also finds whether every shard is as wide (else no row is left out); ``width``:
+# the shard's columns; one fill per result of the plan, the value a skipped row's result
+# is written as).  Each rank evaluates it on its own shard, then
 # the skip vectors are all-reduced with MIN over the plan's groups before the one host
 # read (``rows.select``): a row is left out only where every rank proved it may be, and
 # the kept count, so the row chunks and the collectives inside the loop, are the same on
