@@ -35,6 +35,17 @@ TEMPERATURE = 0.7
 # Each region: (arguments, statements, returned names, index of the first statement the
 # rewrite absorbs).  ``h = h * 1`` / ``w = w * 1`` make non-leaf tensors that may be
 # changed in place; ``up`` is FP32, or FP64 for the reference.
+# a vocab-parallel region's stages (Megatron's spelling on a one-rank group)
+_VOCAB = [
+    "h = h * 1",
+    "w = w * 1",
+    "logits = h @ w.T",
+    "z = logits.to(up) / 0.7",
+    "m = funcol.all_reduce(z.detach().amax(-1), 'max', dist.group.WORLD)",
+    "zs = z - m.unsqueeze(-1)",
+    "s = funcol.all_reduce(zs.exp().sum(-1), 'sum', dist.group.WORLD)",
+]
+
 REGIONS: dict[str, tuple[str, list[str], str, int]] = {
     "plain": ("x, tok", [
         "x = x * 1",
@@ -130,26 +141,14 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "loss = torch.nn.functional.cross_entropy(logits.to(up), tok)",
     ], "loss, logits", 2),
     "vocab": ("h, w, tok", [
-        "h = h * 1",
-        "w = w * 1",
-        "logits = h @ w.T",
-        "z = logits.to(up) / 0.7",
-        "m = funcol.all_reduce(z.detach().amax(-1), 'max', dist.group.WORLD)",
-        "zs = z - m.unsqueeze(-1)",
-        "s = funcol.all_reduce(zs.exp().sum(-1), 'sum', dist.group.WORLD)",
+        *_VOCAB,
         "picked = zs.gather(-1, tok[:, None]).squeeze(-1)",
         "lp = picked - s.log()",
     ], "lp", 2),
     # the vocab-parallel one-pass loop with a mask computed after it, its masked per-token
     # values returned too (distributed/shard_mask.py: the rows it leaves out are skipped)
     "masked_vocab": ("h, w, tok", [
-        "h = h * 1",
-        "w = w * 1",
-        "logits = h @ w.T",
-        "z = logits.to(up) / 0.7",
-        "m = funcol.all_reduce(z.detach().amax(-1), 'max', dist.group.WORLD)",
-        "zs = z - m.unsqueeze(-1)",
-        "s = funcol.all_reduce(zs.exp().sum(-1), 'sum', dist.group.WORLD)",
+        *_VOCAB,
         "lp = zs.gather(-1, tok[:, None]).squeeze(-1) - s.log()",
         "keep = (tok % 3 > 0).to(up)",
         "loss = -(lp * keep).sum() / keep.sum()",

@@ -45,9 +45,9 @@ from ..fx.graph_ops import is_collective, meta, op_name
 from ..fx.placement import _draws
 from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
-from ..match.body_mask import _N, _body_backward, _BodyInterpreter
+from ..match.body_mask import _N, _body_backward, _BodyInterpreter, values_on
 from ..match.loss_tail import LossTail
-from ..match.row_mask import Value, _column, _Facts, _Interpreter, _NoRule, no_rule, say_why
+from ..match.row_mask import Value, _column, _Facts, _Interpreter, _NoRule, say_why
 from .one_pass import OnePass, _glue_module
 
 __all__ = ["StagesView", "view_of", "skip_rows_of_stages"]
@@ -115,17 +115,7 @@ def _hint(d: Any) -> int:
 def _example(body: GraphModule, spec: list) -> dict[Node, Any]:
     """Each node's value on an example of ``_N`` rows (``body_mask._shapes``'s, in the
     body's own placeholder order)."""
-    from torch.fx import Interpreter
-    ex = [torch.zeros((_N, *s[1:]) if row else s, dtype=d) for d, s, row in spec]
-    seen: dict[Node, Any] = {}
-
-    class _Record(Interpreter):
-        def run_node(self, n):
-            seen[n] = out = super().run_node(n)
-            return out
-    with torch.no_grad():
-        _Record(body).run(*ex)
-    return seen
+    return values_on(body, [torch.zeros((_N, *s[1:]) if row else s, dtype=d) for d, s, row in spec])
 
 
 def _strip(n: Any) -> Any:
@@ -299,22 +289,7 @@ class _Builder:
                 run.env[p] = self.ext[view.operands[k][i - 1][1]]
                 if p not in run.exact:
                     run.input_place(p, run.env[p])
-        for n in body.graph.nodes:
-            if n.op in ("placeholder", "output"):
-                continue
-            if n in run.const:
-                run.env[n] = self.width if op_name(n) == "size" else f.g.node_copy(n, run.env.__getitem__)
-                continue
-            if n in run.exact:
-                run.env[n] = f.g.node_copy(n, run.env.__getitem__)
-                continue
-            try:
-                v, lo, hi = run.node_forward(n)
-            except (_NoRule, KeyError) as e:
-                if isinstance(e, _NoRule):
-                    run.unknown.append(no_rule(n, e))
-                v, lo, hi = _UNKNOWN
-            run.facts[n] = (v, *f.capped(lo, hi, run.dtype(n)))
+        run.run_nodes(body)
         for j, r in enumerate(next(iter(body.graph.find_nodes(op="output"))).args[0]):
             self.facts[("red", (k, j))] = run.value(r) if r in run.inner else _UNKNOWN
             e = r.args[0] if op_name(r) == "sum" and r.args else None

@@ -95,9 +95,14 @@ class _Loss:
 
 def _shapes(body: GraphModule, rows: list, whole: list) -> dict[Node, Any]:
     """Each node's result on an example of ``_N`` rows (``(dtype, shape, device)`` specs)."""
-    from torch.fx import Interpreter
     ex = [torch.zeros((_N, *s[1:]), dtype=d, device="cpu") for d, s, _ in rows]
     ex += [torch.zeros(s, dtype=d, device="cpu") for d, s, _ in whole]
+    return values_on(body, ex)
+
+
+def values_on(body: GraphModule, ex: list[torch.Tensor]) -> dict[Node, Any]:
+    """Each node's result when ``body`` runs on ``ex`` (its placeholders in order)."""
+    from torch.fx import Interpreter
     seen: dict[Node, Any] = {}
 
     class _Record(Interpreter):
@@ -473,6 +478,26 @@ class _BodyInterpreter(_Interpreter):
         _, lo, hi = self.value(a) if not isinstance(a, tuple) else a
         return self.f.and_(self.f.finite(lo), self.f.finite(hi))
 
+    def run_nodes(self, body: GraphModule) -> None:
+        """The forward facts of ``body``'s nodes, in order (its placeholders' are set)."""
+        f, g = self.f, self.f.g
+        for n in body.graph.nodes:
+            if n.op in ("placeholder", "output"):
+                continue
+            if n in self.const:  # the vocabulary's size, or arithmetic on such numbers
+                self.env[n] = self.width if op_name(n) == "size" else g.node_copy(n, self.env.__getitem__)
+                continue
+            if n in self.exact:
+                self.env[n] = g.node_copy(n, self.env.__getitem__)
+                continue
+            try:
+                v, lo, hi = self.node_forward(n)
+            except (_NoRule, KeyError) as e:
+                if isinstance(e, _NoRule):
+                    self.unknown.append(no_rule(n, e))
+                v, lo, hi = False, -math.inf, math.inf
+            self.facts[n] = (v, *f.capped(lo, hi, self.dtype(n)))
+
 
 def _run_body(body_key: str, index: int, rows: tuple, whole: tuple,
               masks: set[int]) -> Optional[tuple[GraphModule, _Facts, _BodyInterpreter, Node]]:
@@ -495,22 +520,7 @@ def _run_body(body_key: str, index: int, rows: tuple, whole: tuple,
         run.env[p] = x = z if i == index else g.placeholder(f"input{i}")
         if p not in run.exact:
             run.input_place(p, x)
-    for n in body.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        if n in run.const:  # the vocabulary's size, or arithmetic on such numbers
-            run.env[n] = width if op_name(n) == "size" else g.node_copy(n, run.env.__getitem__)
-            continue
-        if n in run.exact:
-            run.env[n] = g.node_copy(n, run.env.__getitem__)
-            continue
-        try:
-            v, lo, hi = run.node_forward(n)
-        except (_NoRule, KeyError) as e:
-            if isinstance(e, _NoRule):
-                run.unknown.append(no_rule(n, e))
-            v, lo, hi = False, -math.inf, math.inf
-        run.facts[n] = (v, *f.capped(lo, hi, run.dtype(n)))
+    run.run_nodes(body)
     return body, f, run, z
 
 
