@@ -194,7 +194,7 @@ _APPLIES = {
     "masked_row_local": ("tok_add", "mul_h", "mul_logits", "seed"),
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
-    "masked_vocab": ("tok_add", "mul_h"),
+    "masked_vocab": ("tok_add",),  # (the mask's input changed in place at each place)
 }
 
 

@@ -63,8 +63,7 @@ def _skipped() -> int:
 
 CASES = [("logprob", True, 0.5, torch.bfloat16), ("logprob", False, 0.5, torch.float16),
          ("logprob", True, 0.0, torch.bfloat16), ("logprob", False, 1.0, torch.bfloat16),
-         ("entropy", False, 0.75, torch.bfloat16), ("entropy", True, 0.5, torch.float16),
-         ("logprob_unshifted", False, 0.5, torch.bfloat16), ("logprob_unshifted", True, 0.25, torch.float16)]
+         ("entropy", False, 0.75, torch.bfloat16), ("logprob_unshifted", True, 0.25, torch.float16)]
 
 
 @pytest.mark.parametrize("head,where,masked,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
@@ -143,9 +142,9 @@ def test_an_infinite_incoming_gradient_gives_stocks_nan_pattern(grad_out, monkey
         assert torch.equal(got.isnan(), st.isnan()) and torch.equal(got.isinf(), st.isinf())
 
 
-@pytest.mark.parametrize("where", [True, False], ids=["where", "mul"])
-@pytest.mark.parametrize("row", ["masked", "kept"])
-@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("where,row,value", [(True, "masked", float("inf")), (False, "masked", float("nan")),
+                                              (False, "kept", float("inf")), (True, "kept", float("nan"))],
+                         ids=["where-masked-inf", "mul-masked-nan", "mul-kept-inf", "where-kept-nan"])
 def test_non_finite_hidden_states_give_stocks_pattern(where, row, value):
     """A masked row whose hidden state holds inf or NaN is not left out (its bound is not
     finite): loss and gradients NaN where stock's are, as a kept row's."""
