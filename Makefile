@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo lint test test-avx2 test-long test-full bench
+.PHONY: setup demo lint test test-bare test-avx2 test-long test-full bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,7 +52,7 @@ AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan and
 # them: on an x86-64 CPU with AVX-512 (elsewhere there is no AVX2 to emulate, and on an
 # AVX2-only CPU the first run was that already).
 HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
-test: lint
+test: lint test-bare
 	$(BIN)/python -m pytest -q $(WORKERS)
 ifeq ($(shell uname -m),x86_64)
 ifeq ($(HAS_AVX512),yes)
@@ -61,6 +61,26 @@ else
 	@echo "AVX2-only CPU: the suite above ran as such a CPU runs it; no AVX2 emulation run"
 endif
 endif
+
+# The package with torch alone (issue 55): torch requires no numpy, nor does pyproject, and
+# the main venv has numpy (through transformers), so a numpy use in fx_passes would pass
+# there.  A second venv with the CPU torch pin, pytest, pytest-xdist and expecttest only
+# (no numpy, transformers or hypothesis; tests/conftest.py skips the hypothesis modules
+# there), the package installed without its dependencies, and a focused set (about a
+# minute on 2 cores): the regions whose lm_head runs in the row-local call and whose
+# backward reads a host flag, the check that the venv has no numpy and that no module of
+# fx_passes uses it (test_torch_alone), and every op's CUDA-graph row (test_cudagraph_ops).
+BARE ?= .venv-bare
+BARE_TESTS := tests/test_torch_alone.py tests/test_cudagraph_ops.py
+
+$(BARE)/.installed:
+	$(PY) -m venv $(BARE)
+	$(BARE)/bin/pip install -q --disable-pip-version-check torch==2.13.0 pytest pytest-xdist expecttest
+	$(BARE)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+test-bare: $(BARE)/.installed
+	CHUNKED_LOGITS_BARE=1 $(BARE)/bin/python -m pytest -q $(WORKERS) $(BARE_TESTS)
 
 test-avx2: setup
 	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"

@@ -42,9 +42,10 @@ __all__ = ["row_local_head"]
 
 def _host_flag(flag: torch.Tensor) -> bool:
     """The flag's value: a host tensor on every device, read from host memory (no device
-    sync, no dispatch); its op is ``cudagraph_unsafe`` (a replay would not read it)."""
+    sync, no ``aten::item``; not ``.numpy()``: torch does not require numpy); its op is
+    ``cudagraph_unsafe`` (a replay would not read it)."""
     assert flag.device.type == "cpu", flag.device
-    return bool(flag.numpy()[0])
+    return bool(flag.tolist()[0])
 
 
 @torch.library.custom_op("chunked_logits::row_local_head", mutates_args=(), tags=UNSAFE)
