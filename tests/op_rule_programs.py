@@ -3,9 +3,10 @@ the table (``fx_passes/fx/op_rules.py``), with one value of a keyword argument t
 changes its meaning, into a loss tail (the lm_head loss path) or into a row-local body
 (the row-local loss and the vocabulary-block sweeps).
 
-A program is ``fn(h, w, tok, adv, sign, teacher, class_w, up)``: ``up`` is the dtype the
+A program is ``fn(h, w, tok, adv, sign, teacher, class_w, old, up)``: ``up`` is the dtype the
 logits are upcast to (FP32 for eager and ours, FP64 for the reference); ``low`` below is
-the model dtype a tail rounds to (bf16, or FP64 in the reference).
+the model dtype a tail rounds to (bf16 or fp16, or FP64 in the reference: stock Inductor
+keeps a fused kernel's values in FP32, its roundings to 16 bits skipped).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def inputs() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(32)
     half = torch.randn(T // 2, H, generator=g).to(BF16)
     tok = torch.randint(0, V, (T // 2,), generator=g)
-    return {
+    out = {
         "h": torch.cat([half, half.roll(5, 0)]),
         "w": (torch.randn(V, H, generator=g) * 2 / H**0.5).to(BF16),
         "tok": torch.cat([tok, tok.roll(5, 0)]),
@@ -41,10 +42,15 @@ def inputs() -> dict[str, torch.Tensor]:
         "teacher": torch.randn(T, V, generator=g),
         "class_w": torch.rand(V, generator=g) + 0.5,
     }
+    # old log-probs (a reference policy's): the token log-probs within 0.02, so that
+    # ``lp - old`` is small and a 16-bit rounding of either shows in its sum
+    lp = _lp(out["h"].double(), out["w"].double(), out["tok"], torch.float64)
+    out["old"] = (lp + 0.02 * torch.randn(T, generator=g, dtype=torch.float64)).float()
+    return out
 
 
-def _low(up: torch.dtype) -> torch.dtype:
-    return BF16 if up == F32 else up
+def _low(up: torch.dtype, low: torch.dtype = BF16) -> torch.dtype:
+    return low if up == F32 else up
 
 
 def _lp(h, w, tok, up):
@@ -111,11 +117,45 @@ BODIES = {
 }
 
 
-def tail_program(name: str):
-    body = TAILS[name]
+# ---- loss tails that round per-row values to 16 bits (issue 55) ---------------------------------------
+# Stock Inductor runs a tail in one fused kernel: the per-row values stay in FP32 (its
+# 16-bit casts skipped), the sum is rounded once.  Rounding each row's value (or an
+# operand the graph computes) to 16 bits first is a different, less accurate answer.
 
-    def fn(h, w, tok, adv, sign, teacher, class_w, up=F32):
-        return body(h, w, tok, adv, sign, up)
+F16 = torch.float16
+
+
+def _low_tail(fn):
+    """A tail on the token log-probs ``lp`` and the old log-probs ``old`` (FP32)."""
+    return lambda h, w, tok, adv, old, up: fn(_lp(h, w, tok, up), adv.to(up), old.to(up), up)
+
+
+LOW_TAILS = {
+    # (the issue's spelling: per-token values in bf16 times an FP32 weight, summed in FP32)
+    "lp_bfloat16": _low_tail(lambda lp, adv, old, up: -(lp.to(_low(up)) * adv).sum()),
+    "kl_bf16_sum": _low_tail(lambda lp, adv, old, up: (lp.to(_low(up)) - old.to(_low(up))).sum()),
+    "kl_bf16_mean": _low_tail(lambda lp, adv, old, up: (lp.to(_low(up)) - old.to(_low(up))).mean()),
+    "kl_fp16_to": _low_tail(lambda lp, adv, old, up: (lp.to(_low(up, F16)) - old.to(_low(up, F16))).float()
+                            .sum()),
+    # (a bf16 weight the graph computes: stock fuses its cast into the tail's kernel too)
+    "weight_bf16_mean": _low_tail(lambda lp, adv, old, up: -(lp * adv.to(_low(up))).mean()),
+    # taken: one rounding of the whole sum (its dtype), and an exact conversion of a mask
+    "sum_dtype_bf16": _low_tail(lambda lp, adv, old, up: -(lp * adv).sum(dtype=_low(up))),
+    "mask_bf16": _low_tail(lambda lp, adv, old, up: -(lp * adv * (old < -5.5).to(_low(up))).sum()),
+}
+
+
+def tail_program(name: str):
+    if name in LOW_TAILS:
+        low = LOW_TAILS[name]
+
+        def fn(h, w, tok, adv, sign, teacher, class_w, old, up=F32):
+            return low(h, w, tok, adv, old, up)
+    else:
+        body = TAILS[name]
+
+        def fn(h, w, tok, adv, sign, teacher, class_w, old, up=F32):
+            return body(h, w, tok, adv, sign, up)
     fn.__name__ = f"tail_{name}"
     return fn
 
@@ -123,7 +163,7 @@ def tail_program(name: str):
 def body_program(name: str):
     body = BODIES[name]
 
-    def fn(h, w, tok, adv, sign, teacher, class_w, up=F32):
+    def fn(h, w, tok, adv, sign, teacher, class_w, old, up=F32):
         return (body(h, w, tok, teacher, class_w, up) * adv.to(up)).mean()
     fn.__name__ = f"body_{name}"
     return fn

@@ -16,7 +16,8 @@ path (or its whole rows), never a silently different answer.  See NOTE [derivati
 #   ``d loss / d sum_k`` computed from the ops, :data:`TAIL`), and the sums themselves
 #   (:data:`TAIL`'s ``REDUCE_ROWS``) are accumulated over the row chunks.  The row part
 #   (one value per row) runs the user's own ops on each chunk with autograd's gradient, so
-#   any pointwise op is taken there as it is (:func:`tail_row_rule`);
+#   any pointwise op is taken there as it is (:func:`tail_row_rule`), but no rounding to
+#   16 bits (``match/loss_tail.py``, NOTE [16-bit roundings in a tail]);
 # * the **vocabulary-block split** (``kernels/row_local/split.py``): a row-local body's gradient
 #   computed per block of columns from per-row statistics (:data:`BLOCK`, ATen ops after
 #   Inductor's decompositions).  A reduction over the row is a per-row statistic, computed

@@ -28,6 +28,26 @@ known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else
 # The loss must be a 0-d floating tensor that requires grad and leaves the graph, and no
 # other node of the tail (nor the stats) may be read outside it.  Anything else is
 # :class:`NoTail`: the region keeps the recompute path.
+#
+# A row part that rounds to 16 bits is not taken either (NOTE [16-bit roundings in a tail]).
+
+# NOTE [16-bit roundings in a tail]
+# Stock Inductor runs a tail's row part and its sum as one fused kernel: each row's value
+# stays in FP32 there (a cast to bf16 / fp16 inside the kernel is skipped, and so is a
+# 16-bit op's rounding) and the sum is rounded once to its dtype.  The chunk loop runs the
+# user's ops as written, so ``lp.bfloat16() * adv`` would round every row's value: a loss
+# many times further from FP64 than stock's (``tests/test_op_rules.py``, the 16-bit tails).
+# So the derivation declines, the reason in the log, and the tail stays in the graph for
+# Inductor, when
+#
+# * a row node makes a bf16 / fp16 value, unless the op keeps the value as it is (a view,
+#   ``detach``, ``clone``, ``neg``, ...) or converts a bool (exact);
+# * a row node reads a bf16 / fp16 tensor the graph computes (``adv.bfloat16()``: stock
+#   fuses that cast into the tail's kernel and skips it too), unless it is a converted bool.
+#   A 16-bit input of the graph, read as it is, is its own exact value.
+#
+# A sum over the rows in a 16-bit dtype (``x.sum(dtype=torch.bfloat16)``, a 16-bit scalar
+# part) is one rounding of the FP64 sum, as stock's one rounding of its FP32 sum: taken.
 
 from __future__ import annotations
 
@@ -58,6 +78,11 @@ __all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "match_reads",
 # Views that keep the row-major order of the values (one per row): identities on the flat rows.
 VIEWS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.ROW_VIEW}
 ROW, REDUCE, SCALAR = "row", "reduce", "scalar"
+# NOTE [16-bit roundings in a tail]: 16-bit dtypes; ops that keep a 16-bit value exactly;
+# conversions (a bool's is exact)
+SHORT = (torch.float16, torch.bfloat16)
+KEEPS_VALUE = VIEWS | {"detach", "clone", "contiguous", "positive", "neg"}
+CONVERSIONS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.PER_ROW} - {"detach", "clone"}
 
 
 class NoTail(Exception):
@@ -105,6 +130,7 @@ class _Matcher:
         self.row_operands: dict[Node, None] = {}
         self.whole: dict[Node, None] = {}
         self.collectives = False  # an all_reduce / wait_tensor of per-row values is a row node
+        self.derive = False  # a loss tail to derive: no 16-bit rounding (NOTE [16-bit roundings in a tail])
 
     def operand(self, node: Node, a: Node, per_row_shape: Any) -> None:
         """``a`` (not in the tail) read by ``node``: a per-row tensor of ``per_row_shape``
@@ -164,6 +190,9 @@ class _Matcher:
             return ROW
         if not (tail_row_rule(name) or canon(node) == "convert"):
             raise NoTail(f"{node.name} ({name}) is not a pointwise op on the rows (fx/op_rules.py)")
+        if self.derive and out.dtype in SHORT and name not in KEEPS_VALUE and not _from_bool(node, name):
+            raise NoTail(f"{node.name} ({name}) rounds each row's value to {out.dtype}, where stock's fused "
+                         "kernel keeps FP32 and rounds the sum once (NOTE [16-bit roundings in a tail])")
         for a in node.all_input_nodes:
             if a in self.kind:
                 t = _tensor(a)
@@ -171,6 +200,9 @@ class _Matcher:
                     raise NoTail(f"{node.name} broadcasts {a.name} {tuple(t.shape)} to {tuple(out.shape)}")
             else:
                 self.operand(node, a, out.shape)
+                if self.derive and _computed_short(a):
+                    raise NoTail(f"{node.name} reads {a.name}, {_tensor(a).dtype} the graph computes: stock "
+                                 "fuses it into the tail's kernel, FP32 (NOTE [16-bit roundings in a tail])")
         return ROW
 
     def _scalar_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
@@ -191,6 +223,24 @@ class _Matcher:
             if a not in self.kind:
                 self.operand(node, a, None)
         return SCALAR
+
+
+def _from_bool(node: Node, name: str) -> bool:
+    """Is ``node`` a conversion of a bool tensor (exact in any floating dtype)?"""
+    src = _tensor(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
+    return (name in CONVERSIONS or canon(node) == "convert") and src is not None and src.dtype == torch.bool
+
+
+def _computed_short(a: Node) -> bool:
+    """Is ``a`` a 16-bit floating tensor the graph computes (not an input read as it is,
+    through views, nor a converted bool)?"""
+    t = _tensor(a)
+    if t is None or t.dtype not in SHORT:
+        return False
+    while a.op in ("call_function", "call_method") and op_name(a) in KEEPS_VALUE and a.args \
+            and isinstance(a.args[0], Node):
+        a = a.args[0]
+    return a.op not in ("placeholder", "get_attr") and not _from_bool(a, op_name(a))
 
 
 def match_loss_tail(graph: Graph, stats: Node) -> LossTail:
@@ -241,7 +291,7 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
     if any(t is None for t in read) or not all(same(t.numel(), read[0].numel()) for t in read):
         raise NoTail("the results the graph reads are not one value per row each")
     m = _Matcher(stats, read[0].numel())
-    m.collectives = collectives
+    m.collectives, m.derive = collectives, not reads
     m.kind.update(dict.fromkeys(items, ROW))
     order = {n: i for i, n in enumerate(graph.nodes)}
     found, stack = set(items), list(items)
