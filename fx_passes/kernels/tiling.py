@@ -21,7 +21,8 @@ import torch
 from .. import compat
 from ..reporting.report import say_once
 
-__all__ = ["forward_rows", "backward_tiles", "gpu_block_cols", "sweep_sizes", "accumulator_rows",
+__all__ = ["forward_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "backward_tiles", "gpu_block_cols",
+           "sweep_sizes", "accumulator_rows",
            "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
            "resolve_budget", "ALIGN", "chunk_rows", "sweep_step", "product_cols", "spans",
            "BYTES_PER_ELEMENT", "SWEEP_BYTES_PER_ELEMENT"]
@@ -81,6 +82,33 @@ def _budget(budget_bytes: int, n: int, vocab: int) -> int:
 def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
     """Rows per forward chunk: one FP32 ``[rows, V]`` chunk fills the budget."""
     return aligned(_budget(budget_bytes, n, vocab) // (4 * vocab))
+
+
+# NOTE [gpu loss chunks]
+# The ``"gpu"`` loss loop (``log_softmax/loss.py``; ``gpu_plan.fp32_chunk_grads``) holds an
+# FP32 ``[V, H]`` ``grad_weight`` sum that every row chunk's GEMM reads and writes once
+# more (8 V H bytes in its epilogue).  On the H200 run of 2026-12-04 (T 8192, V 151936,
+# H 4096: ``benchmarks/cost_measured.py --breakdown``, docs/gpu.md "Where the time goes")
+# its 4 chunks of 2048 rows took 42.4 ms of GEMMs against stock's 39.2: that pass (5 GB,
+# about 1 ms) and the chunk's kernels (130 us each in the fitted model) are the price of a
+# chunk, and at T 16384 the budget made 5.  So, with the device's budget, the loop runs
+# ``MAX_LOSS_CHUNKS`` chunks at any T: a chunk of ``T / 4`` rows holds its model-precision
+# logits and gradient (4 bytes an element) in ``T V`` bytes, half the bf16 logits stock
+# keeps, so the loop never holds more than stock where stock holds more than the FP32
+# sums (T >= 2 H).  A budget the user sets (``chunk_budget_mib``) bounds the chunk as
+# everywhere else (``forward_rows``).
+MAX_LOSS_CHUNKS = 4
+
+
+def gpu_loss_rows(budget_bytes: int, n: int, vocab: int, by_device: bool = True) -> int:
+    """Rows per chunk of the ``"gpu"`` loss loop (NOTE [gpu loss chunks]): ``n /
+    MAX_LOSS_CHUNKS`` rounded up to the granule with the device's budget (``by_device``),
+    else the budget's rows (``forward_rows``)."""
+    if not by_device:
+        return forward_rows(budget_bytes, n, vocab)
+    fewest = max(1, -(-n // MAX_LOSS_CHUNKS))
+    unit = granule(fewest)
+    return -(-fewest // unit) * unit
 
 
 def backward_tiles(budget_bytes: int, n: int, vocab: int, width: int, fp32: bool) -> tuple[int, int]:
