@@ -231,11 +231,12 @@ def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     ks = []
     for i, g in enumerate(splits(T, tiling.accumulator_rows(budget, T, H))):
         n = T if i == 0 else g  # the first sweep reads every row for grad_weight
-        for c in splits(V, tiling.gpu_block_cols(budget, n, V)):
+        for j, c in enumerate(splits(V, tiling.gpu_block_cols(budget, n, V))):
             ks += tile("recompute block", n, c, H, True)
             if i == 0:
                 ks.append(gemm("grad_weight", c, n, H, sweep=True))
-            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=True, sweep=True))
+            # (the first block's GEMM writes the FP32 sum, every later one adds into it)
+            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=j > 0, sweep=True))
         ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * g * H, 2 * g * H))
     return ks
 

@@ -14,9 +14,10 @@ rounded to model precision once.  ``tests/test_gemm_audit.py`` records the GEMMs
 # * ``grad_weight[block]`` (a sum over the rows) is one GEMM over all rows (K = T), which
 #   accumulates in FP32 inside and rounds its output once;
 # * ``grad_hidden[rows]`` (a sum over the vocabulary, which spans the blocks) is
-#   accumulated across the blocks by GEMMs with an FP32 output
-#   (``torch.addmm(acc, g, w_block, out_dtype=torch.float32)``) into an FP32 ``[S, H]``
-#   buffer, rounded once at the end.
+#   accumulated across the blocks by GEMMs with an FP32 output into an FP32 ``[S, H]``
+#   buffer, rounded once at the end: the first block's GEMM writes it
+#   (``torch.mm(g, w_block, out_dtype=torch.float32, out=acc)``: no zero-fill), every later
+#   one adds into it inside the GEMM (``torch.addmm(acc, g, w_block, out_dtype=..., out=acc)``).
 #
 # Per step that is four ``[T, H] x [H, V]`` GEMMs with the forward's (forward, recompute,
 # ``grad_weight``, ``grad_hidden``) when the buffer holds all rows (``S = T``: the budget's
@@ -56,19 +57,21 @@ def out_dtype_blocks(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: i
     for i, (r0, r1) in enumerate(groups):
         with_weight = i == 0 and grad_weight is not None
         t0, t1 = (0, n) if with_weight else (r0, r1)  # the rows this sweep recomputes
-        group = acc[:r1 - r0].zero_() if acc is not None else None
+        group = acc[:r1 - r0] if acc is not None else None
         if t0 == t1:  # (no rows: no per-block work, zero sums)
             for t in (grad_weight, grad_bias) if with_weight else ():
                 if t is not None:
                     t.zero_()
             continue
-        for v0, v1 in even_splits(vocab, gpu_block_cols(budget_bytes, t1 - t0, vocab)):
+        for j, (v0, v1) in enumerate(even_splits(vocab, gpu_block_cols(budget_bytes, t1 - t0, vocab))):
             g = grad_of_tile(t0, t1, v0, v1)
             if with_weight:
                 torch.mm(g.t(), hidden[t0:t1], out=grad_weight[v0:v1])
                 if grad_bias is not None:
                     grad_bias[v0:v1] = g.sum(0, dtype=torch.float32)
-            if group is not None:
+            if group is not None and j == 0:  # the first block's GEMM writes the sum (no zero-fill)
+                torch.mm(g[r0 - t0:r1 - t0], weight[v0:v1], out_dtype=F32, out=group)
+            elif group is not None:  # every later one adds into it inside the GEMM
                 compat.addmm_fp32_(group, g[r0 - t0:r1 - t0], weight[v0:v1])
             del g  # (before the next block's logits exist)
         if group is not None:
