@@ -79,3 +79,73 @@ def test_each_chunk_runs_its_gemms_and_nothing_between_them():
                "aten.t.default")
     assert [o for o in sums if o.op not in allowed] == []
     assert sum(o.op == "aten.new_empty.default" for o in sums) == 2  # grad_hidden [T, H], grad_weight [V, H]
+
+
+def logprob(hidden, weight, tok):
+    return torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+def test_per_token_blocks_write_then_add_the_fp32_grad_hidden():
+    """The per-token path (``gpu_plan.out_dtype_blocks``): per vocabulary block the logits
+    recomputed, ``grad_weight[block]`` one bf16 GEMM over all rows, ``grad_hidden``'s FP32
+    sum written by the first block's GEMM and added to inside every later one; one
+    downcast at the end, no zero-fill."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H, generator=g).to(BF16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(BF16).requires_grad_()
+    tok, coef = torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)
+    options = {"lm_head_plan": "gpu", "chunk_budget_mib": 0.25}
+    fn = torch.compile(logprob, backend="chunked_logits", options=options)
+    with cpu_out_dtype_kernels():
+        (fn(h, w, tok) * coef).sum().backward()
+        with tracing() as ops:
+            (fn(h, w, tok) * coef).sum().backward()
+    cols = tiling.gpu_block_cols(int(0.25 * MIB), T, V)
+    blocks = len(tiling.even_splits(V, cols))
+    assert blocks == 4
+    backward = ops[next(i for i, o in enumerate(ops) if o.op == "aten.empty.memory_format"):]
+    gemms = [(o.op, o.shape, o.dtype) for o in backward if o.op.startswith(("aten.mm", "aten.addmm"))]
+    block = [("aten.mm.out", (T, cols), BF16), ("aten.mm.out", (cols, H), BF16)]
+    assert gemms == (block + [("aten.mm.dtype_out", (T, H), F32)]
+                     + (block + [("aten.addmm.dtype_out", (T, H), F32)]) * (blocks - 1))
+    sums = [o.op for o in backward if o.dtype == F32 and o.shape == (T, H)]
+    assert sums == ["aten.empty.memory_format", "aten.slice.Tensor", "aten.mm.dtype_out"] + [
+        "aten.addmm.dtype_out"] * (blocks - 1)  # no zero_: the first block's GEMM writes it
+    downcasts = [o for o in backward if o.op == "aten.copy_.default" and o.shape == (T, H)]
+    assert [o.dtype for o in downcasts] == [BF16]  # grad_hidden rounded once
+
+
+# ---- never more memory than stock (issue 54, item 3) -------------------------------------------
+
+@pytest.mark.parametrize("rows, kind, holds", [
+    (4096, "cuda", False),   # WD: T = H, its FP32 sums were 1.52x stock's peak on the H200
+    (8192, "cuda", True),    # WV: T = 2 H, 1.00x
+    (16384, "cuda", True), (2048, "xpu", False),
+    (4096, "cpu", True),     # a CPU's plans hold no such sums
+    (None, "cuda", True),    # T unknown at compile time (dynamic): as before
+])
+def test_fp32_weight_sums_only_where_stock_keeps_more(rows, kind, holds):
+    assert tiling.holds_weight_sums(rows, 151936, 4096, kind) is holds
+
+
+def test_a_short_loss_keeps_the_per_token_plan_and_says_why(monkeypatch, caplog):
+    """On a GPU (the rule's device argument made "cuda" here) a loss over fewer than 2 H
+    rows keeps the per-token plan (vocabulary blocks over all rows, no FP32 [V, H] sum);
+    2 H rows or more take the loss in the graph."""
+    from fx_passes.rewrite import loss_tail
+    monkeypatch.setattr(loss_tail, "holds_weight_sums",
+                        lambda rows, v, w, kind: tiling.holds_weight_sums(rows, v, w, "cuda"))
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(BF16).requires_grad_()
+    for t, taken in ((2 * H - 8, 0), (2 * H, 1)):
+        h = torch.randn(t, H, generator=g).to(BF16).requires_grad_()
+        labels = torch.randint(0, V, (t,), generator=g)
+        counters.clear()
+        torch._dynamo.reset()
+        fn = torch.compile(ce, backend="chunked_logits", options={"lm_head_plan": "gpu"})
+        with cpu_out_dtype_kernels(), caplog.at_level("INFO", logger="fx_passes"):
+            loss = fn(h, w, labels)
+        torch.testing.assert_close(loss, ce(h, w, labels), rtol=1e-2, atol=1e-2)
+        assert counters["chunked_logits"]["gradients_in_forward"] == taken, dict(counters["chunked_logits"])
+        assert counters["chunked_logits"]["weight_sums_over_stock"] == 1 - taken
+    assert "T 120 < 2 H 128" in caplog.text and "vocabulary blocks over all rows" in caplog.text
