@@ -10,14 +10,21 @@ compared with the GEMMs the model lists for that size.
 
 from __future__ import annotations
 
+import argparse
 import csv
+import pathlib
 import statistics
+import sys
 import time
 import types
 
 import torch
 
-from benchmarks import cost_model as cm
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import cost_model as cm  # noqa: E402
 
 CALIBRATION_BOUND = 0.25  # issue 22: predicted within 25% of measured
 
@@ -91,7 +98,7 @@ def calibrate(spec: str, plan: str, in_forward: bool) -> str:
         T, H, V, loss = cm.WORKLOADS[name]
         ratio, T = measured.get(name, (None, T))
         base = cm.stock(T, H, V, loss)
-        ks = cm.ours(T, H, V, plan, in_forward, cm.device_budget(dev))
+        ks = cm.ours(T, H, V, plan, in_forward, cm.device_budget(dev), dev.kind)
         pred = cm.step_time(ks, dev) / cm.step_time(base, dev)
         shown = plan + (" (grads in forward)" if in_forward else "") if H else "-"
         if ratio is None:
@@ -153,7 +160,7 @@ def audit(plans: list[str], echo=print) -> str:
                     continue
                 rec = (len(got), sum(g.flops for g in got if g.in_dtype == torch.bfloat16) / (2 * T * H * V),
                        sum(g.flops for g in got if g.in_dtype == torch.float32) / (2 * T * H * V))
-                ks = [k for k in cm.ours(T, H, V, plan, gif, budget) if k.flops]
+                ks = [k for k in cm.ours(T, H, V, plan, gif, budget, "cpu") if k.flops]
                 mod = (sum(k.n for k in ks), cm.full_gemms(ks, T, H, V, cm.BF16),
                        cm.full_gemms(ks, T, H, V, cm.FP32))
                 same = rec[0] == mod[0] and abs(rec[1] - mod[1]) < 1e-6 and abs(rec[2] - mod[2]) < 1e-6
@@ -161,3 +168,24 @@ def audit(plans: list[str], echo=print) -> str:
                              f"{mod[0]}, {mod[1]:.2f} / {mod[2]:.2f} | {'yes' if same else '**no**'} |")
                 echo(lines[-1])
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calibrate", action="store_true", help="measure this CPU; predicted vs measured W3, W4")
+    p.add_argument("--measured", default="bench_out/results.csv",
+                   help="run.py's CSV with W3 and W4 timed (or 'W3=0.58,W4=1.34')")
+    p.add_argument("--plan-ran", default="two_sweeps", help="the lm_head plan the measured W4 ran")
+    p.add_argument("--gif-ran", action="store_true", help="the measured W4 took the grads-in-forward path")
+    p.add_argument("--audit", action="store_true", help="recorded vs modelled GEMMs, W4 and WV at small size")
+    p.add_argument("--plans", default=None, help=f"comma list of {', '.join(cm.PLANS)} (default: all)")
+    args = p.parse_args(argv)
+    if args.audit:
+        audit(cm.parse_plans(args.plans)[0], echo=lambda line: print(line, flush=True))
+    if args.calibrate or not args.audit:
+        print(calibrate(args.measured, args.plan_ran, args.gif_ran))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

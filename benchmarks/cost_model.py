@@ -1,8 +1,9 @@
 """Predicted step time of stock Inductor and of chunked_logits on H100 / H200 (issue 22, item 5).
 
     .venv/bin/python benchmarks/cost_model.py                  # the H100 / H200 table
-    .venv/bin/python benchmarks/cost_model.py --calibrate      # this CPU's rates: predicted vs measured
-    .venv/bin/python benchmarks/cost_model.py --audit          # the modelled GEMMs vs a recording
+    .venv/bin/python benchmarks/cost_calibrate.py --calibrate  # this CPU's rates: predicted vs measured
+    .venv/bin/python benchmarks/cost_calibrate.py --audit      # the modelled GEMMs vs a recording
+    .venv/bin/python benchmarks/cost_measured.py               # vs the recorded H200 run
 
 A prediction, not a measurement.  Each step is a list of kernels; a kernel takes
 ``max(GEMM FLOPs / rate(input dtype), bytes / bandwidth, exps / exp rate)`` (a roofline
@@ -35,7 +36,8 @@ allocator reuses its blocks.  ``--calibrate`` measures this CPU's rates (GEMMs, 
 an Inductor exp pass, first touch) and sets the predicted ratios of W3 and W4 beside
 ``run.py``'s measured ones (docs/gpu.md, "Predicted").  ``--audit`` compiles W4 and WV at small size with each
 plan forced and compares the recorded GEMMs (``fx_passes.testing.gemms``) with the
-modelled ones.
+modelled ones.  Both live in ``benchmarks/cost_calibrate.py``, which imports this module
+(this one imports nothing of ``benchmarks``).
 """
 
 from __future__ import annotations
@@ -63,10 +65,14 @@ WORKLOADS = {  # name: (T, H or 0 when the logits are an input, V, loss)
     "W4": (4096, H_LM, 32768, "logprob"),
     "W4L": (16384, H_LM, 32768, "logprob"),
     "WV": (4096, H_LM, 151936, "ce"),
+    "W4L-8k": (8192, 4096, 151936, "logprob"),  # the H200 run's sizes (benchmarks/gpu_runs/2026-12-04)
+    "WV-8k": (8192, 4096, 151936, "ce"),
 }
 PLANS = ("gpu", "blocks", "two_sweeps", "fp32_tiles")  # the lm_head backward plans modelled
 # Issue 22's targets, on the H200, for the "gpu" plan: (workload, gradients in forward) -> bound
-TARGETS = {("W4", True): 0.9, ("WV", True): 0.9, ("W4", False): 1.05, ("WV", False): 1.05}
+TARGETS = {("W4", True): 0.9, ("WV", True): 0.9, ("W4", False): 1.05, ("WV", False): 1.05,
+           # issue 54's, at the H200 run's sizes
+           ("W4L-8k", True): 0.95, ("WV-8k", True): 0.95, ("W4L-8k", False): 1.15, ("WV-8k", False): 1.15}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +86,29 @@ class Device:
     kind: str  # "cuda" or "cpu"
     source: str
     first_touch: float = math.inf  # bytes/s of faulting in a fresh buffer's pages (a GPU: none)
+    # Calibrated on a measured run (``CALIBRATION``; 1.0 / False / 0: the plain roofline):
+    gemm_eff: float = 1.0  # the share of ``flops`` a GEMM's main loop reaches
+    sweep_eff: float = 1.0  # times that, a GEMM of the backward's recompute sweeps
+    epilogue: bool = False  # a GEMM's output traffic adds to its time (else: the roofline's max)
+    step_s: float = 0.0  # the rest of the step (outside the region): the same for stock and ours
 
 
+# Fitted on the H200 run of 2026-12-04 (``benchmarks/cost_measured.py``, docs/gpu.md "Where the
+# time goes"): a GEMM's main loop at 0.81 of the datasheet's rate (stock's three GEMMs: 786
+# TFLOPS in the profiler, its output traffic added), the backward's recompute-sweep GEMMs at
+# 0.92 of that (their profiled time), 130 us a kernel of ours (the loops' host time and
+# allocations between kernels: their median steps less their kernels), 4.4 ms for the rest of
+# a step (the same for stock and ours).  The H100 takes the same factors (not measured there).
+CALIBRATION = dict(gemm_eff=0.81, sweep_eff=0.92, epilogue=True, step_s=4.4e-3)
+LAUNCH_S = 130e-6
 DEVICES = (
-    Device("H100 SXM", {BF16: 989e12, FP32: 67e12}, 3.35e12, 132 * 16 * 1.98e9, 5e-6, 79 * 2**30, "cuda",
+    Device("H100 SXM", {BF16: 989e12, FP32: 67e12}, 3.35e12, 132 * 16 * 1.98e9, LAUNCH_S, 79 * 2**30, "cuda",
            "NVIDIA H100 datasheet: 989 TFLOPS bf16 dense (1979 with sparsity), 67 TFLOPS FP32 (no "
-           "TF32), 3.35 TB/s HBM3; exp: 132 SMs x 16 ex2/clk x 1.98 GHz (CUDA guide, cc 9.0)"),
-    Device("H200 SXM", {BF16: 989e12, FP32: 67e12}, 4.8e12, 132 * 16 * 1.98e9, 5e-6, 140 * 2**30, "cuda",
-           "NVIDIA H200 datasheet: the H100's FLOPS, 4.8 TB/s HBM3e, 141 GB"),
+           "TF32), 3.35 TB/s HBM3; exp: 132 SMs x 16 ex2/clk x 1.98 GHz (CUDA guide, cc 9.0); "
+           "the H200's calibration", **CALIBRATION),
+    Device("H200 SXM", {BF16: 989e12, FP32: 67e12}, 4.8e12, 132 * 16 * 1.98e9, LAUNCH_S, 140 * 2**30, "cuda",
+           "NVIDIA H200 datasheet: the H100's FLOPS, 4.8 TB/s HBM3e, 141 GB; calibrated on "
+           "benchmarks/gpu_runs/2026-12-04", **CALIBRATION),
 )
 
 
@@ -101,16 +122,22 @@ class Kernel:
     n: int = 1  # identical kernels
     shape: tuple = ()  # a GEMM's (m, k, n)
     fresh: float = 0.0  # bytes it writes into a buffer allocated this step (``fresh``)
+    out_bytes: float = 0.0  # a GEMM's output traffic (written, and read when it accumulates)
+    sweep: bool = False  # a GEMM of a backward recompute sweep (``Device.sweep_eff``)
 
 
 def kernel_time(k: Kernel, dev: Device) -> float:
-    one = max(k.flops / dev.flops[k.dtype], k.bytes / dev.bandwidth, k.exps / dev.exps)
+    if k.flops:
+        compute = k.flops / (dev.flops[k.dtype] * dev.gemm_eff * (dev.sweep_eff if k.sweep else 1.0))
+        one = compute + k.out_bytes / dev.bandwidth if dev.epilogue else max(compute, k.bytes / dev.bandwidth)
+    else:
+        one = max(k.bytes / dev.bandwidth, k.exps / dev.exps)
     launch = dev.launch_s if one else 0.0  # (a buffer's allocation alone launches nothing)
     return k.n * (one + k.fresh / dev.first_touch + launch)
 
 
 def step_time(kernels: list[Kernel], dev: Device) -> float:
-    return sum(kernel_time(k, dev) for k in kernels)
+    return dev.step_s + sum(kernel_time(k, dev) for k in kernels)
 
 
 def fresh(nbytes: float) -> float:
@@ -121,13 +148,14 @@ def fresh(nbytes: float) -> float:
 
 
 def gemm(what: str, m: int, k: int, n: int, dtype: str = BF16, out: str = BF16, acc: bool = False,
-         count: int = 1, new: bool = False) -> Kernel:
+         count: int = 1, new: bool = False, sweep: bool = False) -> Kernel:
     """``[m, k] x [k, n]``: its operands read once, its output written (and read: ``acc``);
-    ``new``: the output is a buffer of its own (``fresh``)."""
-    s = SIZE[dtype]
-    io = s * (m * k + k * n) + SIZE[out] * m * n * (2 if acc else 1)
+    ``new``: the output is a buffer of its own (``fresh``); ``sweep``: a GEMM of a
+    backward recompute sweep."""
+    s, out_io = SIZE[dtype], SIZE[out] * m * n * (2 if acc else 1)
     new_bytes = fresh(SIZE[out] * m * n) if new else 0.0
-    return Kernel(what, 2.0 * m * k * n, dtype, io, 0.0, count, (m, k, n), new_bytes)
+    io = s * (m * k + k * n) + out_io
+    return Kernel(what, 2.0 * m * k * n, dtype, io, 0.0, count, (m, k, n), new_bytes, out_io, sweep)
 
 
 def elementwise(what: str, read: float, write: float = 0.0, exps: float = 0.0, count: int = 1,
@@ -171,11 +199,12 @@ def splits(total: int, most: int) -> list[int]:
 
 
 def tile(what: str, rows: int, cols: int, H: int, backward: bool, dtype: str = BF16) -> list[Kernel]:
-    """A logits tile's GEMM and the body that reduces it (and writes its gradient)."""
+    """A logits tile's GEMM and the body that reduces it (and writes its gradient); a
+    backward tile's GEMM is one of a recompute sweep (``Device.sweep_eff``)."""
     out = BF16 if dtype == BF16 else FP32
     body = elementwise(f"{what} body", SIZE[out] * rows * cols, 2 * rows * cols if backward else 0,
                        exps=rows * cols)
-    return [gemm(f"{what} logits", rows, H, cols, dtype, out), body]
+    return [gemm(f"{what} logits", rows, H, cols, dtype, out, sweep=backward), body]
 
 
 def forward_loop(budget: int, T: int, H: int, V: int) -> list[Kernel]:
@@ -190,9 +219,9 @@ def two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     rows, cols = tiling.sweep_sizes(budget, T, V)
     ks = []
     for r in splits(T, rows):
-        ks += tile("recompute rows", r, V, H, True) + [gemm("grad_hidden", r, V, H)]
+        ks += tile("recompute rows", r, V, H, True) + [gemm("grad_hidden", r, V, H, sweep=True)]
     for c in splits(V, cols):
-        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H)]
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H, sweep=True)]
     return ks
 
 
@@ -202,11 +231,12 @@ def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     ks = []
     for i, g in enumerate(splits(T, tiling.accumulator_rows(budget, T, H))):
         n = T if i == 0 else g  # the first sweep reads every row for grad_weight
-        for c in splits(V, tiling.gpu_block_cols(budget, n, V)):
+        for j, c in enumerate(splits(V, tiling.gpu_block_cols(budget, n, V))):
             ks += tile("recompute block", n, c, H, True)
             if i == 0:
-                ks.append(gemm("grad_weight", c, n, H))
-            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=True))
+                ks.append(gemm("grad_weight", c, n, H, sweep=True))
+            # (the first block's GEMM writes the FP32 sum, every later one adds into it)
+            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=j > 0, sweep=True))
         ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * g * H, 2 * g * H))
     return ks
 
@@ -226,9 +256,9 @@ def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kern
                 ks += tile("recompute tile", r, c, H, True, dt)
                 ks.append(elementwise("gradient tile -> FP32", 2 * r * c, 4 * r * c))
                 if i == 0:
-                    ks.append(gemm("grad_weight", c, r, H, dt, dt, acc=fp32))
+                    ks.append(gemm("grad_weight", c, r, H, dt, dt, acc=fp32, sweep=True))
                 if a > 0:
-                    ks.append(gemm("grad_hidden (FP32)", a, c, H, FP32, FP32, acc=True))
+                    ks.append(gemm("grad_hidden (FP32)", a, c, H, FP32, FP32, acc=True, sweep=True))
             if fp32 and i == 0:
                 ks.append(elementwise("grad_weight block -> bf16", 4 * c * H, 2 * c * H))
         ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * (r1 - r0) * H, 2 * (r1 - r0) * H))
@@ -246,43 +276,76 @@ def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
     return ks
 
 
-def gif_gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
-    """``lm_head_loss``, ``gpu``: 3 GEMMs; each chunk's ``g.t() @ h`` added into an FP32
-    ``[V, H]`` buffer in place (``compat.addmm_fp32_``: ``out_dtype``, ``out=``) in blocks
-    of ``budget / 4H`` columns; the backward scales both FP32 gradients and rounds them
-    in one fused pass."""
+def gif_gpu(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True) -> list[Kernel]:
+    """``lm_head_loss``, ``gpu`` (``gpu_plan.fp32_chunk_grads``): 3 GEMMs over at most
+    ``tiling.MAX_LOSS_CHUNKS`` row chunks; per chunk ``grad_hidden`` written in FP32 by its
+    GEMM, the FP32 ``[V, H]`` ``grad_weight`` written by the first chunk's GEMM and added to
+    inside every later one; the backward scales both FP32 gradients and rounds them
+    (``by_device``: the device's budget, else one the user set)."""
+    ks = []
+    for i, r in enumerate(splits(T, tiling.gpu_loss_rows(budget, T, V, by_device))):
+        ks += tile("forward", r, V, H, backward=False)
+        ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
+               gemm("grad_hidden (out_dtype FP32)", r, V, H, out=FP32),
+               gemm("grad_weight (out_dtype FP32)", V, r, H, out=FP32, acc=i > 0)]
+    return ks + _scaled(T, H, V)
+
+
+def gif_gpu_2026_12_04(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                       ) -> list[Kernel]:
+    """``gif_gpu`` as the H200 run of 2026-12-04 ran it: the budget's chunks
+    (``forward_rows``), an FP32 ``[V, H]`` buffer zero-filled, then each chunk's
+    ``g.t() @ h`` added into it (``out_dtype``, ``out=``) in blocks of ``budget / 4H``
+    columns, ``grad_hidden[chunk]`` an FP32 product copied into its buffer."""
     ks, cols = _gif_chunks(budget, T, H, V, FP32), max(1, min(V, budget // (4 * H)))
+    ks.append(elementwise("zero-fill FP32 [V, H]", 0, 4 * V * H))
     for r in splits(T, tiling.forward_rows(budget, T, V)):
+        ks.append(elementwise("grad_hidden FP32 product -> its buffer", 4 * r * H, 4 * r * H))
         for c in splits(V, cols):
             ks.append(gemm("grad_weight (out_dtype FP32)", c, r, H, out=FP32, acc=True))
-    # the backward's ``(grad * g).to(bf16)`` is traced into the compiled backward graph,
-    # where Inductor fuses it into one kernel per gradient (read on the CPU: one
-    # ``cpp_fused__to_copy_mul`` kernel, no FP32 temporary)
+    return ks + _scaled(T, H, V)
+
+
+def _scaled(T: int, H: int, V: int) -> list[Kernel]:
+    """The backward's ``(grad * g).to(bf16)`` of both FP32 gradients: traced into the
+    compiled backward graph, where Inductor fuses it into one kernel per gradient (read
+    on the CPU: one ``cpp_fused__to_copy_mul`` kernel, no FP32 temporary)."""
     n = (T + V) * H
     scaled = elementwise("backward: gradients x g, rounded to bf16 (one fused kernel)", 4 * n, 2 * n)
-    return ks + [dataclasses.replace(scaled, fresh=fresh(2 * T * H) + fresh(2 * V * H))]
+    return [dataclasses.replace(scaled, fresh=fresh(2 * T * H) + fresh(2 * V * H))]
 
 
-def gif_two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
-    """``lm_head_loss``, ``two_sweeps`` (unit incoming gradient): ``grad_hidden`` in the
-    forward, one vocabulary sweep for ``grad_weight`` in the backward: 4 GEMMs."""
+def gif_two_sweeps(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                   ) -> list[Kernel]:
+    """``lm_head_loss``, ``two_sweeps``: ``grad_hidden`` in the forward; on a CPU (unit
+    incoming gradient, read with ``.item()``) one vocabulary sweep for ``grad_weight`` in
+    the backward: 4 GEMMs; elsewhere (no host read of ``g``) the backward recomputes
+    both gradients, a sweep each: 6 GEMMs (``loss._sweeps_backward``)."""
     ks = _gif_chunks(budget, T, H, V, BF16)
+    if kind != "cpu":
+        return ks + two_sweeps(budget, T, H, V)
     for c in splits(V, tiling.sweep_sizes(budget, T, V)[1]):
-        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H)]
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H, sweep=True)]
     return ks + [elementwise("backward: grad_hidden clone", 2 * T * H, 2 * T * H, new=2 * T * H)]
 
 
 BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,
                                   "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True)}
 GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
+GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": gif_two_sweeps}  # as measured
 
 
-def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int) -> list[Kernel]:
+def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int,
+         kind: str = "cuda", gif: Optional[dict] = None, by_device: bool = True) -> list[Kernel]:
+    """chunked_logits' kernels; ``kind``: the device's (``Device.kind``); ``gif``: the
+    loss-in-graph loops (``GIF``: as built; ``GIF_2026_12_04``: as measured then);
+    ``by_device``: ``budget`` is the device's (else one the user set)."""
     if not H:  # W3: row_stats over the given logits
         return [elementwise("forward row reduction", 2 * T * V, exps=T * V),
                 elementwise("backward pointwise", 2 * T * V, 2 * T * V, exps=T * V, new=2 * T * V)]
     if in_forward:
-        return GIF[plan](budget, T, H, V) + _outputs(T, H, V, 4 if plan == "gpu" else 2)
+        loops = (gif or GIF)[plan](budget, T, H, V, kind, by_device)
+        return loops + _outputs(T, H, V, 4 if plan == "gpu" else 2)
     return forward_loop(budget, T, H, V) + BACKWARDS[plan](budget, T, H, V) + _outputs(T, H, V, 2)
 
 
@@ -298,21 +361,23 @@ def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
 SYNC_S = 100e-6
 
 
-def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float) -> list[Kernel]:
-    """``lm_head_loss`` with ``fraction`` of the rows left out of the loss (section 5c of
-    docs/how-it-works.md): the logits' bound (a read of ``[T, H]`` and ``[V, H]``), the
-    gather of the kept rows, the loop on them (their count rounded up to the granule), the
-    scatter of ``grad_hidden``, and the one host read."""
+def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float, kind: str = "cuda",
+           in_forward: bool = True, gif: Optional[dict] = None) -> list[Kernel]:
+    """``lm_head_loss`` (``in_forward``; else the per-token ``lm_head_stats_masked``) with
+    ``fraction`` of the rows left out of the loss (section 5c of docs/how-it-works.md): the
+    logits' bound (a read of ``[T, H]`` and ``[V, H]``), the gather of the kept rows, the
+    loop on them (their count rounded up to the granule), the scatter of ``grad_hidden``,
+    and the one host read."""
     n = min(T, -(-round(T * (1 - fraction)) // tiling.granule(T)) * tiling.granule(T))
-    size = 4 if plan == "gpu" else 2
+    size = 4 if plan == "gpu" and in_forward else 2
     ks = [elementwise("bound: |h| per row, max |W|", 2 * (T + V) * H),
           elementwise("gather kept rows", 2 * n * H, 2 * n * H)]  # (the host read: SYNC_S)
-    ks += GIF[plan](budget, n, H, V) if n else []
+    if in_forward:
+        ks += (gif or GIF)[plan](budget, n, H, V, kind) if n else []
+    else:
+        ks += forward_loop(budget, n, H, V) + BACKWARDS[plan](budget, n, H, V) if n else []
     ks += [elementwise("scatter grad_hidden (zeros + kept rows)", size * n * H, size * T * H)]
     return ks + _outputs(T, H, V, size)
-
-
-MASKED_TARGET = (0.5, 0.6)  # issue 36: at half the rows masked, the loss in the graph at most 0.6x stock
 
 
 def masked_table(fractions: list[float], dev: Optional[Device] = None) -> str:
@@ -352,11 +417,14 @@ def budget_table(budgets_mib: Optional[list[float]] = None, dev: Optional[Device
     budgets = [default] + [int(m * MIB) for m in (budgets_mib or [1024, 512, 256, 128, 32])]
     base = step_time(stock(T, H, V, "ce"), dev)
     lines = [f"{dev.name}, T {T}, H {H}, V {V}, plan gpu, ours / stock:", "",
-             "| budget | forward rows | loss in graph | per-token |", "| --- | --- | --- | --- |"]
+             "| budget | loss loop rows | per-token forward rows | loss in graph | per-token |",
+             "| --- | --- | --- | --- | --- |"]
     for b in budgets:
-        gif, per = (step_time(ours(T, H, V, "gpu", g, b), dev) / base for g in (True, False))
+        gif, per = (step_time(ours(T, H, V, "gpu", g, b, by_device=b == default), dev) / base
+                    for g in (True, False))
         name = f"{b / MIB:.0f} MiB" + (" (default)" if b == default else "")
-        lines.append(f"| {name} | {tiling.forward_rows(b, T, V)} | {gif:.2f}x | {per:.2f}x |")
+        rows = tiling.gpu_loss_rows(b, T, V, b == default)
+        lines.append(f"| {name} | {rows} | {tiling.forward_rows(b, T, V)} | {gif:.2f}x | {per:.2f}x |")
     return "\n".join(lines)
 
 
@@ -382,7 +450,7 @@ def parse_plans(text: Optional[str], available: Optional[tuple] = None) -> tuple
 def cases(plans: list[str]) -> list[tuple[str, Optional[str], bool]]:
     """(workload, plan or None for W3, gradients in forward) of each table row."""
     out = [("W3", None, False)]
-    for name in ("W4", "W4L", "WV"):
+    for name in ("W4", "W4L", "WV", "W4L-8k", "WV-8k"):
         for plan in plans:
             if plan in GIF:
                 out.append((name, plan, True))
@@ -471,7 +539,8 @@ def what_ifs(dev: Device = DEVICES[-1]) -> str:
         T, H, V, loss = WORKLOADS[name]
         base, built = step_time(stock(T, H, V, loss), dev), ours(T, H, V, "gpu", True, device_budget(dev))
         floor = [k for k in built if "backward" not in k.what and "grad_weight" not in k.what]
-        small = [step_time(ours(T, H, V, "gpu", gif, 32 * MIB), dev) / base for gif in (True, False)]
+        small = [step_time(ours(T, H, V, "gpu", gif, 32 * MIB, by_device=False), dev) / base
+                 for gif in (True, False)]
         best = step_time(floor + [gemm("grad_weight", V, T, H)], dev) / base
         lines.append(f"* {name}: loss in graph as built {step_time(built, dev) / base:.2f}x, grad_weight one "
                      f"GEMM and the scaling free {best:.2f}x; at 32 MiB: loss in graph {small[0]:.2f}x, "
@@ -482,12 +551,6 @@ def what_ifs(dev: Device = DEVICES[-1]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plans", default=None, help=f"comma list of {', '.join(PLANS)} (default: all)")
-    p.add_argument("--calibrate", action="store_true", help="measure this CPU; predicted vs measured W3, W4")
-    p.add_argument("--measured", default="bench_out/results.csv",
-                   help="run.py's CSV with W3 and W4 timed (or 'W3=0.58,W4=1.34')")
-    p.add_argument("--plan-ran", default="two_sweeps", help="the lm_head plan the measured W4 ran")
-    p.add_argument("--gif-ran", action="store_true", help="the measured W4 took the grads-in-forward path")
-    p.add_argument("--audit", action="store_true", help="recorded vs modelled GEMMs, W4 and WV at small size")
     p.add_argument("--what-if", action="store_true", help="the gpu plan's loss path without its overheads")
     p.add_argument("--budgets", nargs="*", type=float, default=None, metavar="MIB",
                    help="ratios at the default chunk budget and these (default 1024 512 256 128 32), H200")
@@ -499,13 +562,6 @@ def main(argv=None) -> int:
         return 0
     if args.budgets is not None:
         print(budget_table(args.budgets or None))
-        return 0
-    if args.calibrate or args.audit:
-        from benchmarks import cost_calibrate
-        if args.audit:
-            cost_calibrate.audit(parse_plans(args.plans)[0], echo=lambda line: print(line, flush=True))
-        if args.calibrate:
-            print(cost_calibrate.calibrate(args.measured, args.plan_ran, args.gif_ran))
         return 0
     print(report(args.plans))
     if args.what_if:

@@ -13,14 +13,18 @@ def _ratios(budget):
     dev = cm.DEVICES[-1]  # H200
     T, H, V = 16384, 4096, 151936
     stock = cm.step_time(cm.stock(T, H, V, "ce"), dev)
-    return tuple(cm.step_time(cm.ours(T, H, V, "gpu", gif, budget), dev) / stock for gif in (True, False))
+    default = budget == tiling.device_budget("cuda", 140 * GIB)
+    return tuple(cm.step_time(cm.ours(T, H, V, "gpu", gif, budget, by_device=default), dev) / stock
+                 for gif in (True, False))
 
 
 def test_cost_model_targets_at_the_default_and_at_256_mib():
-    """H200, H 4096, V 151936, T 16384 (the 'gpu' plan): at the device's default budget
-    loss-in-graph <= 1.02x stock and per-token <= 1.35x; at a user-set 256 MiB <= 1.5x / 2x
-    (docs/gpu.md, "Chunk budget": ``python benchmarks/cost_model.py --budgets``)."""
+    """H200, H 4096, V 151936, T 16384 (the 'gpu' plan), the model calibrated on the H200
+    run (issue 54): at the device's default budget loss-in-graph <= 1.08x stock and
+    per-token <= 1.45x; at a user-set 256 MiB <= 1.8x / 2.1x (docs/gpu.md, "Chunk budget":
+    ``python benchmarks/cost_model.py --budgets``; the uncalibrated model said 1.02x /
+    1.32x, the H200 measured 1.05-1.11x for the loss in the graph)."""
     gif, per_token = _ratios(tiling.device_budget("cuda", 140 * GIB))
-    assert gif <= 1.02 and per_token <= 1.35, (gif, per_token)
+    assert gif <= 1.08 and per_token <= 1.45, (gif, per_token)
     gif, per_token = _ratios(256 * MIB)
-    assert gif <= 1.5 and per_token <= 2.0, (gif, per_token)
+    assert gif <= 1.8 and per_token <= 2.1, (gif, per_token)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks import cost_calibrate
+from benchmarks import cost_calibrate, cost_measured
 from benchmarks import cost_model as cm
 from fx_passes.kernels import tiling
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, recording
@@ -46,12 +46,14 @@ def test_gemm_moves_operands_and_output_once():
     assert cm.gemm("x", 2, 3, 4, cm.FP32, cm.FP32).flops == 2 * 2 * 3 * 4
 
 
-@pytest.mark.parametrize("plan, in_forward, bf16, fp32", [
-    ("gpu", False, 4, 0), ("gpu", True, 3, 0), ("two_sweeps", False, 5, 0), ("two_sweeps", True, 4, 0),
-    ("blocks", False, 3, 1), ("fp32_tiles", False, 1, 3),
+@pytest.mark.parametrize("plan, in_forward, kind, bf16, fp32", [
+    ("gpu", False, "cuda", 4, 0), ("gpu", True, "cuda", 3, 0), ("two_sweeps", False, "cuda", 5, 0),
+    ("two_sweeps", True, "cpu", 4, 0),  # the unit incoming gradient read on a CPU
+    ("two_sweeps", True, "cuda", 6, 0),  # elsewhere both gradients recomputed (as the H200 run recorded)
+    ("blocks", False, "cuda", 3, 1), ("fp32_tiles", False, "cuda", 1, 3),
 ])
-def test_full_gemm_equivalents_per_plan(plan, in_forward, bf16, fp32):
-    ks = cm.ours(T, H, V, plan, in_forward, 32 * cm.MIB)  # one accumulator group at this T
+def test_full_gemm_equivalents_per_plan(plan, in_forward, kind, bf16, fp32):
+    ks = cm.ours(T, H, V, plan, in_forward, 32 * cm.MIB, kind)  # one accumulator group at this T
     assert cm.full_gemms(ks, T, H, V, cm.BF16) == pytest.approx(bf16)
     assert cm.full_gemms(ks, T, H, V, cm.FP32) == pytest.approx(fp32)
 
@@ -102,14 +104,14 @@ def test_table_has_every_case_targets_and_sources():
     assert [(r["workload"], r["plan"], r["path"].split(":")[0]) for r in rows][:4] == [
         ("W3", "-", "row_stats"), ("W4", "gpu", "loss in graph"), ("W4", "gpu", "per-token"),
         ("W4", "two_sweeps", "loss in graph")]
-    assert len(rows) == 1 + 3 * 4
+    assert len(rows) == 1 + 5 * 4  # W4, W4L, WV and the H200 run's W4L-8k, WV-8k
     judged = {(r["workload"], r["path"].split(":")[0]): r["met"] for r in rows if r["target"] is not None}
-    assert set(judged) == {("W4", "loss in graph"), ("W4", "per-token"), ("WV", "loss in graph"),
-                           ("WV", "per-token")}
+    assert set(judged) == {(w, p) for w in ("W4", "WV", "W4L-8k", "WV-8k")
+                           for p in ("loss in graph", "per-token")}
     text = cm.report("gpu")
     assert "not a measurement" in text and "H100 SXM" in text and "H200 SXM" in text
     assert "3.35 TB/s" in text and "4.8 TB/s" in text and "989 TFLOPS" in text and "datasheet" in text
-    assert text.count("\n| W") == 1 + 3 * 2
+    assert text.count("\n| W") == 1 + 5 * 2
     assert ("**not met**" in text) or ("| met |" in text)
 
 
@@ -166,8 +168,9 @@ def test_a_plan_this_checkout_cannot_size_is_one_row_saying_so(monkeypatch):
     rows = cm.predict(cm.DEVICES, ["gpu", "two_sweeps"])
     bad = [r for r in rows if "error" in r]
     assert [(r["workload"], r["path"].split(":")[0]) for r in bad] == [
-        ("W4", "per-token"), ("W4L", "per-token"), ("WV", "per-token")]
-    assert "gpu_block_cols" in bad[0]["error"] and len(rows) == 1 + 3 * 4
+        ("W4", "per-token"), ("W4L", "per-token"), ("WV", "per-token"), ("W4L-8k", "per-token"),
+        ("WV-8k", "per-token")]
+    assert "gpu_block_cols" in bad[0]["error"] and len(rows) == 1 + 5 * 4
     assert "not modelled: AttributeError" in cm.table(rows, cm.DEVICES)
 
 
@@ -177,18 +180,54 @@ def test_what_ifs_name_both_lm_head_workloads():
 
 
 def test_masked_rows_scale_the_gemms_and_meet_the_target():
-    """Issue 36's cost-model target: at half the rows masked the loss in the graph is at
-    most 0.6x stock on the H200; the GEMMs scale with the kept rows, nothing masked costs
-    no more than the unmasked loop plus the bound, the gather and the host read."""
+    """The GEMMs scale with the kept rows, nothing masked costs no more than the unmasked
+    loop plus the bound, the gather and the host read.  (Issue 36's 0.6x at half the rows
+    masked was the uncalibrated model's; recalibrated it says 0.61x at T 16384, and the H200
+    measured 0.70x at T 8192 (W4C), which the model reproduces:
+    ``test_the_model_reproduces_the_recorded_h200_run``.)"""
     T, H, V = cm.BUDGET_SHAPE
     dev, budget = cm.DEVICES[-1], cm.device_budget(cm.DEVICES[-1])
     base = cm.step_time(cm.stock(T, H, V, "ce"), dev)
     ratio = {f: (cm.step_time(cm.masked(T, H, V, "gpu", budget, f), dev) + cm.SYNC_S) / base
              for f in (0.0, 0.25, 0.5, 0.75)}
     assert ratio[0.0] > ratio[0.25] > ratio[0.5] > ratio[0.75]
-    fraction, bound = cm.MASKED_TARGET
-    assert ratio[fraction] <= bound
     every = cm.step_time(cm.ours(T, H, V, "gpu", True, budget), dev) / base
     assert every <= ratio[0.0] <= every * 1.05
     assert cm.full_gemms(cm.masked(T, H, V, "gpu", budget, 0.5), T, H, V) == pytest.approx(1.5, rel=0.01)
     assert "| 50% | " in cm.masked_table([0.5])
+
+
+# Rows of the 2026-12-04 H200 run the model does not reproduce within 5% (docs/gpu.md,
+# "Where the time goes"): reduce-overhead (no CUDA-graph term) and blocks at T 16384 (its
+# FP32-input GEMMs ran faster there); WD, WDM, W4E, WP and VP are not modelled.
+OUTSIDE = {("RO", 8192, "ours:ro"), ("W4L", 16384, "ours:blocks"), ("WV", 16384, "ours:blocks")}
+
+
+def test_the_model_reproduces_the_recorded_h200_run():
+    """Issue 54, item 1: the calibrated model's ratio to stock within 5% of every measured
+    lm_head row (``benchmarks/cost_measured.py``), the loops as that run ran them."""
+    rows = cost_measured.compare()
+    assert len(rows) == 29 and cost_measured.device_of().name == "H200 SXM"  # (8 stock rows among them)
+    off = {(r["case"], r["T"], r["mode"]): r["predicted"] / r["measured"] for r in rows}
+    assert {k for k, v in off.items() if abs(v - 1) > cost_measured.BOUND} == OUTSIDE, off
+    assert all(abs(off[k] - 1) <= 0.09 for k in OUTSIDE), off
+    for case, t in (("W4L", 8192), ("WV", 8192), ("W4L", 16384), ("WV", 16384), ("W4L-tok", 8192),
+                    ("WV-tok", 8192)):  # the issue's table: the gpu plan and two_sweeps
+        for mode in ("ours:gpu", "ours:two_sweeps"):
+            assert abs(off[(case, t, mode)] - 1) <= 0.05, (case, t, mode)
+
+
+def test_the_gpu_loss_loop_as_built_is_predicted_faster_than_as_measured():
+    """Issue 54, items 2 and 4: at T 8192 / V 151936 / H 4096 the loss loop of
+    ``gpu_plan.fp32_chunk_grads`` (4 chunks, grad_weight written by the first GEMM and added
+    to inside the later ones, grad_hidden written by its GEMM) against the one measured
+    (a zero-filled accumulator, a copy per chunk); the targets (<= 0.95x) are not met."""
+    T, H, V = 8192, 4096, 151936
+    for dev in cm.DEVICES:
+        budget = cm.device_budget(dev)
+        for loss in ("logprob", "ce"):
+            base = cm.step_time(cm.stock(T, H, V, loss), dev)
+            now = cm.step_time(cm.ours(T, H, V, "gpu", True, budget), dev) / base
+            then = cm.step_time(cm.ours(T, H, V, "gpu", True, budget, gif=cm.GIF_2026_12_04), dev) / base
+            assert now < then - 0.03, (dev.name, loss, now, then)
+            assert 1.0 < now < 1.2, (dev.name, loss, now)  # (docs/gpu.md: 1.09x / 1.14x on the H200)

@@ -123,10 +123,11 @@ def test_the_masked_case_skips_rows_with_one_read(tmp_path):
     assert ours["syncs"] and not every["syncs"], (ours["syncs"], every["syncs"])
     assert ours["predicted"]["ratio"] > 0 and every["predicted"]["ratio"] > 0
     # at the plan's size the cost model prices half the rows below every row, read included
-    # (at the dry run's the 100 us read is most of the step)
+    # (at the dry run's the 100 us read is most of the step); calibrated on the H200 run,
+    # which measured 0.70x and 1.17x (docs/gpu.md, "Where the time goes")
     full = [gpu_case.predicted("W4C", m, 8192, gpu_check.FULL_V, gpu_check.FULL_H)["ratio"]
             for m in ("ours", "ours:all_rows")]
-    assert full[0] < 0.6 < full[1], full
+    assert 0.65 < full[0] < 0.75 and 1.05 < full[1] < 1.2, full
     for row in rows.values():  # the same error as stock's (pass_report: vs FP64)
         assert "check_errors" not in row, row
 

@@ -21,7 +21,9 @@ import torch
 from .. import compat
 from ..reporting.report import say_once
 
-__all__ = ["forward_rows", "backward_tiles", "gpu_block_cols", "sweep_sizes", "accumulator_rows",
+__all__ = ["forward_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "holds_weight_sums", "weight_sums_why",
+           "backward_tiles", "gpu_block_cols",
+           "sweep_sizes", "accumulator_rows",
            "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
            "resolve_budget", "ALIGN", "chunk_rows", "sweep_step", "product_cols", "spans",
            "BYTES_PER_ELEMENT", "SWEEP_BYTES_PER_ELEMENT"]
@@ -81,6 +83,63 @@ def _budget(budget_bytes: int, n: int, vocab: int) -> int:
 def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
     """Rows per forward chunk: one FP32 ``[rows, V]`` chunk fills the budget."""
     return aligned(_budget(budget_bytes, n, vocab) // (4 * vocab))
+
+
+# NOTE [gpu loss chunks]
+# The ``"gpu"`` loss loop (``log_softmax/loss.py``; ``gpu_plan.fp32_chunk_grads``) holds an
+# FP32 ``[V, H]`` ``grad_weight`` sum that every row chunk's GEMM reads and writes once
+# more (8 V H bytes in its epilogue).  On the H200 run of 2026-12-04 (T 8192, V 151936,
+# H 4096: ``benchmarks/cost_measured.py --breakdown``, docs/gpu.md "Where the time goes")
+# its 4 chunks of 2048 rows took 42.4 ms of GEMMs against stock's 39.2: that pass (5 GB,
+# about 1 ms) and the chunk's kernels (130 us each in the fitted model) are the price of a
+# chunk, and at T 16384 the budget made 5.  So, with the device's budget, the loop runs
+# ``MAX_LOSS_CHUNKS`` chunks at any T: a chunk of ``T / 4`` rows holds its model-precision
+# logits and gradient (4 bytes an element) in ``T V`` bytes, half the bf16 logits stock
+# keeps, so the loop never holds more than stock where stock holds more than the FP32
+# sums (T >= 2 H).  A budget the user sets (``chunk_budget_mib``) bounds the chunk as
+# everywhere else (``forward_rows``).
+MAX_LOSS_CHUNKS = 4
+
+
+def gpu_loss_rows(budget_bytes: int, n: int, vocab: int, by_device: bool = True) -> int:
+    """Rows per chunk of the ``"gpu"`` loss loop (NOTE [gpu loss chunks]): ``n /
+    MAX_LOSS_CHUNKS`` rounded up to the granule with the device's budget (``by_device``),
+    else the budget's rows (``forward_rows``)."""
+    if not by_device:
+        return forward_rows(budget_bytes, n, vocab)
+    fewest = max(1, -(-n // MAX_LOSS_CHUNKS))
+    unit = granule(fewest)
+    return -(-fewest // unit) * unit
+
+
+# NOTE [FP32 weight sums and stock's memory]
+# The ``"gpu"`` loss in the graph keeps FP32 ``grad_weight`` (and ``grad_hidden``) sums from
+# the forward to the backward, which rounds them into new model-precision gradients: at
+# its peak ``4 V H + 2 V H`` bytes.  Stock keeps the model-precision logits (``2 T V``)
+# and writes its own ``grad_weight`` (``2 V H``).  Below ``T = 2 H`` rows the sums cost
+# more than stock keeps (the H200 run of 2026-12-04: WD, T 4096 = H, 1.52x stock's peak;
+# WV at T 8192 = 2 H, 1.00x).  There the region keeps the plan that holds no ``[V, H]``
+# sum: vocabulary blocks outermost, each ``grad_weight`` block one GEMM over all rows
+# written once (``gpu_plan.out_dtype_blocks``; a row-local region keeps its sweeps), at
+# one GEMM more.  The rule reads the sizes and the device only; on a CPU (whose plans
+# hold no such sums; ``"gpu"`` forced there runs the test-only kernels) it never applies.
+
+
+def holds_weight_sums(rows, vocab: int, width: int, device_type: str) -> bool:
+    """May the ``"gpu"`` loss in the graph hold its FP32 ``[V, H]`` sums on this device
+    (NOTE [FP32 weight sums and stock's memory])?  ``rows``: T, or None where it is not
+    known at compile time (dynamic: as before, they are held).  Not on a CPU (whose
+    plans hold none)."""
+    if device_type == "cpu" or not isinstance(rows, int):
+        return True
+    return 4 * vocab * width <= 2 * rows * vocab
+
+
+def weight_sums_why(rows: int, vocab: int, width: int) -> str:
+    """The summary's line for a region that keeps the per-token plan (``holds_weight_sums``)."""
+    return (f"the loss in the graph would hold FP32 [V, H] sums of {4 * vocab * width // MIB} MiB, more than "
+            f"the bf16 logits stock keeps ({2 * rows * vocab // MIB} MiB: T {rows} < 2 H {2 * width}): "
+            "vocabulary blocks over all rows instead (one GEMM more, no [V, H] sum)")
 
 
 def backward_tiles(budget_bytes: int, n: int, vocab: int, width: int, fp32: bool) -> tuple[int, int]:

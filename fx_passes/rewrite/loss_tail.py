@@ -29,11 +29,13 @@ row part ``tail``, the scalar part ``final``); the call runs where the loss was
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import operator
 from typing import Optional
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import Graph, GraphModule, Node
 
 from ..config import Config
@@ -57,7 +59,7 @@ from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local.loss import row_bytes, row_local_loss
 from ..kernels.row_local.masked import row_local_sweeps_masked
 from ..kernels.row_local.split import Split, spec_of, split_of_spec
-from ..kernels.tiling import backward_plan
+from ..kernels.tiling import backward_plan, holds_weight_sums, weight_sums_why
 from ..match.body_mask import skip_rows_of_body, skip_rows_of_region_reads
 from ..match.loss_tail import (
     VIEWS,
@@ -70,7 +72,7 @@ from ..match.loss_tail import (
 )
 from ..match.row_mask import masks_among, skip_rows_body, skip_rows_of_reads
 from ..reporting.outcome import LossInCall
-from ..reporting.report import Decline, log
+from ..reporting.report import Decline, log, say_once
 
 __all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "skip_unread_rows", "skip_unread_region_rows",
            "fused_calls", "GEMMS"]
@@ -90,7 +92,21 @@ def _plan(tail: LossTail) -> str:
     plan = backward_plan(hidden.device, hidden.dtype, HeadOptions.from_node(tail.stats).plan)
     if plan not in PLANS:
         raise NoTail(f"the {plan!r} plan computes no gradient in the forward")
+    _weight_sums_fit(plan, hidden, meta(head_of_node(tail.stats).weight))
     return plan
+
+
+def _weight_sums_fit(plan: str, hidden, weight) -> None:
+    """NoTail where the ``"gpu"`` loss would hold FP32 ``[V, H]`` sums above what stock
+    keeps (``tiling.holds_weight_sums``), said in the log and counted."""
+    rows = math.prod(hidden.shape[:-1])
+    rows = rows if isinstance(rows, int) else None
+    (vocab, width), kind = weight.shape[-2:], hidden.device.type
+    if plan == "gpu" and not holds_weight_sums(rows, int(vocab), int(width), kind):
+        why = weight_sums_why(rows, int(vocab), int(width))
+        say_once(logging.INFO, "chunked_logits: %s", why)
+        counters["chunked_logits"]["weight_sums_over_stock"] += 1
+        raise NoTail(why)
 
 
 def _check(graph: Graph, tail: LossTail, head: list, saved: list) -> None:
@@ -393,6 +409,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
             if config.skip_masked_rows else ""
         plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
+        _weight_sums_fit(plan, meta(hidden), meta(weight))
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
         return None

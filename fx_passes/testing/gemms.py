@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Gemm", "recording", "full_gemms", "cpu_out_dtype_kernels"]
+__all__ = ["Gemm", "Op", "recording", "tracing", "full_gemms", "cpu_out_dtype_kernels"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,22 @@ def _keys(args, kwargs) -> torch._C.DispatchKeySet:
     return keys
 
 
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One ATen call a step ran (``tracing``): its overload and its (first) result."""
+
+    op: str  # e.g. "aten.mm.dtype_out"
+    shape: tuple
+    dtype: Optional[torch.dtype]
+
+
+def _op(func, result) -> Op:
+    out = result[0] if isinstance(result, (tuple, list)) and result else result
+    if isinstance(out, torch.Tensor):
+        return Op(str(func), tuple(out.shape), out.dtype)
+    return Op(str(func), (), None)
+
+
 class _Recorder(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -92,6 +108,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.gemms: list[Gemm] = []
+        self.ops: list[Op] = []  # every call, in order (``tracing``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -104,8 +121,11 @@ class _Recorder(TorchDispatchMode):
             # Python key, so it does not come back here) with the mode on again.
             keys = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
             with self:
-                return func.redispatch(keys & _keys(args, kwargs), *args, **kwargs)
-        return func(*args, **kwargs)
+                result = func.redispatch(keys & _keys(args, kwargs), *args, **kwargs)
+        else:
+            result = func(*args, **kwargs)
+        self.ops.append(_op(func, result))
+        return result
 
 
 @contextlib.contextmanager
@@ -114,6 +134,16 @@ def recording() -> Iterator[list[Gemm]]:
     mode = _Recorder()
     with mode:
         yield mode.gemms
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[Op]]:
+    """``with tracing() as ops: step()``: ``ops`` lists every ATen call the step ran, in
+    order (a custom op of the package after the calls inside it; a compiled body's own
+    kernels are not ATen calls, its extern GEMMs are), with its result's shape and dtype."""
+    mode = _Recorder()
+    with mode:
+        yield mode.ops
 
 
 def full_gemms(gemms: list[Gemm], t: int, h: int, v: int, in_dtype: Optional[torch.dtype] = None) -> float:

@@ -65,9 +65,10 @@ from ..ops.args import (
 )
 from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, emitted
-from ..tiling import even_splits, forward_rows, product_cols, resolve_budget
+from ..tiling import BY_DEVICE, even_splits, forward_rows, gpu_loss_rows, resolve_budget
 from .bodies import compiled, grad_through_transforms, transformed
 from .given import grad_of_logits, softmax_lse, stats_of_logits
+from .gpu_plan import fp32_chunk_grads
 from .lm_head import lm_head_grads
 
 __all__ = ["lm_head_loss", "trace_tail", "reductions_of", "row_weights", "loss_of_sums", "add_fp32_grads",
@@ -154,7 +155,7 @@ def add_fp32_grads(g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, grad_
     columns a GEMM: an FP32 ``[cols, H]`` product at most), ``grad_b += g.sum(0)``, each
     GEMM with model-precision inputs and an FP32 output (``out_dtype``); None: not wanted."""
     if grad_h is not None:
-        grad_h.copy_(torch.mm(g, weight, out_dtype=F32))
+        torch.mm(g, weight, out_dtype=F32, out=grad_h)
     if grad_w is not None:
         for v0, v1 in even_splits(weight.shape[0], cols):
             compat.addmm_fp32_(grad_w[v0:v1], g[:, v0:v1].t(), h)
@@ -251,15 +252,20 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     sums = [torch.zeros((), dtype=torch.float64, device=dev) for _ in reductions_of(loss.kinds)]
     gpu, need_hidden, need_weight = opts.plan == "gpu", loss.need_hidden, loss.need_weight
     gh = (hidden.new_empty(n, width, dtype=F32 if gpu else hidden.dtype) if need_hidden else _empty(hidden))
-    gw = hidden.new_zeros(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
-    gb = hidden.new_zeros(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
+    # (the gpu plan's FP32 sums: written by the first chunk's GEMM, no zero-fill; gpu_plan.fp32_chunk_grads)
+    gw = hidden.new_empty(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
+    gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
     keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
     log_softmax = head.tokens is not None or opts.want_entropy
     stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad)
     tail = user_bodies.body(loss.tail_key, COUNTER)
     logit_map = opts.logit_map(hidden.dtype, head.scale)
-    cols = product_cols(budget_bytes, vocab, width)  # FP32 [cols, H] product per addmm
-    for r0, r1 in even_splits(n, forward_rows(budget_bytes, n, vocab)):
+    step = (gpu_loss_rows(budget_bytes, n, vocab, opts.budget_bytes == BY_DEVICE) if gpu
+            else forward_rows(budget_bytes, n, vocab))
+    chunks = even_splits(n, step)
+    if not chunks:  # (no rows: zero sums)
+        gw.zero_(), gb.zero_()
+    for r0, r1 in chunks:
         chunk = head.rows(r0, r1)
         h, tok = chunk.hidden, chunk.tokens
         lse, lp, ent, x = stats_body(h, weight, bias, tok, head.scale, opts.scale_is_div, opts.want_entropy,
@@ -275,8 +281,8 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
         g = grad_body(x, tok, RowValues(lse, ent), cot, logit_map)
         del x
         if gpu:
-            add_fp32_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
-                           gb if need_weight and bias is not None else None, cols)
+            fp32_chunk_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
+                             gb if need_weight and bias is not None else None, r0 == 0, budget_bytes)
         else:
             if need_hidden:
                 torch.mm(g, weight, out=gh[r0:r1])

@@ -1,0 +1,151 @@
+"""The ``"gpu"`` plan's loss loop at its floor (issue 54, item 2): few, large row chunks
+(``tiling.gpu_loss_rows``, NOTE [gpu loss chunks]) and per chunk only the kernels the maths
+needs (``gpu_plan.fp32_chunk_grads``, NOTE [gpu loss chunk]): the logits GEMM, its row
+kernels, ``grad_hidden``'s GEMM writing its FP32 rows, and ``grad_weight``'s GEMM writing
+(the first chunk) or adding into (every later one) the FP32 accumulator: no zero-fill, no
+copy, no separate add.  Run on this CPU with the test-only ``out_dtype`` kernels
+(``fx_passes.testing.gemms``); the ATen calls of one training step are traced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from fx_passes.kernels import tiling
+from fx_passes.testing.gemms import cpu_out_dtype_kernels, tracing
+
+T, H, V = 256, 64, 1024
+GIB, MIB = 2**30, 2**20
+F32, BF16 = torch.float32, torch.bfloat16
+WV = (8192, 151936)  # (T, V) of the recorded H200 run (benchmarks/gpu_runs/2026-12-04)
+
+
+@pytest.mark.parametrize("total_gib, t, chunks", [
+    (80, 8192, 4), (140, 8192, 4),     # H100 / H200 at WV's size: the recorded run had 4 on the H200
+    (140, 16384, 4), (80, 16384, 4),   # 5 and 8 by the budget alone: at most MAX_LOSS_CHUNKS
+    (140, 32768, 4),
+    (140, 100, 4), (140, 0, 0),
+])
+def test_few_large_chunks_on_a_gpu(total_gib, t, chunks):
+    budget = tiling.device_budget("cuda", total_gib * GIB)
+    rows = tiling.gpu_loss_rows(budget, t, WV[1])
+    spans = tiling.even_splits(t, rows)
+    assert len(spans) == chunks and 2 <= chunks <= tiling.MAX_LOSS_CHUNKS or t == 0
+    # a chunk's model-precision logits and gradient: at most the bytes of the bf16 logits stock keeps
+    assert all(4 * (b - a) * WV[1] <= 2 * t * WV[1] for a, b in spans)
+
+
+def test_a_budget_the_user_sets_bounds_the_chunk():
+    budget = 32 * MIB  # chunk_budget_mib=32 (a CPU's default too)
+    assert tiling.gpu_loss_rows(budget, *WV, by_device=False) == tiling.forward_rows(budget, *WV) == 55
+    assert tiling.gpu_loss_rows(budget, *WV) == 2048  # the device's: 4 chunks
+
+
+def ce(hidden, weight, labels):
+    return F.cross_entropy((hidden @ weight.T).float(), labels)
+
+
+def _traced_step():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H, generator=g).to(BF16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(BF16).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=g)
+    counters.clear()
+    options = {"lm_head_plan": "gpu", "skip_masked_rows": False}
+    fn = torch.compile(ce, backend="chunked_logits", options=options)
+    with cpu_out_dtype_kernels():
+        fn(h, w, labels).backward()  # compiles the graphs and the loop's bodies
+        with tracing() as ops:
+            fn(h, w, labels).backward()
+    assert counters["chunked_logits"]["gradients_in_forward"] == 1, dict(counters["chunked_logits"])
+    return ops
+
+
+def test_each_chunk_runs_its_gemms_and_nothing_between_them():
+    ops = _traced_step()
+    rows = T // tiling.MAX_LOSS_CHUNKS  # 4 chunks of 64 rows (the device's budget)
+    gemms = [(o.op, o.shape, o.dtype) for o in ops if o.op.startswith(("aten.mm", "aten.addmm"))]
+    first = [("aten.mm.out", (rows, V), BF16),              # the logits chunk (the compiled body's GEMM)
+             ("aten.mm.dtype_out", (rows, H), F32),         # grad_hidden[chunk] = g @ W, into its FP32 rows
+             ("aten.mm.dtype_out", (V, H), F32)]            # grad_weight written: beta 0, no zero-fill
+    later = [first[0], first[1], ("aten.addmm.dtype_out", (V, H), F32)]  # added to inside the GEMM
+    assert gemms == first + later * (tiling.MAX_LOSS_CHUNKS - 1)
+    # the FP32 sums are allocated (not filled) and touched by their GEMMs only: no zero-fill,
+    # copy or add of an FP32 [V, H] or [rows, H] tensor
+    sums = [o for o in ops if o.dtype == F32 and len(o.shape) == 2 and o.shape[1] == H]
+    allowed = ("aten.new_empty.default", "aten.slice.Tensor", "aten.mm.dtype_out", "aten.addmm.dtype_out",
+               "aten.t.default")
+    assert [o for o in sums if o.op not in allowed] == []
+    assert sum(o.op == "aten.new_empty.default" for o in sums) == 2  # grad_hidden [T, H], grad_weight [V, H]
+
+
+def logprob(hidden, weight, tok):
+    return torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+def test_per_token_blocks_write_then_add_the_fp32_grad_hidden():
+    """The per-token path (``gpu_plan.out_dtype_blocks``): per vocabulary block the logits
+    recomputed, ``grad_weight[block]`` one bf16 GEMM over all rows, ``grad_hidden``'s FP32
+    sum written by the first block's GEMM and added to inside every later one; one
+    downcast at the end, no zero-fill."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H, generator=g).to(BF16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(BF16).requires_grad_()
+    tok, coef = torch.randint(0, V, (T,), generator=g), torch.randn(T, generator=g)
+    options = {"lm_head_plan": "gpu", "chunk_budget_mib": 0.25}
+    fn = torch.compile(logprob, backend="chunked_logits", options=options)
+    with cpu_out_dtype_kernels():
+        (fn(h, w, tok) * coef).sum().backward()
+        with tracing() as ops:
+            (fn(h, w, tok) * coef).sum().backward()
+    cols = tiling.gpu_block_cols(int(0.25 * MIB), T, V)
+    blocks = len(tiling.even_splits(V, cols))
+    assert blocks == 4
+    backward = ops[next(i for i, o in enumerate(ops) if o.op == "aten.empty.memory_format"):]
+    gemms = [(o.op, o.shape, o.dtype) for o in backward if o.op.startswith(("aten.mm", "aten.addmm"))]
+    block = [("aten.mm.out", (T, cols), BF16), ("aten.mm.out", (cols, H), BF16)]
+    assert gemms == (block + [("aten.mm.dtype_out", (T, H), F32)]
+                     + (block + [("aten.addmm.dtype_out", (T, H), F32)]) * (blocks - 1))
+    sums = [o.op for o in backward if o.dtype == F32 and o.shape == (T, H)]
+    assert sums == ["aten.empty.memory_format", "aten.slice.Tensor", "aten.mm.dtype_out"] + [
+        "aten.addmm.dtype_out"] * (blocks - 1)  # no zero_: the first block's GEMM writes it
+    downcasts = [o for o in backward if o.op == "aten.copy_.default" and o.shape == (T, H)]
+    assert [o.dtype for o in downcasts] == [BF16]  # grad_hidden rounded once
+
+
+# ---- never more memory than stock (issue 54, item 3) -------------------------------------------
+
+@pytest.mark.parametrize("rows, kind, holds", [
+    (4096, "cuda", False),   # WD: T = H, its FP32 sums were 1.52x stock's peak on the H200
+    (8192, "cuda", True),    # WV: T = 2 H, 1.00x
+    (16384, "cuda", True), (2048, "xpu", False),
+    (4096, "cpu", True),     # a CPU's plans hold no such sums
+    (None, "cuda", True),    # T unknown at compile time (dynamic): as before
+])
+def test_fp32_weight_sums_only_where_stock_keeps_more(rows, kind, holds):
+    assert tiling.holds_weight_sums(rows, 151936, 4096, kind) is holds
+
+
+def test_a_short_loss_keeps_the_per_token_plan_and_says_why(monkeypatch, caplog):
+    """On a GPU (the rule's device argument made "cuda" here) a loss over fewer than 2 H
+    rows keeps the per-token plan (vocabulary blocks over all rows, no FP32 [V, H] sum);
+    2 H rows or more take the loss in the graph."""
+    from fx_passes.rewrite import loss_tail
+    monkeypatch.setattr(loss_tail, "holds_weight_sums",
+                        lambda rows, v, w, kind: tiling.holds_weight_sums(rows, v, w, "cuda"))
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(BF16).requires_grad_()
+    for t, taken in ((2 * H - 8, 0), (2 * H, 1)):
+        h = torch.randn(t, H, generator=g).to(BF16).requires_grad_()
+        labels = torch.randint(0, V, (t,), generator=g)
+        counters.clear()
+        torch._dynamo.reset()
+        fn = torch.compile(ce, backend="chunked_logits", options={"lm_head_plan": "gpu"})
+        with cpu_out_dtype_kernels(), caplog.at_level("INFO", logger="fx_passes"):
+            loss = fn(h, w, labels)
+        torch.testing.assert_close(loss, ce(h, w, labels), rtol=1e-2, atol=1e-2)
+        assert counters["chunked_logits"]["gradients_in_forward"] == taken, dict(counters["chunked_logits"])
+        assert counters["chunked_logits"]["weight_sums_over_stock"] == 1 - taken
+    assert "T 120 < 2 H 128" in caplog.text and "vocabulary blocks over all rows" in caplog.text
