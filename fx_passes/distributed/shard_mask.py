@@ -47,7 +47,9 @@ from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
 from ..match.body_mask import _N, _body_backward, _BodyInterpreter, values_on
 from ..match.loss_tail import LossTail
-from ..match.row_mask import Value, _column, _Facts, _Interpreter, _NoRule, say_why
+from ..match.masks import _column
+from ..match.skip_graph import _Facts
+from ..match.tail_facts import Value, _Interpreter, _NoRule, say_why
 from .one_pass import OnePass, _glue_module
 
 __all__ = ["StagesView", "view_of", "skip_rows_of_stages"]
@@ -146,7 +148,7 @@ def _same(a: Any, b: Any, pa: list[Node], pb: list[Node], ra: list[tuple], rb: l
 
 
 class _Reads(_Interpreter):
-    """The readers' facts (``match/row_mask._Interpreter``), with functional all-reduces,
+    """The readers' facts (``match/tail_facts._Interpreter``), with functional all-reduces,
     ``wait_tensor`` and the straight-through spelling (module NOTE)."""
 
     def __init__(self, f: _Facts, tail: LossTail, env: dict, sizes: dict[str, int],

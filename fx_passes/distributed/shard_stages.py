@@ -77,7 +77,7 @@ from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, 
 from ..kernels.ops.registry import CAPTURE_SAFE, emitted
 from ..match.lm_head import LMHead, producer
 from ..match.loss_tail import match_region_reads
-from ..match.row_mask import mask_read
+from ..match.masks import mask_read
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason

@@ -56,18 +56,10 @@ from ..fx.op_rules import FLOATS, ZERO_ROWS, Kind, pointwise_op
 from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
 from .loss_tail import LossTail
+from .masks import _column, masks_among, no_rule, why_every_row
 from .row_local import LOSS_PARAMS, loss_arg
-from .row_mask import (
-    Value,
-    _column,
-    _Facts,
-    _Interpreter,
-    _NoRule,
-    masks_among,
-    no_rule,
-    say_why,
-    why_every_row,
-)
+from .skip_graph import _Facts
+from .tail_facts import Value, _Interpreter, _NoRule, say_why
 
 __all__ = ["skip_rows_of_body", "skip_rows_of_region_reads"]
 
@@ -413,7 +405,7 @@ class _BodyInterpreter(_Interpreter):
 
     def _divisor(self, n: Node) -> None:
         """A ``div`` divides by one number a row (an exact per-row value or a scalar) or by
-        a value of the body (its interval a row: ``match/row_mask``'s rule), not by a tensor
+        a value of the body (its interval a row: ``match/tail_facts``'s rule), not by a tensor
         read whole."""
         if op_name(n) == "div" and len(n.args) > 1 and isinstance(n.args[1], Node):
             d = n.args[1]

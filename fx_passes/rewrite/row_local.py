@@ -64,8 +64,8 @@ from ..match.lm_head import (
     model_precision_operands,
     producer,
 )
+from ..match.masks import mask_read
 from ..match.row_local import LOSS_PARAMS, Flattened, RowRegion, first_user, loss_arg
-from ..match.row_mask import mask_read
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
@@ -364,7 +364,7 @@ def _detached(o: Node, region: RowRegion) -> bool:
 def _masked(region: RowRegion, inputs: list) -> bool:
     """Does the region's loss have a mask (for a call that runs every row to say why,
     NOTE [why every row runs]): what reads its results applies one, one of its row
-    ``inputs`` is one (``match/row_mask.mask_read``), or its body ignores labels (a
+    ``inputs`` is one (``match/masks.mask_read``), or its body ignores labels (a
     cross-entropy's ``ignore_index``)?"""
     return mask_read(region.outputs, frozenset(region.nodes), inputs) is not None \
         or any(op_name(n) in ("cross_entropy", "nll_loss") for n in region.nodes)
