@@ -45,7 +45,7 @@ from ..fx.graph_ops import is_collective, meta, op_name
 from ..fx.placement import _draws
 from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
-from ..match.body_mask import _N, _body_backward, _BodyInterpreter, values_on
+from ..match.body_facts import _N, _body_backward, _BodyInterpreter, values_on
 from ..match.loss_tail import LossTail
 from ..match.masks import _column
 from ..match.skip_graph import _Facts
@@ -115,7 +115,7 @@ def _hint(d: Any) -> int:
 
 
 def _example(body: GraphModule, spec: list) -> dict[Node, Any]:
-    """Each node's value on an example of ``_N`` rows (``body_mask._shapes``'s, in the
+    """Each node's value on an example of ``_N`` rows (``body_facts._shapes``'s, in the
     body's own placeholder order)."""
     return values_on(body, [torch.zeros((_N, *s[1:]) if row else s, dtype=d) for d, s, row in spec])
 

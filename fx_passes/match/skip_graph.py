@@ -1,6 +1,6 @@
 """The skip graph's nodes: facts (a Python constant, or a node of the graph) combined with
 constants folded, so a fact known at rewrite time adds no node.  :class:`_Facts` is what
-the tail's rules (``match/tail_facts.py``), a row-local body's (``match/body_mask.py``)
+the tail's rules (``match/tail_facts.py``), a row-local body's (``match/body_facts.py``)
 and the vocab-parallel stages' (``distributed/shard_mask.py``) build their graphs with.
 """
 
