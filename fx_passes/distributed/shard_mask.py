@@ -45,7 +45,7 @@ from ..fx.graph_ops import is_collective, meta, op_name
 from ..fx.placement import _draws
 from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
-from ..match.body_facts import _N, _body_backward, _BodyInterpreter, values_on
+from ..match.body_facts import _N, BodyExample, _body_backward, _BodyInterpreter, values_on
 from ..match.loss_tail import LossTail
 from ..match.masks import _column
 from ..match.skip_graph import _Facts
@@ -277,7 +277,8 @@ class _Builder:
         places = [p for p in body.graph.nodes if p.op == "placeholder"]
         values = _example(body, view.specs[k])
         supplied = {places[i]: self.ref(r) for i, r in enumerate(view.operands[k], 1) if r[0] != "ext"}
-        run = _BodyInterpreter(f, body, values, places[0], view.vocab, self.width, set(), frozenset(supplied))
+        run = _BodyInterpreter(f, BodyExample(body, values, places[0], view.vocab), self.width, set(),
+                               frozenset(supplied))
         for i, p in enumerate(places):
             if i == 0:
                 run.env[p] = self.z

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,7 @@ from .skip_graph import _Facts
 from .tail_facts import Value, _Interpreter, _NoRule
 from .vocab_rules import _VocabRules
 
-__all__ = ["values_on"]
+__all__ = ["values_on", "BodyExample"]
 
 
 _N = 13  # rows of the shape-reading example (``kernels/row_local/split._ROWS``: no other size shares it)
@@ -59,15 +60,30 @@ def _copyable(n: Node) -> bool:
         and (name in ZERO_ROWS or pointwise_op(name) or _column(n))
 
 
-class _BodyInterpreter(_VocabRules, _Interpreter):
-    """The facts of a joined body's nodes (NOTE [rows a row-local body leaves out])."""
+@dataclass(frozen=True)
+class BodyExample:
+    """A body as its rules read it: the module, each node's result on the shape-reading
+    example of ``_N`` rows (:func:`values_on`), its logits' placeholder and the vocabulary's
+    size on the example."""
 
-    def __init__(self, f: _Facts, body: GraphModule, values: dict[Node, Any], logits: Node, vocab: int,
-                 width: Node, masks: set[Node], inner_inputs: frozenset = frozenset()) -> None:
+    module: GraphModule
+    values: dict[Node, Any]
+    logits: Node
+    vocab: int
+
+
+class _BodyInterpreter(_VocabRules, _Interpreter):
+    """The facts of a joined body's nodes (NOTE [rows a row-local body leaves out]): the
+    body ``example``, the skip graph's ``f`` and its ``width`` placeholder, the row inputs
+    that are ``masks``, the inputs whose facts the caller supplies (``inner_inputs``)."""
+
+    def __init__(self, f: _Facts, example: BodyExample, width: Node, masks: set[Node],
+                 inner_inputs: frozenset = frozenset()) -> None:
+        body, values, logits = example.module, example.values, example.logits
         self.f, self.values, self.width = f, values, width
         self.env: dict[Node, Node] = {}
         self.facts: dict[Node, Value] = {}
-        self.masks, self.logits, self.vocab = set(masks), logits, vocab
+        self.masks, self.logits, self.vocab = set(masks), logits, example.vocab
         self.shifted: dict[Node, str] = {}  # x - top: the kind of top (``_relational``)
         # inputs known by an interval only (the caller sets their facts), and those of them
         # no entry of a body value's row exceeds: ``{input: (kind, value)}`` (``_row_top``)
