@@ -213,7 +213,7 @@ def test_every_rule_has_a_program():
     """The reductions over the vocabulary, the losses and the vocabulary's size each have a
     program above."""
     from fx_passes.fx.graph_ops import op_name
-    from fx_passes.match.body_mask import _NORMALIZE, _REDUCE
+    from fx_passes.match.vocab_rules import _NORMALIZE, _REDUCE
     names = {op_name(n) for fn in PROGRAMS for n in symbolic_trace(fn).graph.nodes}
     rules = _REDUCE | _NORMALIZE | {"gather", "cross_entropy", "nll_loss", "kl_div", "size", "pow", "square",
                                     "max", "log", "div"}

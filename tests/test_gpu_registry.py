@@ -141,7 +141,7 @@ def test_every_emitted_target_is_registered(rewritten):
             "fx_passes.kernels.log_softmax.loss.lm_head_loss",
             "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
             "fx_passes.kernels.row_local.engine.row_local",
-            "fx_passes.distributed.shard_stages.shard_reduce",
+            "fx_passes.distributed.shard_reduce.shard_reduce",
             "fx_passes.distributed.one_pass.shard_lm_head_stages"} <= targets, targets
     assert unregistered(rewritten.values()) == set()
     marks = pipeline.with_cacheable_marks({})

@@ -126,9 +126,10 @@ def _(name, hidden, weight, externals, budget_bytes, mask_key, operands):
             hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64, device=HOST)]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Backward:
-    """The backward op's inputs (its schema's names)."""
+    """The backward op's inputs (its schema's names): the op's flat edge, whose schema
+    torch.library needs flat (``kernels/ops/args.py``), unpacks into this and calls on."""
     name: str
     hidden: torch.Tensor
     weight: torch.Tensor

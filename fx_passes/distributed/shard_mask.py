@@ -45,9 +45,11 @@ from ..fx.graph_ops import is_collective, meta, op_name
 from ..fx.placement import _draws
 from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
-from ..match.body_mask import _N, _body_backward, _BodyInterpreter, values_on
+from ..match.body_facts import _N, BodyExample, _body_backward, _BodyInterpreter, values_on
 from ..match.loss_tail import LossTail
-from ..match.row_mask import Value, _column, _Facts, _Interpreter, _NoRule, say_why
+from ..match.masks import _column
+from ..match.skip_graph import _Facts
+from ..match.tail_facts import Value, _Interpreter, _NoRule, say_why
 from .one_pass import OnePass, _glue_module
 
 __all__ = ["StagesView", "view_of", "skip_rows_of_stages"]
@@ -113,7 +115,7 @@ def _hint(d: Any) -> int:
 
 
 def _example(body: GraphModule, spec: list) -> dict[Node, Any]:
-    """Each node's value on an example of ``_N`` rows (``body_mask._shapes``'s, in the
+    """Each node's value on an example of ``_N`` rows (``body_facts._shapes``'s, in the
     body's own placeholder order)."""
     return values_on(body, [torch.zeros((_N, *s[1:]) if row else s, dtype=d) for d, s, row in spec])
 
@@ -146,7 +148,7 @@ def _same(a: Any, b: Any, pa: list[Node], pb: list[Node], ra: list[tuple], rb: l
 
 
 class _Reads(_Interpreter):
-    """The readers' facts (``match/row_mask._Interpreter``), with functional all-reduces,
+    """The readers' facts (``match/tail_facts._Interpreter``), with functional all-reduces,
     ``wait_tensor`` and the straight-through spelling (module NOTE)."""
 
     def __init__(self, f: _Facts, tail: LossTail, env: dict, sizes: dict[str, int],
@@ -275,7 +277,8 @@ class _Builder:
         places = [p for p in body.graph.nodes if p.op == "placeholder"]
         values = _example(body, view.specs[k])
         supplied = {places[i]: self.ref(r) for i, r in enumerate(view.operands[k], 1) if r[0] != "ext"}
-        run = _BodyInterpreter(f, body, values, places[0], view.vocab, self.width, set(), frozenset(supplied))
+        run = _BodyInterpreter(f, BodyExample(body, values, places[0], view.vocab), self.width, set(),
+                               frozenset(supplied))
         for i, p in enumerate(places):
             if i == 0:
                 run.env[p] = self.z

@@ -70,7 +70,8 @@ from ..match.loss_tail import (
     match_region_reads,
     match_tail,
 )
-from ..match.row_mask import masks_among, skip_rows_body, skip_rows_of_reads
+from ..match.masks import masks_among
+from ..match.row_mask import skip_rows_body, skip_rows_of_reads
 from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log, say_once
 

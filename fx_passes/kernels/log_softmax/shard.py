@@ -2,7 +2,7 @@
 
 :func:`shard_lm_head` takes ``hidden`` and the weight shard of a stage whose shard is
 ``hidden @ weight_shard.T`` read by nothing else, and returns what
-:func:`~fx_passes.distributed.shard_stages.shard_reduce` would on the logits: the stage's
+:func:`~fx_passes.distributed.shard_reduce.shard_reduce` would on the logits: the stage's
 reductions, computed per row chunk on model-precision logits.  The backward (one stage at
 most) is local, as stock's, and rounds each gradient element once.
 ``fx_passes.distributed.shard_stages._fusable_lm_head`` says whether a region qualifies.

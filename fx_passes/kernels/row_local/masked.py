@@ -7,7 +7,7 @@ leaves some rows' results unread.  See NOTE [row-local rows a mask leaves unread
 # NOTE [row-local rows a mask leaves unread]
 # The rewrite (``rewrite/loss_tail.skip_unread_region_rows``) builds one skip graph
 # (``match/body_mask.skip_rows_of_region_reads``): the body's forward facts give each
-# result an interval per row, the readers' rules (``match/row_mask.py``) prove a row's
+# result an interval per row, the readers' rules (``match/tail_facts.py``) prove a row's
 # values read are exactly 0 for any value in those intervals and its results' cotangents
 # exactly 0 (each sum's incoming gradient taken as a finite number), and the body's
 # backward rules carry those zeros to the logits.  The forward runs the loop, GEMMs
