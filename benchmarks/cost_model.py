@@ -18,7 +18,8 @@ per kernel) plus a launch overhead, and a step the sum over its kernels.  The ke
   the gradient.
 * chunked_logits: W3 reads the logits in the forward and reads them and writes their
   gradient in the backward.  With the lm_head fused, the loops of
-  ``fx_passes/kernels/log_softmax/lm_head.py`` and ``gpu_plan.py`` at the device's chunk budget
+  ``fx_passes/kernels/log_softmax/lm_head.py``, ``lm_head_sweeps.py`` and ``gpu_plan.py`` at the
+  device's chunk budget
   (``kernels.tiling``'s sizes): per chunk or block a GEMM that writes the logits tile,
   a body that reads it (and writes its gradient in the backward), the gradient GEMMs,
   the FP32 accumulators they read and write, and the FP32 copies of ``fp32_tiles`` /
@@ -242,7 +243,7 @@ def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
 
 
 def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kernel]:
-    """``lm_head._Backward.sweep`` per group of rows (``fp32``: the ``fp32_tiles`` plan)."""
+    """``lm_head_sweeps._Backward.sweep`` per group of rows (``fp32``: the ``fp32_tiles`` plan)."""
     ks, dt = [], FP32 if fp32 else BF16
     for i, (r0, r1) in enumerate(tiling.even_splits(T, tiling.accumulator_rows(budget, T, H))):
         first, last = (0, T) if i == 0 else (r0, r1)  # the first sweep reads every row for grad_weight

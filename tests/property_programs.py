@@ -32,7 +32,8 @@ from torch._dynamo.utils import counters
 from fx_passes.config import Config
 from fx_passes.fx.graph_ops import canon
 from fx_passes.kernels.log_softmax.given import row_stats
-from fx_passes.kernels.log_softmax.lm_head import lm_head_row_stats, lm_head_row_stats_masked
+from fx_passes.kernels.log_softmax.lm_head import lm_head_row_stats
+from fx_passes.kernels.log_softmax.lm_head_masked import lm_head_row_stats_masked
 from fx_passes.kernels.log_softmax.loss import lm_head_loss
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.pipeline import transform

@@ -46,7 +46,7 @@ RUNS = {
     "given_logits_stats_dynamic": "fx_passes.kernels.log_softmax.given.row_stats",
     "lm_head_per_token": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
     # (its op's count of rows run is a host tensor: inside the call, not among its results)
-    "lm_head_per_token_masked": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats_masked",
+    "lm_head_per_token_masked": "fx_passes.kernels.log_softmax.lm_head_masked.lm_head_row_stats_masked",
     "row_local_given_logits": "fx_passes.kernels.row_local.engine.row_local",
     "row_local_given_logits_symbolic_scalar": "fx_passes.kernels.row_local.engine.row_local",
     "row_local_lm_head_sweeps": "fx_passes.kernels.row_local.sweeps.row_local_sweeps",

@@ -201,14 +201,14 @@ def test_backward_has_no_fp32_buffer_of_all_rows(budget):
     """Was a gap (issue 10): grad_hidden was accumulated in an FP32 [T, H] buffer.  Now
     a group of rows at a time is (an FP32 [S, H] buffer, S from the budget), and the
     gradients are the same with one sweep or several."""
-    import fx_passes.kernels.log_softmax.lm_head as lm_head
+    import fx_passes.kernels.log_softmax.lm_head_sweeps as sweeps
     T, H, V = 300, 64, 512
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
     with LargestFP32() as mode, compiling_with(EAGER):  # eager bodies: every op is seen
-        gh, gw, _ = lm_head.lm_head_grads(Head(hidden, weight, None, tokens), RowValues(lse),
-                                          Cotangents(g_lse, g_lp, g_ent),
-                                          HeadOptions(False, False, budget, plan="fp32_tiles"))
-    groups = -(-T // lm_head.accumulator_rows(budget, T, H))
+        gh, gw, _ = sweeps.lm_head_grads(Head(hidden, weight, None, tokens), RowValues(lse),
+                                         Cotangents(g_lse, g_lp, g_ent),
+                                         HeadOptions(False, False, budget, plan="fp32_tiles"))
+    groups = -(-T // sweeps.accumulator_rows(budget, T, H))
     assert (groups == 1) == (budget == 2**20)
     if groups > 1:
         assert mode.largest < T * H, "an FP32 buffer as large as [T, H]"
@@ -237,15 +237,15 @@ def test_two_sweeps_model_precision_matmuls_each_a_whole_sum():
     """On a CPU with bf16 units (issue 10): no FP32 matmul and no FP32 buffer of [T, H];
     every matmul writing a gradient covers its whole sum (all V for a row chunk of
     grad_hidden, all T for a block of grad_weight), so each element is rounded once."""
-    import fx_passes.kernels.log_softmax.lm_head as lm_head
+    import fx_passes.kernels.log_softmax.lm_head_sweeps as sweeps
     T, H, V = 300, 64, 512
     budget = 48 * 2**10  # several row chunks and several blocks
     hidden, weight, tokens, lse, (g_lse, g_lp, g_ent) = _backward_inputs(T, H, V)
     with _Matmuls() as mm, LargestFP32() as big, compiling_with(EAGER):
-        gh, gw, _ = lm_head.lm_head_grads(Head(hidden, weight, None, tokens), RowValues(lse),
-                                          Cotangents(g_lse, g_lp, g_ent),
-                                          HeadOptions(False, False, budget, plan="two_sweeps"))
-    rows, cols = lm_head.sweep_sizes(budget, T, V)
+        gh, gw, _ = sweeps.lm_head_grads(Head(hidden, weight, None, tokens), RowValues(lse),
+                                         Cotangents(g_lse, g_lp, g_ent),
+                                         HeadOptions(False, False, budget, plan="two_sweeps"))
+    rows, cols = sweeps.sweep_sizes(budget, T, V)
     assert 1 < rows < T and 1 < cols < V
     assert all(dtypes == {torch.bfloat16} for dtypes, _ in mm.calls), mm.calls
     writes_h = [shape for _, shape in mm.calls if shape[1] == H and shape[0] <= rows]

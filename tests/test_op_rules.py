@@ -199,19 +199,19 @@ def test_an_empty_batch_does_no_per_block_work(plan, monkeypatch):
     """0 rows: no vocabulary block is computed (``two_sweeps`` looped over 2048 one-column
     blocks at this vocabulary), and the gradients are zeros (``blocks`` / ``fp32_tiles``
     left ``grad_weight`` unwritten when ``grad_hidden`` was wanted too)."""
-    from fx_passes.kernels.log_softmax import lm_head
+    from fx_passes.kernels.log_softmax import lm_head_sweeps
     from fx_passes.testing.gemms import cpu_out_dtype_kernels
 
     tiles = []
-    real = lm_head._Backward.grad_of_tile
-    monkeypatch.setattr(lm_head._Backward, "grad_of_tile",
+    real = lm_head_sweeps._Backward.grad_of_tile
+    monkeypatch.setattr(lm_head_sweeps._Backward, "grad_of_tile",
                         lambda self, *a: tiles.append(a[4:6]) or real(self, *a))
     h, w, b = _empty_batch()
     rows, tok = torch.zeros(0), torch.zeros(0, dtype=torch.long)
     with cpu_out_dtype_kernels(), eager_lm_head_chunks():
-        gh, gw, gb = lm_head.lm_head_grads(Head(h, w, b, tok), RowValues(rows, rows),
-                                           Cotangents(rows, rows, rows),
-                                           HeadOptions(False, False, 1 << 20, plan=plan))
+        gh, gw, gb = lm_head_sweeps.lm_head_grads(Head(h, w, b, tok), RowValues(rows, rows),
+                                                  Cotangents(rows, rows, rows),
+                                                  HeadOptions(False, False, 1 << 20, plan=plan))
     assert tiles == [] and gh.shape == (0, 16)
     assert torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
 

@@ -52,7 +52,8 @@ from ..fx.graph_ops import (
 )
 from ..fx.op_rules import Kind, tail_rule
 from ..fx.placement import check_placement, movable_before
-from ..kernels.log_softmax.lm_head import lm_head_row_stats, lm_head_row_stats_masked
+from ..kernels.log_softmax.lm_head import lm_head_row_stats
+from ..kernels.log_softmax.lm_head_masked import lm_head_row_stats_masked
 from ..kernels.log_softmax.loss import PLANS, lm_head_loss, trace_tail
 from ..kernels.ops import user_bodies
 from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node

@@ -69,7 +69,7 @@ from ..tiling import BY_DEVICE, even_splits, forward_rows, gpu_loss_rows, resolv
 from .bodies import compiled, grad_through_transforms, transformed
 from .given import grad_of_logits, softmax_lse, stats_of_logits
 from .gpu_plan import fp32_chunk_grads
-from .lm_head import lm_head_grads
+from .lm_head_sweeps import lm_head_grads
 
 __all__ = ["lm_head_loss", "trace_tail", "reductions_of", "row_weights", "loss_of_sums", "add_fp32_grads",
            "scaled_exactly", "scale_exactly_", "power_of_two", "final_loss", "PLANS", "COUNTER"]

@@ -19,7 +19,7 @@ See NOTE [shard lm_head loops].
 #   the code between them is per row.
 # * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
 #   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
-#   model precision, and fx_passes.kernels.log_softmax.lm_head.two_sweeps runs the tiles: row chunks
+#   model precision, and fx_passes.kernels.log_softmax.lm_head_sweeps.two_sweeps runs the tiles: row chunks
 #   over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
 #   write ``grad_weight[block]``, one model-precision matmul each, so every element is one
 #   FP32 sum rounded once.  No collective.
@@ -39,7 +39,7 @@ from ..ops.args import grads_by_name
 from ..ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, GATHER_INDEXES, emitted
 from ..tiling import even_splits, resolve_budget, sweep_sizes
-from .lm_head import two_sweeps
+from .lm_head_sweeps import two_sweeps
 
 __all__ = ["shard_lm_head", "gather_index_positions", "row_chunks"]
 

@@ -2,9 +2,10 @@
 their gradient ever exists whole.
 
 The forward computes each row chunk's logits ``hidden[rows] @ weight.T`` and runs the body
-on them; the backward runs the ``two_sweeps`` order (:func:`fx_passes.kernels.log_softmax.lm_head.two_sweeps`)
-on the body split by :mod:`fx_passes.kernels.row_local.split`: five ``[T, H] x [H, V]`` GEMMs a
-step with model-precision inputs (docs/gemms.md).  A split that fails at run time falls
+on them; the backward runs the ``two_sweeps`` order
+(:func:`fx_passes.kernels.log_softmax.lm_head_sweeps.two_sweeps`) on the body split by
+:mod:`fx_passes.kernels.row_local.split`: five ``[T, H] x [H, V]`` GEMMs a step with
+model-precision inputs (docs/gemms.md).  A split that fails at run time falls
 back to ``row_local_head``'s backward, said once in the log.  See NOTE [row-local sweeps].
 """
 
@@ -13,7 +14,7 @@ back to ``row_local_head``'s backward, said once in the log.  See NOTE [row-loca
 # body on them (the region's own ops, :mod:`fx_passes.kernels.row_local.engine`).  The backward
 # needs ``grad_hidden[t]`` (a sum over the whole vocabulary) and ``grad_weight[v]`` (a sum
 # over all rows), each one FP32 sum rounded once, so it runs the ``two_sweeps`` order of
-# the hand-derived lm_head (:func:`fx_passes.kernels.log_softmax.lm_head.two_sweeps`) on a body split
+# the hand-derived lm_head (:func:`fx_passes.kernels.log_softmax.lm_head_sweeps.two_sweeps`) on a body split
 # into per-row statistics and a pointwise function (:mod:`fx_passes.kernels.row_local.split`):
 #
 # 1. row chunks over the whole vocabulary: the chunk's logits again, the ``stats`` graph
