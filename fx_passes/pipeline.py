@@ -49,8 +49,9 @@ from .reporting.report import (
     record_rewrite,
 )
 from .reporting.session import session
-from .rewrite.loss_tail import fused_calls, rewrite_loss_tail, skip_unread_rows
+from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
+from .rewrite.skip_rows import skip_unread_rows
 from .rewrite.unit_scale import remove_div_by_one
 from .rewrite.upcast_region import fp32_bytes, rewrite_region
 

@@ -112,7 +112,7 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "loss = -(picked * torch.linspace(-1, 1, picked.shape[0], dtype=picked.dtype)).mean()",
     ], "loss", 2),
     # per-token results read through a mask computed after the region: its ops move before
-    # the call, which then leaves the masked rows out (issue 36, rewrite/loss_tail.skip_unread_rows)
+    # the call, which then leaves the masked rows out (issue 36, rewrite/skip_rows.skip_unread_rows)
     "masked": ("h, w, tok", [
         "h = h * 1",
         "w = w * 1",

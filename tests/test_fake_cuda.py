@@ -18,7 +18,7 @@ What a CPU-only torch cannot run, and why (so not checked here; the GPU check ru
   support for cuda devices"): the graph's own ops are not re-run, and the ``row_local``
   fake kernel, which runs the region's body (indexing included), is refused;
 * the loss-tail rewrite (``lm_head_loss``, the ``"gpu"`` plan's loss in the graph,
-  ``rewrite/loss_tail.py`` ``_bodies``) and the lm_head row-local loss
+  ``rewrite/tail_graphs.py`` ``_bodies``) and the lm_head row-local loss
   (``kernels/row_local/split.py`` ``_examples``) trace their bodies on real tensors of the
   inputs' device at compile time: "Torch not compiled with CUDA enabled".  There the pass
   fails and leaves the user's graph as it was (checked: never a broken compile).

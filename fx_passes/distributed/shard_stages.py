@@ -76,7 +76,7 @@ from ..match.masks import mask_read
 from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
-from ..rewrite.loss_tail import _masked_call
+from ..rewrite.skip_rows import _masked_call
 from .masked_stages import shard_lm_head_stages_masked
 from .one_pass import getitems, plan_one_pass, shard_lm_head_stages
 from .one_pass import register as register_one_pass

@@ -66,9 +66,10 @@ from ..match.row_local import Flattened, RowRegion, first_user, loss_arg
 from ..reporting.outcome import LMHead as Fused
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
-from .loss_tail import rewrite_row_loss_tail, skip_unread_region_rows
+from .loss_tail import rewrite_row_loss_tail
 from .row_local_body import _node, _reduce_outside, _row_shape, _same_shape_row, build_body
 from .saved import saved_for_backward
+from .skip_rows import skip_unread_region_rows
 
 __all__ = ["rewrite_row_region", "plan_row_region"]
 

@@ -173,7 +173,7 @@ def lm_head_row_stats_masked(hidden, weight, bias, tokens, scale, scale_is_div: 
     """:func:`lm_head_row_stats` (no logits returned) on the rows the skip graph of the
     results' readers cannot leave out: ``mask_key`` (``match/row_mask.skip_rows_of_reads``)
     and the tensors it reads, ``mask_operands`` (NOTE [per-token rows a mask leaves out];
-    ``rewrite/loss_tail.skip_unread_rows`` puts this call in place of the plain one)."""
+    ``rewrite/skip_rows.skip_unread_rows`` puts this call in place of the plain one)."""
     flat = (*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
             transforms, plan)
     operands = [o.reshape(-1) if o.dim() else o for o in mask_operands]

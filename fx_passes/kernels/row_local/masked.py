@@ -5,7 +5,7 @@ leaves some rows' results unread.  See NOTE [row-local rows a mask leaves unread
 """
 
 # NOTE [row-local rows a mask leaves unread]
-# The rewrite (``rewrite/loss_tail.skip_unread_region_rows``) builds one skip graph
+# The rewrite (``rewrite/skip_rows.skip_unread_region_rows``) builds one skip graph
 # (``match/body_mask.skip_rows_of_region_reads``): the body's forward facts give each
 # result an interval per row, the readers' rules (``match/tail_facts.py``) prove a row's
 # values read are exactly 0 for any value in those intervals and its results' cotangents
