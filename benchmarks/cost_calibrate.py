@@ -24,7 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import cost_loops as loops  # noqa: E402
 from benchmarks import cost_model as cm  # noqa: E402
+from benchmarks import cost_roofline as roof  # noqa: E402
 
 CALIBRATION_BOUND = 0.25  # issue 22: predicted within 25% of measured
 
@@ -41,16 +43,16 @@ def _median(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(threads: int = 1) -> cm.Device:
-    """This CPU as a ``cost_model.Device`` (no chunk budget of its own: ``tiling``'s CPU one)."""
+def measure(threads: int = 1) -> roof.Device:
+    """This CPU as a ``cost_roofline.Device`` (no chunk budget of its own: ``tiling``'s CPU one)."""
     torch.set_num_threads(threads)
     T, H, V = 4096, cm.H_LM, 32768
     flops = {}
-    for name, dtype, n in ((cm.BF16, torch.bfloat16, V), (cm.FP32, torch.float32, V // 4)):
+    for name, dtype, n in ((roof.BF16, torch.bfloat16, V), (roof.FP32, torch.float32, V // 4)):
         a, b = torch.randn(T, H).to(dtype), torch.randn(H, n).to(dtype)
         c = torch.empty(T, n, dtype=dtype)
         flops[name] = 2.0 * T * H * n / _median(lambda: torch.mm(a, b, out=c), 3)
-    src = torch.ones(64 * cm.MIB)  # 256 MiB
+    src = torch.ones(64 * roof.MIB)  # 256 MiB
     dst = torch.empty_like(src)
     copy = _median(lambda: dst.copy_(src), 5)
     # first touch: filling a buffer allocated just before (its pages fault in) minus a warm fill
@@ -61,7 +63,7 @@ def measure(threads: int = 1) -> cm.Device:
     exp_pass = torch.compile(lambda x: x.float().exp().sum(-1), backend="inductor")
     exps = x.numel() / _median(lambda: exp_pass(x), 5)
     bandwidth = 2.0 * 4 * src.numel() / copy
-    return cm.Device(f"this CPU ({threads} thread)", flops, bandwidth, exps, 10e-6, 0, "cpu",
+    return roof.Device(f"this CPU ({threads} thread)", flops, bandwidth, exps, 10e-6, 0, "cpu",
                      f"measured: torch.mm [{T}, {H}] x [{H}, {V}] bf16 and [{T}, {H}] x [{H}, {V // 4}] "
                      "FP32, a 256 MiB copy (read + write), an Inductor-compiled exp-and-sum pass over bf16 "
                      "[2048, 32768], a fresh 256 MiB fill minus a warm one; medians of 3-5",
@@ -81,9 +83,9 @@ def measured_ratios(spec: str) -> dict[str, tuple[float, int]]:
     return out
 
 
-def _split(kernels: list[cm.Kernel], dev: cm.Device) -> str:
-    g = sum(cm.kernel_time(k, dev) for k in kernels if k.flops)
-    rest = sum(cm.kernel_time(k, dev) for k in kernels if not k.flops)
+def _split(kernels: list[roof.Kernel], dev: roof.Device) -> str:
+    g = sum(roof.kernel_time(k, dev) for k in kernels if k.flops)
+    rest = sum(roof.kernel_time(k, dev) for k in kernels if not k.flops)
     return f"{1e3 * (g + rest):.0f} ms (GEMMs {1e3 * g:.0f}, other {1e3 * rest:.0f})"
 
 
@@ -97,9 +99,9 @@ def calibrate(spec: str, plan: str, in_forward: bool) -> str:
     for name in ("W3", "W4"):
         T, H, V, loss = cm.WORKLOADS[name]
         ratio, T = measured.get(name, (None, T))
-        base = cm.stock(T, H, V, loss)
-        ks = cm.ours(T, H, V, plan, in_forward, cm.device_budget(dev), dev.kind)
-        pred = cm.step_time(ks, dev) / cm.step_time(base, dev)
+        base = loops.stock(T, H, V, loss)
+        ks = loops.ours(T, H, V, plan, in_forward, roof.device_budget(dev), dev.kind)
+        pred = roof.step_time(ks, dev) / roof.step_time(base, dev)
         shown = plan + (" (grads in forward)" if in_forward else "") if H else "-"
         if ratio is None:
             lines.append(f"| {name} | {shown} | (not measured) | {pred:.2f}x | - | - |")
@@ -145,11 +147,11 @@ def audit(plans: list[str], echo=print) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for line in lines:
         echo(line)
-    budget = AUDIT_BUDGET_MIB * cm.MIB
+    budget = AUDIT_BUDGET_MIB * roof.MIB
     for name, (T, V) in AUDIT_SIZES.items():
         H = cm.WORKLOADS[name][1]
         for plan in plans:
-            for gif in ((True, False) if plan in cm.GIF else (False,)):
+            for gif in ((True, False) if plan in loops.GIF else (False,)):
                 try:
                     got = _recorded(name, T, V, {"lm_head_plan": plan, "gradients_in_forward": gif,
                                                  "chunk_budget_mib": AUDIT_BUDGET_MIB})
@@ -160,9 +162,9 @@ def audit(plans: list[str], echo=print) -> str:
                     continue
                 rec = (len(got), sum(g.flops for g in got if g.in_dtype == torch.bfloat16) / (2 * T * H * V),
                        sum(g.flops for g in got if g.in_dtype == torch.float32) / (2 * T * H * V))
-                ks = [k for k in cm.ours(T, H, V, plan, gif, budget, "cpu") if k.flops]
-                mod = (sum(k.n for k in ks), cm.full_gemms(ks, T, H, V, cm.BF16),
-                       cm.full_gemms(ks, T, H, V, cm.FP32))
+                ks = [k for k in loops.ours(T, H, V, plan, gif, budget, "cpu") if k.flops]
+                mod = (sum(k.n for k in ks), roof.full_gemms(ks, T, H, V, roof.BF16),
+                       roof.full_gemms(ks, T, H, V, roof.FP32))
                 same = rec[0] == mod[0] and abs(rec[1] - mod[1]) < 1e-6 and abs(rec[2] - mod[2]) < 1e-6
                 lines.append(f"| {name} | {plan} | {gif} | {rec[0]}, {rec[1]:.2f} / {rec[2]:.2f} | "
                              f"{mod[0]}, {mod[1]:.2f} / {mod[2]:.2f} | {'yes' if same else '**no**'} |")

@@ -25,7 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import cost_loops as loops  # noqa: E402
 from benchmarks import cost_model as cm  # noqa: E402
+from benchmarks import cost_roofline as roof  # noqa: E402
 from fx_passes.kernels import tiling  # noqa: E402
 
 RUNS = ROOT / "benchmarks" / "gpu_runs" / "2026-12-04"
@@ -58,11 +60,11 @@ def load(run_dir: pathlib.Path = RUNS) -> dict:
     return out
 
 
-def device_of(run_dir: pathlib.Path = RUNS) -> cm.Device:
+def device_of(run_dir: pathlib.Path = RUNS) -> roof.Device:
     """The model's device for the GPU a run names (the H200 unless it says H100)."""
     path = next(pathlib.Path(run_dir).glob("run*.json"))
     name = json.loads(path.read_text())["meta"]["device"]
-    return next((d for d in cm.DEVICES if d.name.split()[0] in name), cm.DEVICES[-1])
+    return next((d for d in roof.DEVICES if d.name.split()[0] in name), roof.DEVICES[-1])
 
 
 def kernels(case: str, T: int, mode: str, counters: dict, budget: int) -> tuple[list, float]:
@@ -70,34 +72,34 @@ def kernels(case: str, T: int, mode: str, counters: dict, budget: int) -> tuple[
     loss, in_graph = LM_CASES[case]
     H, V = cm.BUDGET_SHAPE[1:]
     if mode.startswith(STOCK):
-        return cm.stock(T, H, V, loss), 0.0
+        return loops.stock(T, H, V, loss), 0.0
     variant = mode.partition(":")[2]
     plan = variant if variant in cm.PLANS else "gpu"
     skipped = counters.get("rows_skipped", 0)
-    in_forward = in_graph and plan in cm.GIF
+    in_forward = in_graph and plan in loops.GIF
     if skipped:
-        return cm.masked(T, H, V, plan, budget, skipped / T, "cuda", in_forward, AS_RUN), cm.SYNC_S
-    return cm.ours(T, H, V, plan, in_forward, budget, gif=AS_RUN), 0.0
+        return loops.masked(T, H, V, plan, budget, skipped / T, "cuda", in_forward, AS_RUN), loops.SYNC_S
+    return loops.ours(T, H, V, plan, in_forward, budget, gif=AS_RUN), 0.0
 
 
 STOCK = "inductor"
-AS_RUN = cm.GIF_2026_12_04  # the loss-in-graph loops as that run ran them
+AS_RUN = loops.GIF_2026_12_04  # the loss-in-graph loops as that run ran them
 
 
-def compare(run_dir: pathlib.Path = RUNS, dev: Optional[cm.Device] = None) -> list[dict]:
+def compare(run_dir: pathlib.Path = RUNS, dev: Optional[roof.Device] = None) -> list[dict]:
     """A row per measured (case, T, mode) the model has: measured and predicted ms and
     ratio to the case's stock, and the GEMM kernels' ms (measured: the profiler's)."""
     measured, dev = load(run_dir), dev or device_of(run_dir)
-    budget, out = cm.device_budget(dev), []
+    budget, out = roof.device_budget(dev), []
     for (case, T, mode), m in sorted(measured.items()):
         stock_key = next((k for k in measured if k[:2] == (case, T) and k[2].startswith(STOCK)), None)
         if case not in LM_CASES or stock_key is None:
             continue
         ks, host = kernels(case, T, mode, m["counters"], budget)
         base, _ = kernels(case, T, stock_key[2], {}, budget)
-        ms = 1e3 * (cm.step_time(ks, dev) + host)
-        stock_ms = 1e3 * cm.step_time(base, dev)
-        gemm_ms = 1e3 * sum(cm.kernel_time(k, dev) for k in ks if k.flops)
+        ms = 1e3 * (roof.step_time(ks, dev) + host)
+        stock_ms = 1e3 * roof.step_time(base, dev)
+        gemm_ms = 1e3 * sum(roof.kernel_time(k, dev) for k in ks if k.flops)
         out.append({"case": case, "T": T, "mode": mode, "measured_ms": m["t_ms"], "predicted_ms": ms,
                     "measured": m["t_ms"] / measured[stock_key]["t_ms"], "predicted": ms / stock_ms,
                     "gemm_ms": m["gemm_ms"], "predicted_gemm_ms": gemm_ms, "runs": m["runs"]})
@@ -128,15 +130,15 @@ def loop_sizes(case: str, T: int, mode: str, counters: dict, budget: int) -> tup
     chunks = len(tiling.even_splits(n, tiling.forward_rows(budget, n, V)))
     if LM_CASES[case][1] and "two_sweeps" not in mode:
         blocks = len(tiling.even_splits(V, max(1, min(V, budget // (4 * H)))))
-        return chunks, blocks, 8 * V * H / cm.GB  # read and written: the first chunk reads the zero-fill
-    return chunks, len(tiling.even_splits(V, tiling.gpu_block_cols(budget, n, V))), 8 * n * H / cm.GB
+        return chunks, blocks, 8 * V * H / roof.GB  # read and written: the first chunk reads the zero-fill
+    return chunks, len(tiling.even_splits(V, tiling.gpu_block_cols(budget, n, V))), 8 * n * H / roof.GB
 
 
 def breakdown(run_dir: pathlib.Path = RUNS) -> str:
     """Per lm_head case: stock's and the ``gpu`` plan's step, GEMM kernels (the profiler's)
     and the rest (step less GEMMs), kernels, and the loop's sizes (``loop_sizes``)."""
     measured, dev = load(run_dir), device_of(run_dir)
-    budget = cm.device_budget(dev)
+    budget = roof.device_budget(dev)
     lines = ["| case | T | mode | step ms | GEMM ms (vs stock) | GEMM TFLOP | other ms (vs stock) | "
              "kernels | row chunks | vocab blocks | FP32 acc GB / chunk or block |", "|" + " --- |" * 11]
     for (case, T, mode), m in sorted(measured.items()):

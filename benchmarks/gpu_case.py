@@ -505,19 +505,20 @@ def predicted(key: str, mode: str, T: int, V: int, H: int) -> Optional[dict]:
     model = CASES[key].model
     if model is None:
         return None
-    from benchmarks import cost_model as cm
+    from benchmarks import cost_loops as loops
+    from benchmarks import cost_roofline as roof
     loss, in_graph = model
-    dev = cm.DEVICES[-1]
-    base = cm.step_time(cm.stock(T, H, V, loss), dev)
+    dev = roof.DEVICES[-1]
+    base, budget = roof.step_time(loops.stock(T, H, V, loss), dev), roof.device_budget(dev)
     if mode == STOCK:
         return {"ms": 1e3 * base, "ratio": 1.0, "device": dev.name}
     variant = mode.partition(":")[2]
     plan = "gpu" if variant in ("", *NOT_PLANS) else variant
     masked = CASES[key].masked if variant != "all_rows" else 0.0
     if masked:  # the rows that count, and the one host read
-        ours = cm.step_time(cm.masked(T, H, V, plan, cm.device_budget(dev), masked), dev) + cm.SYNC_S
+        ours = roof.step_time(loops.masked(T, H, V, plan, budget, masked), dev) + loops.SYNC_S
     else:
-        ours = cm.step_time(cm.ours(T, H, V, plan, in_graph and plan in cm.GIF, cm.device_budget(dev)), dev)
+        ours = roof.step_time(loops.ours(T, H, V, plan, in_graph and plan in loops.GIF, budget), dev)
     return {"ms": 1e3 * ours, "ratio": ours / base, "device": dev.name}
 
 

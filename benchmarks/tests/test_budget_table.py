@@ -8,13 +8,14 @@ MIB, GIB = 2**20, 2**30
 
 
 def _ratios(budget):
-    from benchmarks import cost_model as cm
+    from benchmarks import cost_loops as loops
+    from benchmarks import cost_roofline as roof
 
-    dev = cm.DEVICES[-1]  # H200
+    dev = roof.DEVICES[-1]  # H200
     T, H, V = 16384, 4096, 151936
-    stock = cm.step_time(cm.stock(T, H, V, "ce"), dev)
+    stock = roof.step_time(loops.stock(T, H, V, "ce"), dev)
     default = budget == tiling.device_budget("cuda", 140 * GIB)
-    return tuple(cm.step_time(cm.ours(T, H, V, "gpu", gif, budget, by_device=default), dev) / stock
+    return tuple(roof.step_time(loops.ours(T, H, V, "gpu", gif, budget, by_device=default), dev) / stock
                  for gif in (True, False))
 
 

@@ -9,41 +9,43 @@ import pytest
 import torch
 
 from benchmarks import cost_calibrate, cost_measured
+from benchmarks import cost_loops as loops
 from benchmarks import cost_model as cm
+from benchmarks import cost_roofline as roof
 from fx_passes.kernels import tiling
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, recording
 
 # a device where only GEMMs cost: 1 TFLOP/s bf16, 0.1 FP32, no launch overhead
-GEMM_ONLY = cm.Device("toy", {cm.BF16: 1e12, cm.FP32: 1e11}, 1e30, 1e30, 0.0, 0, "cpu", "test")
+GEMM_ONLY = roof.Device("toy", {roof.BF16: 1e12, roof.FP32: 1e11}, 1e30, 1e30, 0.0, 0, "cpu", "test")
 T, H, V = 512, 64, 1024
 
 
 def test_stock_is_three_full_gemms_and_their_time():
-    ks = cm.stock(T, H, V, "ce")
-    assert cm.full_gemms(ks, T, H, V) == 3
-    assert cm.step_time(ks, GEMM_ONLY) == pytest.approx(3 * 2 * T * H * V / 1e12)
+    ks = loops.stock(T, H, V, "ce")
+    assert roof.full_gemms(ks, T, H, V) == 3
+    assert roof.step_time(ks, GEMM_ONLY) == pytest.approx(3 * 2 * T * H * V / 1e12)
 
 
 def test_stock_bytes_token_logprobs_and_cross_entropy():
     # log-probs: GEMM io (3 of them), 2 TV forward, 4 TV zero-fill, 6 TV read + 2 TV written backward
     gemm_io = 3 * 2 * (T * H + H * V + T * V)
-    assert cm.moved_bytes(cm.stock(T, H, V, "logprob")) == gemm_io + 14 * T * V
-    assert cm.moved_bytes(cm.stock(T, H, V, "ce")) == gemm_io + 6 * T * V
-    assert cm.moved_bytes(cm.stock(T, 0, V, "logprob")) == 14 * T * V  # W3: the logits are an input
+    assert roof.moved_bytes(loops.stock(T, H, V, "logprob")) == gemm_io + 14 * T * V
+    assert roof.moved_bytes(loops.stock(T, H, V, "ce")) == gemm_io + 6 * T * V
+    assert roof.moved_bytes(loops.stock(T, 0, V, "logprob")) == 14 * T * V  # W3: the logits are an input
 
 
 def test_kernel_time_is_a_roofline_plus_launches():
-    dev = cm.Device("d", {cm.BF16: 10.0, cm.FP32: 1.0}, 100.0, 1000.0, 0.5, 0, "cpu", "test")
-    assert cm.kernel_time(cm.Kernel("g", flops=50, bytes=100), dev) == pytest.approx(5 + 0.5)  # compute
-    assert cm.kernel_time(cm.Kernel("g", flops=50, bytes=900, n=2), dev) == pytest.approx(2 * (9 + 0.5))
-    assert cm.kernel_time(cm.Kernel("g", flops=5, dtype=cm.FP32), dev) == pytest.approx(5.5)
-    assert cm.kernel_time(cm.Kernel("e", exps=4000), dev) == pytest.approx(4.5)
+    dev = roof.Device("d", {roof.BF16: 10.0, roof.FP32: 1.0}, 100.0, 1000.0, 0.5, 0, "cpu", "test")
+    assert roof.kernel_time(roof.Kernel("g", flops=50, bytes=100), dev) == pytest.approx(5 + 0.5)  # compute
+    assert roof.kernel_time(roof.Kernel("g", flops=50, bytes=900, n=2), dev) == pytest.approx(2 * (9 + 0.5))
+    assert roof.kernel_time(roof.Kernel("g", flops=5, dtype=roof.FP32), dev) == pytest.approx(5.5)
+    assert roof.kernel_time(roof.Kernel("e", exps=4000), dev) == pytest.approx(4.5)
 
 
 def test_gemm_moves_operands_and_output_once():
-    assert cm.gemm("x", 2, 3, 4).bytes == 2 * (6 + 12 + 8)
-    assert cm.gemm("x", 2, 3, 4, out=cm.FP32, acc=True).bytes == 2 * 18 + 4 * 8 * 2
-    assert cm.gemm("x", 2, 3, 4, cm.FP32, cm.FP32).flops == 2 * 2 * 3 * 4
+    assert roof.gemm("x", 2, 3, 4).bytes == 2 * (6 + 12 + 8)
+    assert roof.gemm("x", 2, 3, 4, out=roof.FP32, acc=True).bytes == 2 * 18 + 4 * 8 * 2
+    assert roof.gemm("x", 2, 3, 4, roof.FP32, roof.FP32).flops == 2 * 2 * 3 * 4
 
 
 @pytest.mark.parametrize("plan, in_forward, kind, bf16, fp32", [
@@ -53,16 +55,16 @@ def test_gemm_moves_operands_and_output_once():
     ("blocks", False, "cuda", 3, 1), ("fp32_tiles", False, "cuda", 1, 3),
 ])
 def test_full_gemm_equivalents_per_plan(plan, in_forward, kind, bf16, fp32):
-    ks = cm.ours(T, H, V, plan, in_forward, 32 * cm.MIB, kind)  # one accumulator group at this T
-    assert cm.full_gemms(ks, T, H, V, cm.BF16) == pytest.approx(bf16)
-    assert cm.full_gemms(ks, T, H, V, cm.FP32) == pytest.approx(fp32)
+    ks = loops.ours(T, H, V, plan, in_forward, 32 * roof.MIB, kind)  # one accumulator group at this T
+    assert roof.full_gemms(ks, T, H, V, roof.BF16) == pytest.approx(bf16)
+    assert roof.full_gemms(ks, T, H, V, roof.FP32) == pytest.approx(fp32)
 
 
 def test_long_rows_take_more_sweeps_in_the_accumulating_plans():
-    budget, n = 32 * cm.MIB, 16384  # W4L's T: 4 groups of 4096 rows
+    budget, n = 32 * roof.MIB, 16384  # W4L's T: 4 groups of 4096 rows
     assert tiling.accumulator_rows(budget, n, 1024) == 4096
-    ks = cm.ours(n, 1024, 32768, "blocks", False, budget)
-    assert cm.full_gemms(ks, n, 1024, 32768) == pytest.approx(4 + 3 / 4)  # groups 2-4 recompute their rows
+    ks = loops.ours(n, 1024, 32768, "blocks", False, budget)
+    assert roof.full_gemms(ks, n, 1024, 32768) == pytest.approx(4 + 3 / 4)  # groups 2-4 recompute their rows
 
 
 def _shapes(gemms) -> collections.Counter:
@@ -73,17 +75,17 @@ def _shapes(gemms) -> collections.Counter:
 @pytest.mark.parametrize("plan", ["gpu", "two_sweeps"])
 def test_backward_gemms_match_the_loops_recorded(plan):
     """The modelled backward of each plan against its loop run eagerly (bf16, tiny)."""
-    from fx_passes.kernels.log_softmax import lm_head
-    loops = {"two_sweeps": lm_head.two_sweeps}
+    from fx_passes.kernels.log_softmax import lm_head_sweeps
+    run = {"two_sweeps": lm_head_sweeps.two_sweeps}
     if plan == "gpu":
         gpu_plan = pytest.importorskip("fx_passes.kernels.log_softmax.gpu_plan")
-        loops["gpu"] = gpu_plan.out_dtype_blocks
+        run["gpu"] = gpu_plan.out_dtype_blocks
     t, h, v, budget = 96, 16, 200, 8192
     hidden, weight = torch.randn(t, h, dtype=torch.bfloat16), torch.randn(v, h, dtype=torch.bfloat16)
     tile = lambda t0, t1, v0, v1: torch.mm(hidden[t0:t1], weight[v0:v1].t())  # noqa: E731 (the recompute)
     with cpu_out_dtype_kernels(), recording() as got:
-        loops[plan](hidden, weight, budget, tile, torch.empty_like(hidden), torch.empty_like(weight))
-    modelled = [k for k in cm.BACKWARDS[plan](budget, t, h, v) if k.flops]
+        run[plan](hidden, weight, budget, tile, torch.empty_like(hidden), torch.empty_like(weight))
+    modelled = [k for k in loops.BACKWARDS[plan](budget, t, h, v) if k.flops]
     want = collections.Counter()
     for k in modelled:
         want[(*k.shape, k.dtype)] += k.n
@@ -100,7 +102,7 @@ def test_parse_plans():
 
 
 def test_table_has_every_case_targets_and_sources():
-    rows = cm.predict(cm.DEVICES, ["gpu", "two_sweeps"])
+    rows = cm.predict(roof.DEVICES, ["gpu", "two_sweeps"])
     assert [(r["workload"], r["plan"], r["path"].split(":")[0]) for r in rows][:4] == [
         ("W3", "-", "row_stats"), ("W4", "gpu", "loss in graph"), ("W4", "gpu", "per-token"),
         ("W4", "two_sweeps", "loss in graph")]
@@ -116,7 +118,7 @@ def test_table_has_every_case_targets_and_sources():
 
 
 def test_a_ratio_is_met_only_under_its_bound():
-    rows = cm.predict(cm.DEVICES, ["gpu"])
+    rows = cm.predict(roof.DEVICES, ["gpu"])
     for r in rows:
         if r["target"] is not None:
             assert r["met"] == (r["H200 SXM"]["ratio"] <= r["target"])
@@ -131,16 +133,16 @@ def test_measured_ratios_from_a_spec_or_run_csv(tmp_path):
 
 
 def test_devices_are_frozen_and_stated():
-    for dev in cm.DEVICES:
+    for dev in roof.DEVICES:
         assert dataclasses.is_dataclass(dev) and dev.source
-        assert dev.flops[cm.BF16] == 989e12 and dev.flops[cm.FP32] == 67e12
+        assert dev.flops[roof.BF16] == 989e12 and dev.flops[roof.FP32] == 67e12
 
 
 def test_gpu_check_rows_carry_the_prediction_or_none(monkeypatch):
     from benchmarks import gpu_case, gpu_report
     T, V, H = 8192, 151936, 4096
     ours, stock = gpu_case.predicted("WV", "ours:gpu", T, V, H), gpu_case.predicted("WV", "inductor", T, V, H)
-    assert stock["ratio"] == 1.0 and stock["device"] == ours["device"] == cm.DEVICES[-1].name
+    assert stock["ratio"] == 1.0 and stock["device"] == ours["device"] == roof.DEVICES[-1].name
     assert ours["ratio"] == pytest.approx(ours["ms"] / stock["ms"]) and 0 < ours["ratio"] != 1.0
     assert gpu_case.predicted("VP", "ours", T, V, H) is None  # the model has no vocab-parallel row
     row = {"case": "WV", "mode": "ours:gpu", "T": T, "V": V, "H": H, "predicted": ours}
@@ -148,30 +150,30 @@ def test_gpu_check_rows_carry_the_prediction_or_none(monkeypatch):
         {"meta": {"date": "d", "device": "H200", "torch": "2.11", "triton": "3", "source": "s",
                   "command": "c", "dry_run": False},
          "tests": {"summary": "ok"}, "rows": [row], "cases": [], "targets": [], "notes": []})
-    monkeypatch.setattr(cm, "step_time", lambda *a: (_ for _ in ()).throw(KeyError("gpu")))
+    monkeypatch.setattr(roof, "step_time", lambda *a: (_ for _ in ()).throw(KeyError("gpu")))
     with pytest.raises(KeyError):  # run_case catches it: the row's prediction is None, with a note
         gpu_case.predicted("WV", "ours:gpu", T, V, H)
 
 
 def test_first_touch_counts_only_buffers_a_cpu_maps_fresh():
     t, v = 2048, 32768  # W3: stock's FP32 zero-fill (256 MiB) and bf16 gradient (128 MiB); ours the gradient
-    assert sum(k.fresh for k in cm.stock(t, 0, v, "logprob")) == 6 * t * v
-    assert sum(k.fresh for k in cm.ours(t, 0, v, None, False, 32 * cm.MIB)) == 2 * t * v
-    assert cm.fresh(32 * cm.MIB) == 0 and cm.fresh(32 * cm.MIB + 1) == 32 * cm.MIB + 1
+    assert sum(k.fresh for k in loops.stock(t, 0, v, "logprob")) == 6 * t * v
+    assert sum(k.fresh for k in loops.ours(t, 0, v, None, False, 32 * roof.MIB)) == 2 * t * v
+    assert roof.fresh(32 * roof.MIB) == 0 and roof.fresh(32 * roof.MIB + 1) == 32 * roof.MIB + 1
     cpu = dataclasses.replace(GEMM_ONLY, first_touch=1e9)
-    assert cm.step_time(cm.stock(t, 0, v, "logprob"), cpu) == pytest.approx(6 * t * v / 1e9)
-    assert cm.step_time(cm.stock(t, 0, v, "logprob"), GEMM_ONLY) == pytest.approx(0.0)  # a GPU: reused
+    assert roof.step_time(loops.stock(t, 0, v, "logprob"), cpu) == pytest.approx(6 * t * v / 1e9)
+    assert roof.step_time(loops.stock(t, 0, v, "logprob"), GEMM_ONLY) == pytest.approx(0.0)  # a GPU: reused
 
 
 def test_a_plan_this_checkout_cannot_size_is_one_row_saying_so(monkeypatch):
     monkeypatch.delattr(tiling, "gpu_block_cols")  # an older tiling
-    rows = cm.predict(cm.DEVICES, ["gpu", "two_sweeps"])
+    rows = cm.predict(roof.DEVICES, ["gpu", "two_sweeps"])
     bad = [r for r in rows if "error" in r]
     assert [(r["workload"], r["path"].split(":")[0]) for r in bad] == [
         ("W4", "per-token"), ("W4L", "per-token"), ("WV", "per-token"), ("W4L-8k", "per-token"),
         ("WV-8k", "per-token")]
     assert "gpu_block_cols" in bad[0]["error"] and len(rows) == 1 + 5 * 4
-    assert "not modelled: AttributeError" in cm.table(rows, cm.DEVICES)
+    assert "not modelled: AttributeError" in cm.table(rows, roof.DEVICES)
 
 
 def test_what_ifs_name_both_lm_head_workloads():
@@ -186,14 +188,14 @@ def test_masked_rows_scale_the_gemms_and_meet_the_target():
     measured 0.70x at T 8192 (W4C), which the model reproduces:
     ``test_the_model_reproduces_the_recorded_h200_run``.)"""
     T, H, V = cm.BUDGET_SHAPE
-    dev, budget = cm.DEVICES[-1], cm.device_budget(cm.DEVICES[-1])
-    base = cm.step_time(cm.stock(T, H, V, "ce"), dev)
-    ratio = {f: (cm.step_time(cm.masked(T, H, V, "gpu", budget, f), dev) + cm.SYNC_S) / base
+    dev, budget = roof.DEVICES[-1], roof.device_budget(roof.DEVICES[-1])
+    base = roof.step_time(loops.stock(T, H, V, "ce"), dev)
+    ratio = {f: (roof.step_time(loops.masked(T, H, V, "gpu", budget, f), dev) + loops.SYNC_S) / base
              for f in (0.0, 0.25, 0.5, 0.75)}
     assert ratio[0.0] > ratio[0.25] > ratio[0.5] > ratio[0.75]
-    every = cm.step_time(cm.ours(T, H, V, "gpu", True, budget), dev) / base
+    every = roof.step_time(loops.ours(T, H, V, "gpu", True, budget), dev) / base
     assert every <= ratio[0.0] <= every * 1.05
-    assert cm.full_gemms(cm.masked(T, H, V, "gpu", budget, 0.5), T, H, V) == pytest.approx(1.5, rel=0.01)
+    assert roof.full_gemms(loops.masked(T, H, V, "gpu", budget, 0.5), T, H, V) == pytest.approx(1.5, rel=0.01)
     assert "| 50% | " in cm.masked_table([0.5])
 
 
@@ -223,11 +225,12 @@ def test_the_gpu_loss_loop_as_built_is_predicted_faster_than_as_measured():
     to inside the later ones, grad_hidden written by its GEMM) against the one measured
     (a zero-filled accumulator, a copy per chunk); the targets (<= 0.95x) are not met."""
     T, H, V = 8192, 4096, 151936
-    for dev in cm.DEVICES:
-        budget = cm.device_budget(dev)
+    for dev in roof.DEVICES:
+        budget = roof.device_budget(dev)
         for loss in ("logprob", "ce"):
-            base = cm.step_time(cm.stock(T, H, V, loss), dev)
-            now = cm.step_time(cm.ours(T, H, V, "gpu", True, budget), dev) / base
-            then = cm.step_time(cm.ours(T, H, V, "gpu", True, budget, gif=cm.GIF_2026_12_04), dev) / base
+            base = roof.step_time(loops.stock(T, H, V, loss), dev)
+            now = roof.step_time(loops.ours(T, H, V, "gpu", True, budget), dev) / base
+            as_run = loops.ours(T, H, V, "gpu", True, budget, gif=loops.GIF_2026_12_04)
+            then = roof.step_time(as_run, dev) / base
             assert now < then - 0.03, (dev.name, loss, now, then)
             assert 1.0 < now < 1.2, (dev.name, loss, now)  # (docs/gpu.md: 1.09x / 1.14x on the H200)

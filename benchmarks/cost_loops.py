@@ -1,0 +1,228 @@
+"""The kernels of one step, per path, for the cost model (``benchmarks/cost_model.py``).
+
+``stock``: stock Inductor's kernels (its generated code read on the CPU at small size);
+``ours``: chunked_logits' loops at a chunk budget, the sizes from ``fx_passes.kernels.tiling``:
+the forward loop, each lm_head backward plan (``BACKWARDS``), the loss-in-graph loops
+(``GIF``; ``GIF_2026_12_04``: as the recorded H200 run ran them) and ``masked``, the rows a
+loss leaves out.  Each returns a list of :class:`cost_roofline.Kernel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+from typing import Callable, Optional
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.cost_roofline import BF16, FP32, SIZE, Kernel, elementwise, fresh, gemm  # noqa: E402
+from fx_passes.kernels import tiling  # noqa: E402
+
+# --- stock Inductor -------------------------------------------------------------------
+
+def stock(T: int, H: int, V: int, loss: str) -> list[Kernel]:
+    """Stock Inductor's kernels (its C++ code; the backward's gradient reuses the logits'
+    buffer when the lm_head made them)."""
+    ks = [gemm("logits", T, H, V, new=True)] if H else []
+    ks.append(elementwise("forward row reduction", 2 * T * V, exps=T * V))
+    grad_new = 0 if H else 2 * T * V
+    if loss == "logprob":  # gather's gradient: an FP32 [T, V] buffer, zero-filled, then read
+        ks += [elementwise("zero-fill FP32 [T, V]", 0, 4 * T * V, new=4 * T * V),
+               elementwise("backward row kernel", 6 * T * V, 2 * T * V, exps=T * V, new=grad_new)]
+    else:
+        ks.append(elementwise("backward row kernel", 2 * T * V, 2 * T * V, exps=T * V, new=grad_new))
+    if H:
+        ks += [gemm("grad_hidden", T, V, H, new=True), gemm("grad_weight", V, T, H, new=True)]
+    return ks
+
+
+# --- chunked_logits ---------------------------------------------------------------------
+
+def splits(total: int, most: int) -> list[int]:
+    """The piece sizes of ``tiling.even_splits``."""
+    return [b - a for a, b in tiling.even_splits(total, most)]
+
+
+def tile(what: str, rows: int, cols: int, H: int, backward: bool, dtype: str = BF16) -> list[Kernel]:
+    """A logits tile's GEMM and the body that reduces it (and writes its gradient); a
+    backward tile's GEMM is one of a recompute sweep (``Device.sweep_eff``)."""
+    out = BF16 if dtype == BF16 else FP32
+    body = elementwise(f"{what} body", SIZE[out] * rows * cols, 2 * rows * cols if backward else 0,
+                       exps=rows * cols)
+    return [gemm(f"{what} logits", rows, H, cols, dtype, out, sweep=backward), body]
+
+
+def forward_loop(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``lm_head._forward_loop``: chunks of ``forward_rows`` rows, the last one shorter."""
+    ks, rows = [], tiling.forward_rows(budget, T, V)
+    for r0 in range(0, T, rows):
+        ks += tile("forward", min(T, r0 + rows) - r0, V, H, backward=False)
+    return ks
+
+
+def two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    rows, cols = tiling.sweep_sizes(budget, T, V)
+    ks = []
+    for r in splits(T, rows):
+        ks += tile("recompute rows", r, V, H, True) + [gemm("grad_hidden", r, V, H, sweep=True)]
+    for c in splits(V, cols):
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H, sweep=True)]
+    return ks
+
+
+def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``gpu_plan.out_dtype_blocks``: blocks over all rows, ``grad_hidden`` summed in FP32
+    through ``out_dtype`` per group of rows."""
+    ks = []
+    for i, g in enumerate(splits(T, tiling.accumulator_rows(budget, T, H))):
+        n = T if i == 0 else g  # the first sweep reads every row for grad_weight
+        for j, c in enumerate(splits(V, tiling.gpu_block_cols(budget, n, V))):
+            ks += tile("recompute block", n, c, H, True)
+            if i == 0:
+                ks.append(gemm("grad_weight", c, n, H, sweep=True))
+            # (the first block's GEMM writes the FP32 sum, every later one adds into it)
+            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=j > 0, sweep=True))
+        ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * g * H, 2 * g * H))
+    return ks
+
+
+def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kernel]:
+    """``lm_head_sweeps._Backward.sweep`` per group of rows (``fp32``: the ``fp32_tiles`` plan)."""
+    ks, dt = [], FP32 if fp32 else BF16
+    for i, (r0, r1) in enumerate(tiling.even_splits(T, tiling.accumulator_rows(budget, T, H))):
+        first, last = (0, T) if i == 0 else (r0, r1)  # the first sweep reads every row for grad_weight
+        cols, rows = tiling.backward_tiles(budget, last - first, V, H, fp32)
+        for c in splits(V, cols):
+            ks.append(elementwise("weight block -> FP32", 2 * c * H, 4 * c * H))
+            for t0, t1 in tiling.even_splits(last - first, rows):
+                r, a = t1 - t0, min(t1 + first, r1) - max(t0 + first, r0)  # a: rows this group sums
+                if fp32:
+                    ks.append(elementwise("hidden tile -> FP32", 2 * r * H, 4 * r * H))
+                ks += tile("recompute tile", r, c, H, True, dt)
+                ks.append(elementwise("gradient tile -> FP32", 2 * r * c, 4 * r * c))
+                if i == 0:
+                    ks.append(gemm("grad_weight", c, r, H, dt, dt, acc=fp32, sweep=True))
+                if a > 0:
+                    ks.append(gemm("grad_hidden (FP32)", a, c, H, FP32, FP32, acc=True, sweep=True))
+            if fp32 and i == 0:
+                ks.append(elementwise("grad_weight block -> bf16", 4 * c * H, 2 * c * H))
+        ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * (r1 - r0) * H, 2 * (r1 - r0) * H))
+    return ks
+
+
+def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
+    """``lm_head_loss._loop``'s row chunks: logits and stats, the gradient tile, and
+    ``grad_hidden[chunk]`` in one GEMM (FP32 output on the ``gpu`` plan)."""
+    ks = []
+    for r in splits(T, tiling.forward_rows(budget, T, V)):
+        ks += tile("forward", r, V, H, backward=False)
+        ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
+               gemm("grad_hidden", r, V, H, out=out)]
+    return ks
+
+
+def gif_gpu(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True) -> list[Kernel]:
+    """``lm_head_loss``, ``gpu`` (``gpu_plan.fp32_chunk_grads``): 3 GEMMs over at most
+    ``tiling.MAX_LOSS_CHUNKS`` row chunks; per chunk ``grad_hidden`` written in FP32 by its
+    GEMM, the FP32 ``[V, H]`` ``grad_weight`` written by the first chunk's GEMM and added to
+    inside every later one; the backward scales both FP32 gradients and rounds them
+    (``by_device``: the device's budget, else one the user set)."""
+    ks = []
+    for i, r in enumerate(splits(T, tiling.gpu_loss_rows(budget, T, V, by_device))):
+        ks += tile("forward", r, V, H, backward=False)
+        ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
+               gemm("grad_hidden (out_dtype FP32)", r, V, H, out=FP32),
+               gemm("grad_weight (out_dtype FP32)", V, r, H, out=FP32, acc=i > 0)]
+    return ks + _scaled(T, H, V)
+
+
+def gif_gpu_2026_12_04(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                       ) -> list[Kernel]:
+    """``gif_gpu`` as the H200 run of 2026-12-04 ran it: the budget's chunks
+    (``forward_rows``), an FP32 ``[V, H]`` buffer zero-filled, then each chunk's
+    ``g.t() @ h`` added into it (``out_dtype``, ``out=``) in blocks of ``budget / 4H``
+    columns, ``grad_hidden[chunk]`` an FP32 product copied into its buffer."""
+    ks, cols = _gif_chunks(budget, T, H, V, FP32), max(1, min(V, budget // (4 * H)))
+    ks.append(elementwise("zero-fill FP32 [V, H]", 0, 4 * V * H))
+    for r in splits(T, tiling.forward_rows(budget, T, V)):
+        ks.append(elementwise("grad_hidden FP32 product -> its buffer", 4 * r * H, 4 * r * H))
+        for c in splits(V, cols):
+            ks.append(gemm("grad_weight (out_dtype FP32)", c, r, H, out=FP32, acc=True))
+    return ks + _scaled(T, H, V)
+
+
+def _scaled(T: int, H: int, V: int) -> list[Kernel]:
+    """The backward's ``(grad * g).to(bf16)`` of both FP32 gradients: traced into the
+    compiled backward graph, where Inductor fuses it into one kernel per gradient (read
+    on the CPU: one ``cpp_fused__to_copy_mul`` kernel, no FP32 temporary)."""
+    n = (T + V) * H
+    scaled = elementwise("backward: gradients x g, rounded to bf16 (one fused kernel)", 4 * n, 2 * n)
+    return [dataclasses.replace(scaled, fresh=fresh(2 * T * H) + fresh(2 * V * H))]
+
+
+def gif_two_sweeps(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                   ) -> list[Kernel]:
+    """``lm_head_loss``, ``two_sweeps``: ``grad_hidden`` in the forward; on a CPU (unit
+    incoming gradient, read with ``.item()``) one vocabulary sweep for ``grad_weight`` in
+    the backward: 4 GEMMs; elsewhere (no host read of ``g``) the backward recomputes
+    both gradients, a sweep each: 6 GEMMs (``loss._sweeps_backward``)."""
+    ks = _gif_chunks(budget, T, H, V, BF16)
+    if kind != "cpu":
+        return ks + two_sweeps(budget, T, H, V)
+    for c in splits(V, tiling.sweep_sizes(budget, T, V)[1]):
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H, sweep=True)]
+    return ks + [elementwise("backward: grad_hidden clone", 2 * T * H, 2 * T * H, new=2 * T * H)]
+
+
+BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,
+                                  "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True)}
+GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
+GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": gif_two_sweeps}  # as measured
+
+
+def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int,
+         kind: str = "cuda", gif: Optional[dict] = None, by_device: bool = True) -> list[Kernel]:
+    """chunked_logits' kernels; ``kind``: the device's (``Device.kind``); ``gif``: the
+    loss-in-graph loops (``GIF``: as built; ``GIF_2026_12_04``: as measured then);
+    ``by_device``: ``budget`` is the device's (else one the user set)."""
+    if not H:  # W3: row_stats over the given logits
+        return [elementwise("forward row reduction", 2 * T * V, exps=T * V),
+                elementwise("backward pointwise", 2 * T * V, 2 * T * V, exps=T * V, new=2 * T * V)]
+    if in_forward:
+        loops = (gif or GIF)[plan](budget, T, H, V, kind, by_device)
+        return loops + _outputs(T, H, V, 4 if plan == "gpu" else 2)
+    return forward_loop(budget, T, H, V) + BACKWARDS[plan](budget, T, H, V) + _outputs(T, H, V, 2)
+
+
+def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
+    """The gradients' own buffers (the loops write them in place: only their allocation
+    costs, where it is ``fresh``)."""
+    return [Kernel("gradient buffers", fresh=fresh(size * T * H) + fresh(size * V * H))]
+
+
+# A device sync's price (the one host read of ``kernels/rows.select``): the GPU drains its
+# queue, then idles while the op's Python prologue runs before the next kernel.  An
+# assumption (tens to hundreds of microseconds), not measured: docs/gpu.md.
+SYNC_S = 100e-6
+
+
+def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float, kind: str = "cuda",
+           in_forward: bool = True, gif: Optional[dict] = None) -> list[Kernel]:
+    """``lm_head_loss`` (``in_forward``; else the per-token ``lm_head_stats_masked``) with
+    ``fraction`` of the rows left out of the loss (section 5c of docs/how-it-works.md): the
+    logits' bound (a read of ``[T, H]`` and ``[V, H]``), the gather of the kept rows, the
+    loop on them (their count rounded up to the granule), the scatter of ``grad_hidden``,
+    and the one host read."""
+    n = min(T, -(-round(T * (1 - fraction)) // tiling.granule(T)) * tiling.granule(T))
+    size = 4 if plan == "gpu" and in_forward else 2
+    ks = [elementwise("bound: |h| per row, max |W|", 2 * (T + V) * H),
+          elementwise("gather kept rows", 2 * n * H, 2 * n * H)]  # (the host read: SYNC_S)
+    if in_forward:
+        ks += (gif or GIF)[plan](budget, n, H, V, kind) if n else []
+    else:
+        ks += forward_loop(budget, n, H, V) + BACKWARDS[plan](budget, n, H, V) if n else []
+    ks += [elementwise("scatter grad_hidden (zeros + kept rows)", size * n * H, size * T * H)]
+    return ks + _outputs(T, H, V, size)
