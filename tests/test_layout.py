@@ -149,10 +149,10 @@ def test_docstrings_state_the_contract(path):
     assert docstring_problems(path) == []
 
 
-# Issue 34 (item 2): options travel as named fields (``kernels/ops/args.py``), so no function
-# takes more than MOST parameters, but the thin ones at an op's flat edge: a custom op's
-# implementation or fake, or a function a rewritten graph calls (decorated ``custom_op``,
-# ``register_fake`` or ``emitted``), each at most THIN statements that unpack and call on.
+# Options travel as named fields, so no function takes more than MOST parameters, but the
+# thin ones at an op's flat edge (decorated ``custom_op``, ``register_fake`` or ``emitted``),
+# each at most THIN statements that unpack and call on: why those stay flat, and this rule,
+# in ``fx_passes/kernels/ops/args.py``'s docstring.
 MOST, THIN = 8, 8
 def _decorators(fn: ast.FunctionDef) -> set[str]:
     names = set()

@@ -1,8 +1,13 @@
-"""The ops' arguments at the Python edge, by name.
+"""The ops' arguments at the Python edge, by name, and why that edge stays flat.
 
-A custom op's schema is flat (tensors, numbers, strings: what a rewritten graph can
-carry), and so is the function registered as its implementation; that function unpacks
-into these types and calls on, and so does a rewrite reading an emitted call
+Every thin edge takes flat parameters: a custom op's implementation and fake (the schema
+``torch.library`` infers from the signature takes tensors, numbers, bools, strings and lists
+of them, never a dataclass) and each ``emitted`` function a rewritten graph calls (FX graph
+code, Inductor's FX graph cache pickling and the ops' schemas accept only those values, so a
+call's arguments are graph nodes and constants of those types).  The rule
+(``tests/test_layout.py``): no function takes more than 8 parameters but such an edge,
+decorated ``custom_op``, ``register_fake`` or ``emitted``, with at most 8 statements that
+unpack into these types and call on; a rewrite reading an emitted call unpacks it too
 (:meth:`HeadOptions.from_node`, :func:`head_of_node`).  ``Head``: the region's tensors;
 ``HeadOptions``: what it computes and how (never a tensor); ``LogitMap``: how a chunk's
 matmul output becomes the scaled FP32 logits; ``RowValues`` / ``Cotangents``: the per-row
