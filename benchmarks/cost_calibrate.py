@@ -100,7 +100,7 @@ def calibrate(spec: str, plan: str, in_forward: bool) -> str:
         T, H, V, loss = cm.WORKLOADS[name]
         ratio, T = measured.get(name, (None, T))
         base = loops.stock(T, H, V, loss)
-        ks = loops.ours(T, H, V, plan, in_forward, roof.device_budget(dev), dev.kind)
+        ks = loops.ours(T, H, V, plan, in_forward, roof.device_budget(dev), loops.Build(dev.kind))
         pred = roof.step_time(ks, dev) / roof.step_time(base, dev)
         shown = plan + (" (grads in forward)" if in_forward else "") if H else "-"
         if ratio is None:
@@ -162,7 +162,7 @@ def audit(plans: list[str], echo=print) -> str:
                     continue
                 rec = (len(got), sum(g.flops for g in got if g.in_dtype == torch.bfloat16) / (2 * T * H * V),
                        sum(g.flops for g in got if g.in_dtype == torch.float32) / (2 * T * H * V))
-                ks = [k for k in loops.ours(T, H, V, plan, gif, budget, "cpu") if k.flops]
+                ks = [k for k in loops.ours(T, H, V, plan, gif, budget, loops.Build("cpu")) if k.flops]
                 mod = (sum(k.n for k in ks), roof.full_gemms(ks, T, H, V, roof.BF16),
                        roof.full_gemms(ks, T, H, V, roof.FP32))
                 same = rec[0] == mod[0] and abs(rec[1] - mod[1]) < 1e-6 and abs(rec[2] - mod[2]) < 1e-6

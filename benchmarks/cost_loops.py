@@ -26,7 +26,7 @@ from fx_passes.kernels import tiling  # noqa: E402
 def stock(T: int, H: int, V: int, loss: str) -> list[Kernel]:
     """Stock Inductor's kernels (its C++ code; the backward's gradient reuses the logits'
     buffer when the lm_head made them)."""
-    ks = [gemm("logits", T, H, V, new=True)] if H else []
+    ks = [gemm("logits", (T, H, V), new=True)] if H else []
     ks.append(elementwise("forward row reduction", 2 * T * V, exps=T * V))
     grad_new = 0 if H else 2 * T * V
     if loss == "logprob":  # gather's gradient: an FP32 [T, V] buffer, zero-filled, then read
@@ -35,7 +35,7 @@ def stock(T: int, H: int, V: int, loss: str) -> list[Kernel]:
     else:
         ks.append(elementwise("backward row kernel", 2 * T * V, 2 * T * V, exps=T * V, new=grad_new))
     if H:
-        ks += [gemm("grad_hidden", T, V, H, new=True), gemm("grad_weight", V, T, H, new=True)]
+        ks += [gemm("grad_hidden", (T, V, H), new=True), gemm("grad_weight", (V, T, H), new=True)]
     return ks
 
 
@@ -52,7 +52,7 @@ def tile(what: str, rows: int, cols: int, H: int, backward: bool, dtype: str = B
     out = BF16 if dtype == BF16 else FP32
     body = elementwise(f"{what} body", SIZE[out] * rows * cols, 2 * rows * cols if backward else 0,
                        exps=rows * cols)
-    return [gemm(f"{what} logits", rows, H, cols, dtype, out, sweep=backward), body]
+    return [gemm(f"{what} logits", (rows, H, cols), dtype, out, sweep=backward), body]
 
 
 def forward_loop(budget: int, T: int, H: int, V: int) -> list[Kernel]:
@@ -67,9 +67,9 @@ def two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     rows, cols = tiling.sweep_sizes(budget, T, V)
     ks = []
     for r in splits(T, rows):
-        ks += tile("recompute rows", r, V, H, True) + [gemm("grad_hidden", r, V, H, sweep=True)]
+        ks += tile("recompute rows", r, V, H, True) + [gemm("grad_hidden", (r, V, H), sweep=True)]
     for c in splits(V, cols):
-        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H, sweep=True)]
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", (c, T, H), sweep=True)]
     return ks
 
 
@@ -82,9 +82,9 @@ def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
         for j, c in enumerate(splits(V, tiling.gpu_block_cols(budget, n, V))):
             ks += tile("recompute block", n, c, H, True)
             if i == 0:
-                ks.append(gemm("grad_weight", c, n, H, sweep=True))
+                ks.append(gemm("grad_weight", (c, n, H), sweep=True))
             # (the first block's GEMM writes the FP32 sum, every later one adds into it)
-            ks.append(gemm("grad_hidden (out_dtype FP32)", g, c, H, out=FP32, acc=j > 0, sweep=True))
+            ks.append(gemm("grad_hidden (out_dtype FP32)", (g, c, H), out=FP32, acc=j > 0, sweep=True))
         ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * g * H, 2 * g * H))
     return ks
 
@@ -104,9 +104,9 @@ def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kern
                 ks += tile("recompute tile", r, c, H, True, dt)
                 ks.append(elementwise("gradient tile -> FP32", 2 * r * c, 4 * r * c))
                 if i == 0:
-                    ks.append(gemm("grad_weight", c, r, H, dt, dt, acc=fp32, sweep=True))
+                    ks.append(gemm("grad_weight", (c, r, H), dt, dt, acc=fp32, sweep=True))
                 if a > 0:
-                    ks.append(gemm("grad_hidden (FP32)", a, c, H, FP32, FP32, acc=True, sweep=True))
+                    ks.append(gemm("grad_hidden (FP32)", (a, c, H), FP32, FP32, acc=True, sweep=True))
             if fp32 and i == 0:
                 ks.append(elementwise("grad_weight block -> bf16", 4 * c * H, 2 * c * H))
         ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * (r1 - r0) * H, 2 * (r1 - r0) * H))
@@ -120,7 +120,7 @@ def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
     for r in splits(T, tiling.forward_rows(budget, T, V)):
         ks += tile("forward", r, V, H, backward=False)
         ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
-               gemm("grad_hidden", r, V, H, out=out)]
+               gemm("grad_hidden", (r, V, H), out=out)]
     return ks
 
 
@@ -134,8 +134,8 @@ def gif_gpu(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: 
     for i, r in enumerate(splits(T, tiling.gpu_loss_rows(budget, T, V, by_device))):
         ks += tile("forward", r, V, H, backward=False)
         ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
-               gemm("grad_hidden (out_dtype FP32)", r, V, H, out=FP32),
-               gemm("grad_weight (out_dtype FP32)", V, r, H, out=FP32, acc=i > 0)]
+               gemm("grad_hidden (out_dtype FP32)", (r, V, H), out=FP32),
+               gemm("grad_weight (out_dtype FP32)", (V, r, H), out=FP32, acc=i > 0)]
     return ks + _scaled(T, H, V)
 
 
@@ -150,7 +150,7 @@ def gif_gpu_2026_12_04(budget: int, T: int, H: int, V: int, kind: str = "cuda", 
     for r in splits(T, tiling.forward_rows(budget, T, V)):
         ks.append(elementwise("grad_hidden FP32 product -> its buffer", 4 * r * H, 4 * r * H))
         for c in splits(V, cols):
-            ks.append(gemm("grad_weight (out_dtype FP32)", c, r, H, out=FP32, acc=True))
+            ks.append(gemm("grad_weight (out_dtype FP32)", (c, r, H), out=FP32, acc=True))
     return ks + _scaled(T, H, V)
 
 
@@ -173,7 +173,7 @@ def gif_two_sweeps(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_d
     if kind != "cpu":
         return ks + two_sweeps(budget, T, H, V)
     for c in splits(V, tiling.sweep_sizes(budget, T, V)[1]):
-        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", c, T, H, sweep=True)]
+        ks += tile("recompute block", T, c, H, True) + [gemm("grad_weight", (c, T, H), sweep=True)]
     return ks + [elementwise("backward: grad_hidden clone", 2 * T * H, 2 * T * H, new=2 * T * H)]
 
 
@@ -183,16 +183,25 @@ GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
 GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": gif_two_sweeps}  # as measured
 
 
-def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int,
-         kind: str = "cuda", gif: Optional[dict] = None, by_device: bool = True) -> list[Kernel]:
-    """chunked_logits' kernels; ``kind``: the device's (``Device.kind``); ``gif``: the
-    loss-in-graph loops (``GIF``: as built; ``GIF_2026_12_04``: as measured then);
-    ``by_device``: ``budget`` is the device's (else one the user set)."""
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """How the modelled loops are built: ``kind``, the device's (``Device.kind``); ``gif``,
+    the loss-in-graph loops (None: ``GIF``, as built; ``GIF_2026_12_04``: as measured then);
+    ``by_device``: the budget is the device's (else one the user set)."""
+
+    kind: str = "cuda"
+    gif: Optional[dict] = None
+    by_device: bool = True
+
+
+def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int, build: Build = Build()
+         ) -> list[Kernel]:
+    """chunked_logits' kernels, built as ``build`` says."""
     if not H:  # W3: row_stats over the given logits
         return [elementwise("forward row reduction", 2 * T * V, exps=T * V),
                 elementwise("backward pointwise", 2 * T * V, 2 * T * V, exps=T * V, new=2 * T * V)]
     if in_forward:
-        loops = (gif or GIF)[plan](budget, T, H, V, kind, by_device)
+        loops = (build.gif or GIF)[plan](budget, T, H, V, build.kind, build.by_device)
         return loops + _outputs(T, H, V, 4 if plan == "gpu" else 2)
     return forward_loop(budget, T, H, V) + BACKWARDS[plan](budget, T, H, V) + _outputs(T, H, V, 2)
 
@@ -209,8 +218,8 @@ def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
 SYNC_S = 100e-6
 
 
-def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float, kind: str = "cuda",
-           in_forward: bool = True, gif: Optional[dict] = None) -> list[Kernel]:
+def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float, in_forward: bool = True,
+           build: Build = Build()) -> list[Kernel]:
     """``lm_head_loss`` (``in_forward``; else the per-token ``lm_head_stats_masked``) with
     ``fraction`` of the rows left out of the loss (section 5c of docs/how-it-works.md): the
     logits' bound (a read of ``[T, H]`` and ``[V, H]``), the gather of the kept rows, the
@@ -221,7 +230,7 @@ def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float, kind
     ks = [elementwise("bound: |h| per row, max |W|", 2 * (T + V) * H),
           elementwise("gather kept rows", 2 * n * H, 2 * n * H)]  # (the host read: SYNC_S)
     if in_forward:
-        ks += (gif or GIF)[plan](budget, n, H, V, kind) if n else []
+        ks += (build.gif or GIF)[plan](budget, n, H, V, build.kind, build.by_device) if n else []
     else:
         ks += forward_loop(budget, n, H, V) + BACKWARDS[plan](budget, n, H, V) if n else []
     ks += [elementwise("scatter grad_hidden (zeros + kept rows)", size * n * H, size * T * H)]

@@ -76,10 +76,10 @@ def kernels(case: str, T: int, mode: str, counters: dict, budget: int) -> tuple[
     variant = mode.partition(":")[2]
     plan = variant if variant in cm.PLANS else "gpu"
     skipped = counters.get("rows_skipped", 0)
-    in_forward = in_graph and plan in loops.GIF
+    in_forward, as_run = in_graph and plan in loops.GIF, loops.Build(gif=AS_RUN)
     if skipped:
-        return loops.masked(T, H, V, plan, budget, skipped / T, "cuda", in_forward, AS_RUN), loops.SYNC_S
-    return loops.ours(T, H, V, plan, in_forward, budget, gif=AS_RUN), 0.0
+        return loops.masked(T, H, V, plan, budget, skipped / T, in_forward, as_run), loops.SYNC_S
+    return loops.ours(T, H, V, plan, in_forward, budget, as_run), 0.0
 
 
 STOCK = "inductor"

@@ -54,7 +54,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cost_loops import GIF, SYNC_S, masked, ours, stock  # noqa: E402
+from benchmarks.cost_loops import GIF, SYNC_S, Build, masked, ours, stock  # noqa: E402
 from benchmarks.cost_roofline import (  # noqa: E402
     BF16,
     DEVICES,
@@ -120,7 +120,7 @@ def budget_table(budgets_mib: Optional[list[float]] = None, dev: Optional[Device
              "| budget | loss loop rows | per-token forward rows | loss in graph | per-token |",
              "| --- | --- | --- | --- | --- |"]
     for b in budgets:
-        gif, per = (step_time(ours(T, H, V, "gpu", g, b, by_device=b == default), dev) / base
+        gif, per = (step_time(ours(T, H, V, "gpu", g, b, Build(by_device=b == default)), dev) / base
                     for g in (True, False))
         name = f"{b / MIB:.0f} MiB" + (" (default)" if b == default else "")
         rows = tiling.gpu_loss_rows(b, T, V, b == default)
@@ -239,9 +239,9 @@ def what_ifs(dev: Device = DEVICES[-1]) -> str:
         T, H, V, loss = WORKLOADS[name]
         base, built = step_time(stock(T, H, V, loss), dev), ours(T, H, V, "gpu", True, device_budget(dev))
         floor = [k for k in built if "backward" not in k.what and "grad_weight" not in k.what]
-        small = [step_time(ours(T, H, V, "gpu", gif, 32 * MIB, by_device=False), dev) / base
+        small = [step_time(ours(T, H, V, "gpu", gif, 32 * MIB, Build(by_device=False)), dev) / base
                  for gif in (True, False)]
-        best = step_time(floor + [gemm("grad_weight", V, T, H)], dev) / base
+        best = step_time(floor + [gemm("grad_weight", (V, T, H))], dev) / base
         lines.append(f"* {name}: loss in graph as built {step_time(built, dev) / base:.2f}x, grad_weight one "
                      f"GEMM and the scaling free {best:.2f}x; at 32 MiB: loss in graph {small[0]:.2f}x, "
                      f"per-token {small[1]:.2f}x")

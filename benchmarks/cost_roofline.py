@@ -100,15 +100,16 @@ def fresh(nbytes: float) -> float:
     return nbytes if nbytes > REUSED_BYTES else 0.0
 
 
-def gemm(what: str, m: int, k: int, n: int, dtype: str = BF16, out: str = BF16, acc: bool = False,
-         count: int = 1, new: bool = False, sweep: bool = False) -> Kernel:
-    """``[m, k] x [k, n]``: its operands read once, its output written (and read: ``acc``);
-    ``new``: the output is a buffer of its own (``fresh``); ``sweep``: a GEMM of a
-    backward recompute sweep."""
+def gemm(what: str, shape: tuple[int, int, int], dtype: str = BF16, out: str = BF16, acc: bool = False,
+         new: bool = False, sweep: bool = False) -> Kernel:
+    """``[m, k] x [k, n]`` (``shape``: ``(m, k, n)``, as ``Kernel.shape``): its operands read
+    once, its output written (and read: ``acc``); ``new``: the output is a buffer of its own
+    (``fresh``); ``sweep``: a GEMM of a backward recompute sweep."""
+    m, k, n = shape
     s, out_io = SIZE[dtype], SIZE[out] * m * n * (2 if acc else 1)
     new_bytes = fresh(SIZE[out] * m * n) if new else 0.0
     io = s * (m * k + k * n) + out_io
-    return Kernel(what, 2.0 * m * k * n, dtype, io, 0.0, count, (m, k, n), new_bytes, out_io, sweep)
+    return Kernel(what, 2.0 * m * k * n, dtype, io, 0.0, 1, (m, k, n), new_bytes, out_io, sweep)
 
 
 def elementwise(what: str, read: float, write: float = 0.0, exps: float = 0.0, count: int = 1,

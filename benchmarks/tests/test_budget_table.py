@@ -15,7 +15,8 @@ def _ratios(budget):
     T, H, V = 16384, 4096, 151936
     stock = roof.step_time(loops.stock(T, H, V, "ce"), dev)
     default = budget == tiling.device_budget("cuda", 140 * GIB)
-    return tuple(roof.step_time(loops.ours(T, H, V, "gpu", gif, budget, by_device=default), dev) / stock
+    build = loops.Build(by_device=default)
+    return tuple(roof.step_time(loops.ours(T, H, V, "gpu", gif, budget, build), dev) / stock
                  for gif in (True, False))
 
 

@@ -43,9 +43,9 @@ def test_kernel_time_is_a_roofline_plus_launches():
 
 
 def test_gemm_moves_operands_and_output_once():
-    assert roof.gemm("x", 2, 3, 4).bytes == 2 * (6 + 12 + 8)
-    assert roof.gemm("x", 2, 3, 4, out=roof.FP32, acc=True).bytes == 2 * 18 + 4 * 8 * 2
-    assert roof.gemm("x", 2, 3, 4, roof.FP32, roof.FP32).flops == 2 * 2 * 3 * 4
+    assert roof.gemm("x", (2, 3, 4)).bytes == 2 * (6 + 12 + 8)
+    assert roof.gemm("x", (2, 3, 4), out=roof.FP32, acc=True).bytes == 2 * 18 + 4 * 8 * 2
+    assert roof.gemm("x", (2, 3, 4), roof.FP32, roof.FP32).flops == 2 * 2 * 3 * 4
 
 
 @pytest.mark.parametrize("plan, in_forward, kind, bf16, fp32", [
@@ -55,7 +55,7 @@ def test_gemm_moves_operands_and_output_once():
     ("blocks", False, "cuda", 3, 1), ("fp32_tiles", False, "cuda", 1, 3),
 ])
 def test_full_gemm_equivalents_per_plan(plan, in_forward, kind, bf16, fp32):
-    ks = loops.ours(T, H, V, plan, in_forward, 32 * roof.MIB, kind)  # one accumulator group at this T
+    ks = loops.ours(T, H, V, plan, in_forward, 32 * roof.MIB, loops.Build(kind))  # (one accumulator group)
     assert roof.full_gemms(ks, T, H, V, roof.BF16) == pytest.approx(bf16)
     assert roof.full_gemms(ks, T, H, V, roof.FP32) == pytest.approx(fp32)
 
@@ -230,7 +230,7 @@ def test_the_gpu_loss_loop_as_built_is_predicted_faster_than_as_measured():
         for loss in ("logprob", "ce"):
             base = roof.step_time(loops.stock(T, H, V, loss), dev)
             now = roof.step_time(loops.ours(T, H, V, "gpu", True, budget), dev) / base
-            as_run = loops.ours(T, H, V, "gpu", True, budget, gif=loops.GIF_2026_12_04)
+            as_run = loops.ours(T, H, V, "gpu", True, budget, loops.Build(gif=loops.GIF_2026_12_04))
             then = roof.step_time(as_run, dev) / base
             assert now < then - 0.03, (dev.name, loss, now, then)
             assert 1.0 < now < 1.2, (dev.name, loss, now)  # (docs/gpu.md: 1.09x / 1.14x on the H200)
