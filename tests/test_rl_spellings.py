@@ -145,3 +145,32 @@ def test_in_place_maths_left_in_place_where_it_could_be_seen(fn, dtype):
     before, after = rewrite_graphs(fn, x.clone(), tokens)
     assert "in_place_made_out_of_place" not in chunked_counters()
     assert after.code == before.code
+
+
+def per_sequence_bf16(hidden, weight, tokens):
+    """The per-sequence loop on model-precision logits (no upcast: a bf16 branch)."""
+    out = []
+    for seq, seq_tokens in zip(hidden @ weight.T, tokens):
+        logp = torch.log_softmax(seq, dim=-1)
+        out.append(logp.gather(-1, seq_tokens.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(out)
+
+
+def test_per_sequence_bf16_loop_merged_then_upgraded():
+    """Merged, then a near miss naming upgrade_low_precision; with it, rewritten with the
+    lm_head fused and no further from FP64 than stock's bf16 log-probs."""
+    _, (h, w, tokens) = rs.inputs("zipped_rows", B, S, H, V)
+    counters.clear()
+    rewrite_graphs(per_sequence_bf16, h, w, tokens)
+    c = chunked_counters()
+    assert c.get("row_slices_merged") == 1 and c.get("near_miss") == 1 and "rewritten" not in c, c
+    torch._dynamo.reset()
+    counters.clear()
+    ours = torch.compile(per_sequence_bf16, backend="chunked_logits",
+                         options={"upgrade_low_precision": True})(h, w, tokens)
+    c = chunked_counters()
+    assert c.get("row_slices_merged") == 1 and c.get("lm_head_fused") == 1 and c.get("rewritten") == 1, c
+    ref = torch.log_softmax((h @ w.T).double(), -1).gather(-1, tokens[..., None]).squeeze(-1)  # (bf16 logits)
+    stock = torch.compile(per_sequence_bf16, backend="inductor")(h, w, tokens)
+    assert ours.dtype == torch.float32
+    assert (ours.double() - ref).abs().max() <= (stock.double() - ref).abs().max()
