@@ -43,6 +43,8 @@ from benchmarks.memory import MALLOC_ENV, MIB  # noqa: E402
 from fx_passes.env import without_ours  # noqa: E402
 
 RESULT_TAG = "@@RESULT "
+# --clock: wall-clock time, or this process's CPU time (every thread's, user + system)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 DEFAULT_WORKLOADS = tuple(WORKLOADS)  # W1-W5; also W4L, U1-U3 (workloads.EXTRA_WORKLOADS)
 
 
@@ -71,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write memory and step time against T as a PNG next to the CSV (matplotlib)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0: default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child process")
+    p.add_argument("--clock", default="wall", choices=tuple(CLOCKS),
+                   help="what a step's time is: wall-clock time, or the process's CPU time (user + system, "
+                        "all threads): on a machine whose cores other work shares, CPU time leaves out the "
+                        "time the step waited for a core (see benchmarks/README.md)")
     p.add_argument("--time-rows-div", type=int, default=0,
                    help="time W4/W4L at T divided by this (default 0: 8 on a CPU without native bf16 "
                         "matmul, where stock's bf16 GEMMs take minutes a step; else 1)")
@@ -157,12 +163,12 @@ def _warm_up(args, case) -> dict:
 
 def _interleave(args, cases) -> dict:
     """Step times per mode, the modes taking turns: A, B, C, A, B, C ..."""
-    times = {c.mode: [] for c in cases}
+    times, clock = {c.mode: [] for c in cases}, CLOCKS[args.clock]
     for _ in range(args.steps):
         for case in cases:
-            t0 = time.perf_counter()
+            t0 = clock()
             case.step()
-            times[case.mode].append(time.perf_counter() - t0)
+            times[case.mode].append(clock() - t0)
             case.clear_grads()
     return {m: {"t_min_ms": 1e3 * min(ts), "t_median_ms": 1e3 * statistics.median(ts),
                 "n_time_steps": len(ts)} for m, ts in times.items()}
@@ -186,7 +192,7 @@ def time_child(args) -> dict:
         cases.append(case)
     result = _interleave(args, cases)
     if args.time in LM_HEAD_WORKLOADS:
-        result["gemm_ms"] = gemm_ms(inputs)
+        result["gemm_ms"] = gemm_ms(inputs, CLOCKS[args.clock])
     if args.report:
         for case in cases:
             result[case.mode].update(compiled[case.mode], **errors(case, *case.step()))
@@ -202,16 +208,16 @@ def native_bf16_matmul() -> bool:
     return compat.cpu_matmul_in_hardware(torch.bfloat16)
 
 
-def gemm_ms(inputs, steps: int = 3) -> float:
+def gemm_ms(inputs, clock=time.perf_counter, steps: int = 3) -> float:
     """Median time of one ``hidden @ weight.T`` of an lm_head workload (its two first
     inputs): the unit of the lm_head rows' time floor (see run_time)."""
     hidden, weight = inputs[0].detach(), inputs[1].detach()
     hidden = hidden.reshape(-1, hidden.shape[-1])
     times = []
     for _ in range(steps + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         hidden @ weight.T
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return 1e3 * statistics.median(times[1:])
 
 
@@ -272,7 +278,7 @@ def child_argv(args, extra: list[str], rows: int | None = None) -> list[str]:
     """The command line of a child: the parent's settings, the case's T, then ``extra``."""
     return ["--scale", str(args.scale), "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--threads", str(args.threads), "--vocab", str(args.vocab),
-            "--mask", str(args.mask), "--mask-style", args.mask_style,
+            "--mask", str(args.mask), "--mask-style", args.mask_style, "--clock", args.clock,
             *(["--rows", str(rows)] if rows else []), *extra]
 
 
@@ -361,7 +367,7 @@ def parent_main(args) -> None:
     print(cpu_line(), flush=True)
     threads = args.threads or torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, scale 1/{args.scale}, "
-          f"{args.warmup} warm-up + {args.steps} timed steps per mode", flush=True)
+          f"{args.warmup} warm-up + {args.steps} timed steps per mode, {args.clock} clock", flush=True)
     rows: dict = {}
     for name in args.workloads:
         for mode, why in skipped_modes(args, name):

@@ -2,6 +2,7 @@
 :data:`PASSES`, in order (each rewrite returns an ``Outcome``; ``reporting.outcome.counted``
 turns it into counters and the log line)::
 
+    canonical       out_of_place, merge_row_slices (same program, plainer spelling)
     vocab_parallel  find_shard_regions -> rewrite_shard_region (each region)
     regions         find_regions -> rewrite_region, else rewrite_row_region (each region);
                     rewrite_loss_tail on each lm_head call a rewrite fused
@@ -30,7 +31,8 @@ from .config import Config
 from .distributed.shard_stages import find_shard_regions, rewrite_shard_region
 from .fx.graph_ops import meta
 from .kernels.ops.registry import cacheable_names
-from .match.near_miss import loss_outside
+from .match.graph_break import returned_at_break, taken_after_break
+from .match.near_miss import custom_function, loss_outside
 from .match.region import Role
 from .match.region import where as _where
 from .match.row_local import find_row_region
@@ -49,8 +51,10 @@ from .reporting.report import (
     record_rewrite,
 )
 from .reporting.session import session
+from .rewrite.in_place import out_of_place
 from .rewrite.loss_tail import fused_calls, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
+from .rewrite.row_slices import merge_row_slices
 from .rewrite.skip_rows import skip_unread_rows
 from .rewrite.unit_scale import remove_div_by_one
 from .rewrite.upcast_region import fp32_bytes, rewrite_region
@@ -175,6 +179,9 @@ def _regions(graph: Graph, config: Config, run: _Run) -> None:
     """Single-process regions: each by the hand-derived path, else as a row-local region,
     else declined with its reason; a fused lm_head call's loss tail computed in the forward."""
     taken, declined = run.taken, run.declined
+    taken_after_break(graph)  # (a graph break between the upcast and the loss: near misses)
+    returned_at_break(graph)
+    custom_function(graph)  # (FP32 logits into a custom autograd.Function)
     candidates = find_regions(graph, config)
     if not candidates and not run.shard_upcasts:
         loss_outside(graph)  # (a near miss when the graph returns logits)
@@ -232,8 +239,20 @@ def _div_by_one(graph: Graph, config: Config, run: _Run) -> None:
             log.info("chunked_logits: removed %d division(s)/multiplication(s) by 1", n)
 
 
+def _canonical(graph: Graph, config: Config, run: _Run) -> None:
+    """Spellings the matchers read as their plain forms: in-place maths on a fresh FP32
+    copy made out of place, loops over the rows merged (both the same program)."""
+    if config.report_only or not config.rewrite:
+        return
+    for name, count in (("in_place_made_out_of_place", out_of_place(graph)),
+                        ("row_slices_merged", merge_row_slices(graph))):
+        if count:
+            counters[COUNTER][name] += count
+
+
 # The passes of one run, in order (the module's docstring says what each does).
 PASSES: tuple[tuple[str, Callable[[Graph, Config, _Run], None]], ...] = (
+    ("canonical", _canonical),
     ("vocab_parallel", _vocab_parallel),
     ("regions", _regions),
     ("div_by_one", _div_by_one),

@@ -248,3 +248,21 @@ def test_each_entry_skips_the_masked_rows_and_matches_stock(name):
     stock = _run(torch.compile(fn, backend="inductor"), inputs)
     ours, c = _ours(fn, inputs)
     assert _pattern(ours) == _pattern(stock), (_pattern(ours), _pattern(stock), c)
+
+
+def test_the_bound_reads_the_weight_once():
+    """The rows' bound (``kernels/rows.logit_bounds``, every masked step) reads the lm_head
+    weight in one reduction: ``max |W|`` from one ``aminmax``, NaN and inf kept."""
+    from fx_passes.kernels.rows import logit_bounds
+    h, w = _inputs(torch.bfloat16, 0.5)[:2]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        z = logit_bounds(h, w, None, None, True, "")
+    reductions = ("aten::amax", "aten::amin", "aten::aminmax", "aten::max")
+    reads = [e.name for e in prof.events() if e.name in reductions]
+    assert reads == ["aten::aminmax"], reads
+    want = h.double().abs().sum(-1) * w.double().abs().max()
+    assert torch.equal(z, want)
+    for bad in (float("-inf"), float("nan")):  # (any row's logits might not be finite)
+        w2 = w.clone()
+        w2[3, 1] = bad
+        assert not logit_bounds(h, w2, None, None, True, "").isfinite().any()

@@ -109,3 +109,15 @@ def test_run_plot_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch,
     assert set(rows) == {(T, "inductor")}
     assert sum("matplotlib is not installed" in ln for ln in capsys.readouterr().out.splitlines()) == 1
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_cpu_clock_reaches_the_timing_child(monkeypatch):
+    """``--clock cpu``: the child that times the modes reads the process's CPU time."""
+    args = run.parse_args(["--workloads", "W1", "--clock", "cpu"])
+    child = run.parse_args(run.child_argv(args, ["--time", "W1"]))
+    assert child.clock == "cpu" and run.CLOCKS[child.clock] is run.time.process_time
+    reads = []
+    monkeypatch.setitem(run.CLOCKS, "cpu", lambda: reads.append(1) or 0.0)
+    case = type("C", (), {"mode": "m", "step": lambda self: None, "clear_grads": lambda self: None})()
+    assert run._interleave(child, [case])["m"]["n_time_steps"] == child.steps
+    assert len(reads) == 2 * child.steps

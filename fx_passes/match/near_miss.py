@@ -6,11 +6,13 @@ rewrite them.  Each is said once, as a WARNING naming what to change
   computed outside the compiled function (:func:`loss_outside`);
 * ``log_softmax`` / ``softmax`` / ``logsumexp`` of model-precision logits computed in
   model precision, with ``upgrade_low_precision`` off (:func:`model_precision_head`);
-* log-probs read by advanced indexing the matcher does not take (:func:`index_spelling`).
+* log-probs read by advanced indexing the matcher does not take (:func:`index_spelling`);
+* FP32 logits read by a custom ``autograd.Function`` Dynamo traced (:func:`custom_function`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -18,11 +20,12 @@ from torch.fx import Graph, Node
 
 from ..fx.graph_ops import canon, get_arg, is_low_precision, last_dim, meta, tensor_input
 from ..reporting.report import Decline, record_near_miss
+from .graph_break import compiled_function
 from .lm_head import from_lm_head
 from .region import where
-from .upcast import HEADS, reduces_rows
+from .upcast import HEADS, reduces_rows, upcast_ancestor, upcast_input
 
-__all__ = ["LOGITS_MIN_VOCAB", "loss_outside", "model_precision_head", "index_spelling"]
+__all__ = ["LOGITS_MIN_VOCAB", "loss_outside", "model_precision_head", "index_spelling", "custom_function"]
 
 # A returned model-precision tensor with a last dim this wide is taken for logits even
 # when no lm_head matmul is seen making it (Llama 2's vocabulary, the smallest common one;
@@ -42,9 +45,12 @@ def loss_outside(graph: Graph) -> None:
         wide = isinstance(v.shape[-1], int) and v.shape[-1] >= LOGITS_MIN_VOCAB
         if not (wide or from_lm_head(x)) or any(canon(u) in HEADS for u in x.users):
             continue
+        widen = compiled_function(graph)
         record_near_miss(where(x), (
-            f"the compiled graph returns the {_dtype(v)} logits {x.name} [.., {v.shape[-1]}] and computes no "
-            "loss from them, so there is nothing to rewrite: compile the function that computes the loss "
+            f"the compiled graph{' (' + widen + ')' if widen else ''} returns the {_dtype(v)} logits "
+            f"{x.name} "
+            f"[.., {v.shape[-1]}] and computes no loss from them, so there is nothing to rewrite: "
+            f"widen {'that compile' if widen else 'the compile'} to the function that computes the loss "
             "too (torch.compile a step function that calls the model and the loss, or give the model the "
             "labels so that its forward computes the loss), with no graph break between them"))
 
@@ -82,6 +88,52 @@ def index_spelling(decline: Decline) -> None:
         f"{reader.name} reads {src.name} by advanced indexing ({src.name}[{spelled}]), "
         "which the pass does not take (it takes lp[torch.arange(N), tokens] of [N, V] log-probs): write it "
         f"as {src.name}.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)"))
+
+
+def custom_function(graph: Graph) -> None:
+    """An FP32 upcast of model-precision logits (or a tensor computed from one) read by a
+    custom ``autograd.Function`` that Dynamo traced (``autograd_function_apply``): its
+    forward and its hand-written backward are the user's, which the pass does not rewrite
+    (it cannot prove that backward is the forward's gradient)."""
+    for call in graph.nodes:
+        name = getattr(call.target, "__name__", str(call.target))
+        if call.op != "call_function" or "autograd_function_apply" not in name:
+            continue
+        for x in call.args[2:]:
+            up = upcast_ancestor(x) if isinstance(x, Node) and upcast_input(x) is None else x
+            v = meta(x) if isinstance(x, Node) else None
+            if up is None or not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() >= 2):
+                continue
+            record_near_miss(where(call), (
+                f"the FP32 logits {x.name} [{', '.join(str(s) for s in v.shape)}] (upcast at "
+                f"{where(up)}) are "
+                f"read by the custom autograd.Function {_function_name(call)} (forward at "
+                f"{_forward_line(call)}), "
+                "whose forward and hand-written backward the pass does not rewrite, so the FP32 copy and "
+                "what "
+                "the Function saves for backward stay: compute it with torch ops outside an "
+                "autograd.Function "
+                "(the pass derives the backward itself), or pass the model-precision logits into the "
+                "Function "
+                "and upcast one chunk of rows at a time inside it"))
+            break
+
+
+def _function_name(call: Node) -> str:
+    lines = (call.meta.get("stack_trace") or "").strip().splitlines()
+    found = re.search(r"([\w.]+)\.apply\(", lines[-2] if len(lines) > 1 else "")
+    return found.group(1) if found else "(its name unknown)"
+
+
+def _forward_line(call: Node) -> str:
+    body = getattr(call.graph.owning_module, str(call.args[0].target), None) if isinstance(
+        call.args[0], Node) else None
+    for n in getattr(getattr(body, "graph", None), "nodes", ()):
+        trace = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith(
+            "File")]
+        if trace:
+            return trace[-1]
+    return "an unknown line"
 
 
 def _nodes(args) -> list[Node]:

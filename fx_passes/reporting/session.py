@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-__all__ = ["Event", "Session", "session"]
+__all__ = ["Event", "Handoff", "Session", "session"]
 
 
 @dataclasses.dataclass
@@ -27,6 +27,17 @@ class Event:
     run: int = 0  # which run of the passes recorded it (``Session.runs``): one graph each
 
 
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A graph that returned FP32 logits at a graph break (``match.graph_break``)."""
+
+    graph: str  # which compile: "graph 0/0 (step at train.py:12)"
+    shape: tuple  # the tensor's shape, each size as text
+    made: str  # the upcast: name and source line
+    broke_at: str  # the source line(s) of the break
+    why: str  # Dynamo's reason, its first line
+
+
 @dataclasses.dataclass
 class Session:
     """Events, graphs seen and the installed config of one process."""
@@ -35,6 +46,7 @@ class Session:
     graphs_seen: int = 0  # graphs the passes looked at (installed pass and backend)
     runs: int = 0  # runs of the passes (a graph each; also those of fx_passes.transform)
     installed: Any = None  # the Config of the last install(), kept after uninstall()
+    handoffs: list[Handoff] = dataclasses.field(default_factory=list)  # FP32 logits returned at a break
     _dropped: Optional[Callable[[], bool]] = None  # install()'s check: was its pass replaced?
 
     def record(self, event: Event) -> None:
@@ -70,6 +82,7 @@ class Session:
     def reset(self) -> None:
         """Start over: no events, no graphs seen, nothing installed noted."""
         self.events.clear()
+        self.handoffs.clear()
         self.graphs_seen = self.runs = 0
         self.installed, self._dropped = None, None
 
