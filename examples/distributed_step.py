@@ -226,15 +226,24 @@ def run_head(args, rank: int, head: str) -> dict:
             "ours": compare(loss, grads, ref_losses[rank], ref_grads)}
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
+def run(args: argparse.Namespace) -> None:
+    """One run on the initialised process group (tests/torchrun_cases.py runs several in
+    one torchrun start): each head in turn, then ``rank<r>.json``."""
     rank, args.world = dist.get_rank(), dist.get_world_size()
     buckets = BucketCount()
-    heads = {head: run_head(args, rank, head) for head in args.head}
+    try:
+        heads = {head: run_head(args, rank, head) for head in args.head}
+    finally:
+        logging.getLogger("torch._dynamo.backends.distributed").removeHandler(buckets)
     result = {"rank": rank, "world": args.world, "ddp_buckets": buckets.buckets, "heads": heads}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    run(args)
     dist.destroy_process_group()
 
 if __name__ == "__main__":

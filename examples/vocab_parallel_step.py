@@ -228,13 +228,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo")
+def run(args: argparse.Namespace) -> None:
+    """One run on the initialised process group (tests/torchrun_cases.py runs several in
+    one torchrun start): each head with each backend, then ``rank<r>.json``."""
+    global TP_GROUP
+    TP_GROUP = None  # (a run before this one in the process may have set it)
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, dp_rank, tp_rank, dp_mesh = world, 0, rank, None
     if args.dp > 1:
-        global TP_GROUP
         from torch.distributed.device_mesh import init_device_mesh
 
         if world % args.dp:
@@ -281,6 +282,12 @@ def main() -> None:
             }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    run(args)
     dist.destroy_process_group()
 
 

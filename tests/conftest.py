@@ -16,13 +16,33 @@ if importlib.util.find_spec("hypothesis") is None:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``full`` (a costly variant of what other tests in ``make test`` cover)
-    run only under ``make test-full``, as the full dtype products do."""
-    if FULL_MATRIX:
-        return
-    skip = pytest.mark.skip(reason="a costly variant of covered behaviour: make test-full runs it")
+    run only under ``make test-full``, as the full dtype products do.  The slow tests'
+    modules run first (:func:`_slow_modules_first`)."""
+    if not FULL_MATRIX:
+        skip = pytest.mark.skip(reason="a costly variant of covered behaviour: make test-full runs it")
+        for item in items:
+            if item.get_closest_marker("full") is not None:
+                item.add_marker(skip)
+    items[:] = _slow_modules_first(items)
+
+
+def _slow_modules_first(items: list) -> list:
+    """Every module with a test marked ``slow`` (that runs) first, its slow tests at its
+    head; otherwise collection order.  pytest-xdist hands each worker a contiguous half of
+    the collection, run in order, and a worker's last two tests cannot be stolen: a
+    fresh-process test of a minute or more collected near the end (benchmarks/tests comes
+    last) ends the run on one worker.  At the front they overlap the other worker's half.
+    Modules move whole, so a module-scoped fixture is still set up once per worker."""
+    def slow(item) -> bool:
+        return item.get_closest_marker("slow") is not None and (
+            FULL_MATRIX or item.get_closest_marker("full") is None)
+
+    rank: dict = {}
     for item in items:
-        if item.get_closest_marker("full") is not None:
-            item.add_marker(skip)
+        if slow(item):
+            rank.setdefault(item.path, len(rank))
+    return sorted(items, key=lambda item: (rank.get(item.path, len(rank)),
+                                           item.path not in rank or not slow(item)))
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The pass under DDP and FSDP2: 2 ranks on CPU with gloo, started by torchrun.
+"""The pass under DDP and FSDP2: 2 ranks on CPU with gloo, started by torchrun (once for all the tests).
 
 Each rank (examples/distributed_step.py) runs the step with stock Inductor and with the pass and
 reports its counters and the error of loss and every gradient against the FP64
@@ -7,6 +7,7 @@ less accurate than stock on the same setup (the rule of tests/numerics.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -20,7 +21,6 @@ from tests.helpers import auto_plan_computes_gradients_in_forward, clean_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
-EXAMPLE = ROOT / "examples" / "distributed_step.py"
 # the loss in the graph: its gradients computed in the forward (section 5b) where this
 # CPU's auto plan does so (bf16 units; not fp32_tiles on an AVX2-only CPU)
 IN_FORWARD = {"gradients_in_forward": 1} if auto_plan_computes_gradients_in_forward() else {}
@@ -28,16 +28,39 @@ GRAD_RTOL = 2**-8  # bf16 gradients: one rounding apart (numerics.TOLERANCES)
 LOSS_RTOL = 2e-6
 
 
-def torchrun(tmp_path: pathlib.Path, *args: str) -> list[dict]:
-    """Run the example on 2 ranks (``--standalone``: a free port) and read what each wrote."""
+# Every test's run, in one torchrun start (tests/torchrun_cases.py): each rank imports torch,
+# joins the group and warms Inductor once for the four.
+RUNS = {
+    "ddp": ["--setup", "ddp", "--backend", "chunked_logits", "--head", *HEADS],
+    "ddp_bucket": ["--setup", "ddp", "--backend", "install", "--bucket-cap-mb", "1",
+                   "--vocab", "4096", "--hidden", "128"],
+    "fsdp2": ["--setup", "fsdp2", "--backend", "chunked_logits"],
+    "fsdp2_lm_head_in_loss": ["--setup", "fsdp2", "--backend", "chunked_logits", "--lm-head-in", "loss",
+                              "--head", *HEADS],
+}
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def torchrun(tmp_path: pathlib.Path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Each run of the example on 2 ranks (``--standalone``: a free port), all in one
+    start, and what each rank wrote for each."""
     exe = shutil.which("torchrun", path=str(BIN))
     assert exe, "torchrun is installed with torch"
-    out = tmp_path / "ranks"
+    runs = {name: [*argv, "--out", str(tmp_path / name)] for name, argv in runs.items()}
     proc = subprocess.run(
-        [exe, "--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--out", str(out), *args],
-        capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=600)
+        [exe, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "torchrun_cases.py"),
+         "examples.distributed_step", json.dumps(runs)],
+        capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+            for name in runs}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run (the FSDP2 ones need transformers' Llama) in one torchrun start."""
+    runs = {k: v for k, v in RUNS.items() if HAS_TRANSFORMERS or not k.startswith("fsdp2")}
+    return torchrun(tmp_path_factory.mktemp("distributed"), runs)
 
 
 def assert_no_less_accurate(head: dict) -> None:
@@ -65,9 +88,9 @@ def heads(ranks: list[dict], expected: tuple[str, ...]):
 
 
 @pytest.mark.slow
-def test_ddp_rewrites_and_fuses_on_every_rank(tmp_path):
-    """Log-prob, entropy and cross-entropy heads in one job (one torchrun start)."""
-    ranks = torchrun(tmp_path, "--setup", "ddp", "--backend", "chunked_logits", "--head", *HEADS)
+def test_ddp_rewrites_and_fuses_on_every_rank(launched):
+    """Log-prob, entropy and cross-entropy heads in one run."""
+    ranks = launched["ddp"]
     for name, head in zip(HEADS, heads(ranks, HEADS)):
         # (the loss is in the graph: its gradients computed in the forward, section 5b; the
         # cross-entropy's ignore_index is a mask, read each step: section 5c, none ignored here)
@@ -79,12 +102,11 @@ def test_ddp_rewrites_and_fuses_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_lm_head_in_its_own_bucket_with_install(tmp_path):
+def test_ddp_lm_head_in_its_own_bucket_with_install(launched):
     """bucket_cap_mb=1 (DDPOptimizer refuses less: its first bucket is 1 MiB) and a
     1 MiB lm_head weight: the split falls right before the lm_head matmul, which stays
     in one graph with its loss and is fused there."""
-    ranks = torchrun(tmp_path, "--setup", "ddp", "--backend", "install", "--bucket-cap-mb", "1",
-                     "--vocab", "4096", "--hidden", "128")
+    ranks = launched["ddp_bucket"]
     for rank in ranks:
         assert rank["ddp_buckets"] == 2  # DDPOptimizer split the module at the bucket boundary
     for head in heads(ranks, ("logprob",)):
@@ -94,14 +116,14 @@ def test_ddp_lm_head_in_its_own_bucket_with_install(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_llama_rewrites_on_every_rank(tmp_path):
+def test_fsdp2_llama_rewrites_on_every_rank(launched):
     """fully_shard per decoder layer and on the root, the loss on the model's ``.logits``.
     FSDP2's hooks are ``torch._dynamo.disable``d, so the compiled model breaks around each
     sharded module; the lm_head (end of LlamaForCausalLM.forward) and the loss land in
     different graphs, the loss graph receives the logits as an input, and the region is
     rewritten without the lm_head (no lm_head counter: the pass never sees the matmul)."""
     pytest.importorskip("transformers")
-    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits")
+    ranks = launched["fsdp2"]
     for head in heads(ranks, ("logprob",)):
         c = head["counters"]
         assert c["rewritten"] == 1 and "declined" not in c, head["events"]
@@ -110,13 +132,12 @@ def test_fsdp2_llama_rewrites_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_llama_fuses_with_the_lm_head_next_to_the_loss(tmp_path):
+def test_fsdp2_llama_fuses_with_the_lm_head_next_to_the_loss(launched):
     """The same, with the step applying ``model.lm_head`` to ``model.model``'s last hidden
     state itself (docs/distributed.md): the lm_head and the loss share a graph after the
     last break and are fused, for each head."""
     pytest.importorskip("transformers")
-    ranks = torchrun(tmp_path, "--setup", "fsdp2", "--backend", "chunked_logits", "--lm-head-in", "loss",
-                     "--head", *HEADS)
+    ranks = launched["fsdp2_lm_head_in_loss"]
     for head in heads(ranks, HEADS):
         c = head["counters"]
         assert c["rewritten"] == 1 and c["lm_head_fused"] == 1 and "declined" not in c, head["events"]

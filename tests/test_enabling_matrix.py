@@ -52,6 +52,7 @@ def _child(command: list[str], **env: str) -> list[dict]:
     return last_json(proc.stdout)
 
 
+@pytest.mark.slow  # (every case, compiled in a fresh process)
 @pytest.mark.parametrize("way", ["launcher", "environment"])
 def test_fresh_process(way):
     if way == "launcher":

@@ -69,6 +69,7 @@ def result() -> dict:
     return got
 
 
+@pytest.mark.slow  # (the module's fresh process, tests/fake_cuda_child.py, runs in its fixture)
 def test_the_plan_a_cuda_device_gets(result):
     """Without ``mm.dtype`` for CUDA (this build), "auto" and a forced "gpu" run
     "blocks"; with it, "auto" is "gpu" (never a CPU plan on a GPU)."""

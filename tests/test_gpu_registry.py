@@ -196,6 +196,7 @@ def _child(cache_dir, options: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # (two fresh processes, one after the other: a cold compile, then the warm start)
 @pytest.mark.parametrize("options,counter", [({"gradients_in_forward": False}, "row_local_lm_head")],
                          ids=["row_local_sweeps"])
 def test_a_warm_start_is_served_from_the_cache(tmp_path, options, counter):

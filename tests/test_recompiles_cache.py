@@ -173,6 +173,7 @@ def cold(tmp_path_factory):
     return cache, first
 
 
+@pytest.mark.slow  # (the fixture's cold process, then a warm one)
 def test_fx_graph_cache_hit_in_a_new_process(cold) -> None:
     cache, first = cold
     warm = run_child(cache, ALL_DEFAULT)
@@ -186,6 +187,7 @@ def test_fx_graph_cache_hit_in_a_new_process(cold) -> None:
     assert warm["uuid"] == first["uuid"]
 
 
+@pytest.mark.slow  # (a fresh process)
 def test_fx_graph_cache_missed_when_the_config_changes(cold) -> None:
     """The backend: another config is another graph.  The pre-grad pass: another uuid, even
     for a setting (strict) that leaves the graph as it was."""
@@ -197,6 +199,7 @@ def test_fx_graph_cache_missed_when_the_config_changes(cold) -> None:
     assert hits(other["pre_grad"]) == (0, 1)
 
 
+@pytest.mark.slow  # (a fresh process)
 def test_fx_graph_cache_missed_when_the_pass_code_changes(cold, tmp_path) -> None:
     """A copy of the package whose backward doubles the gradient: a new process that imports
     it must not get the old compiled graphs from the cache (it must compute the new gradient)."""

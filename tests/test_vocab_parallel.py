@@ -360,12 +360,49 @@ def test_lm_head_not_fused_says_why(case, caplog):
 
 
 UNEVEN = ["--vocab", "2400", "--vocab-split", "1000,1400", "--chunk-budget-mib", "0.05"]
+# (ranks, data-parallel replicas, more arguments) of each run of the example
+EVERY_RANK = {"tp2_fsdp2_dp2": (4, 2, []), "tp2_fsdp2_dp2_loss_unit": (4, 2, ["--fsdp-unit", "loss"]),
+              "tp2_uneven_shards": (2, 1, UNEVEN)}
+
+
+def every_rank_heads(ranks: int) -> list[str]:
+    # (issue 21's spelling, the target logit gathered before the shift, on 2 ranks)
+    return ["logprob", "entropy", "ce", "logprob_unshifted"] if ranks == 2 else ["logprob", "ce"]
+
+
+def torchrun(tmp_path: pathlib.Path, ranks: int, names: list[str]) -> dict[str, list[dict]]:
+    """The runs ``names`` of the example, all on ``ranks`` ranks, in one torchrun start
+    (tests/torchrun_cases.py), and what each rank wrote for each."""
+    exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
+    runs = {name: ["--head", *every_rank_heads(ranks), "--dp", str(EVERY_RANK[name][1]),
+                   "--out", str(tmp_path / name), *EVERY_RANK[name][2]] for name in names}
+    proc = subprocess.run(
+        [exe, "--standalone", "--nproc-per-node", str(ranks), str(ROOT / "tests" / "torchrun_cases.py"),
+         "examples.vocab_parallel_step", json.dumps(runs)],
+        capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(ranks)]
+            for name in names}
+
+
+@pytest.fixture(scope="module")
+def every_rank_runs(tmp_path_factory):
+    """A run's rank files by name; the runs on as many ranks share one torchrun start (the
+    two 4-rank runs), made when a test first asks for one of them."""
+    started: dict[int, dict[str, list[dict]]] = {}
+
+    def rank_files(name: str) -> list[dict]:
+        ranks = EVERY_RANK[name][0]
+        if ranks not in started:
+            names = [n for n, (r, _, _) in EVERY_RANK.items() if r == ranks]
+            started[ranks] = torchrun(tmp_path_factory.mktemp(f"ranks{ranks}"), ranks, names)
+        return started[ranks][name]
+    return rank_files
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,dp,extra", [(4, 2, []), (4, 2, ["--fsdp-unit", "loss"]), (2, 1, UNEVEN)],
-                         ids=["tp2_fsdp2_dp2", "tp2_fsdp2_dp2_loss_unit", "tp2_uneven_shards"])
-def test_every_rank_every_head(tmp_path, ranks, dp, extra):
+@pytest.mark.parametrize("case", list(EVERY_RANK))
+def test_every_rank_every_head(every_rank_runs, case):
     """examples/vocab_parallel_step.py: 2 data-parallel replicas of 2 tensor-parallel ranks
     with the lm_head shard under FSDP2 (4 ranks), the shard alone a ``fully_shard`` unit
     (its call a graph break: not fused) or with the loss in the unit (fused); and 2 ranks
@@ -375,17 +412,10 @@ def test_every_rank_every_head(tmp_path, ranks, dp, extra):
     and h's summed over the shards) no further from the FP64 single-process reference than
     stock Inductor on the same ranks.  (Even shards on 2 ranks are the 4-rank runs' tensor
     parallelism; the 4-rank runs take two heads, the 2-rank run every head.)"""
-    exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
-    out, example = tmp_path / "ranks", ROOT / "examples" / "vocab_parallel_step.py"
-    # (issue 21's spelling, the target logit gathered before the shift, on 2 ranks)
-    heads = ["logprob", "entropy", "ce", "logprob_unshifted"] if ranks == 2 else ["logprob", "ce"]
-    proc = subprocess.run(
-        [exe, "--standalone", "--nproc-per-node", str(ranks), str(example),
-         "--head", *heads, "--dp", str(dp), "--out", str(out), *extra],
-        capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for r in range(ranks):
-        rank = json.loads((out / f"rank{r}.json").read_text())
+    ranks, dp, extra = EVERY_RANK[case]
+    heads = every_rank_heads(ranks)
+    files = every_rank_runs(case)
+    for rank in files:
         for head in heads:
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
             # (with the shard alone under FSDP2 its module call is a graph break: its logits
