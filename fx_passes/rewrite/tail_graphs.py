@@ -16,7 +16,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..fx.graph_ops import meta, op_name
 from ..fx.op_rules import Kind, tail_rule
-from ..kernels.log_softmax.loss import trace_tail
+from ..kernels.log_softmax.loss_parts import trace_tail
 from ..kernels.ops import user_bodies
 from ..kernels.ops.args import head_of_node
 from ..match.loss_tail import VIEWS, LossTail, NoTail

@@ -35,7 +35,7 @@ import torch
 
 from ...reporting.report import say_once
 from .. import rows as rows_of
-from ..log_softmax.loss import (
+from ..log_softmax.loss_parts import (
     add_fp32_grads,
     final_loss,
     loss_of_sums,
