@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fx_passes import Config
 from fx_passes.fx.graph_ops import meta
 from fx_passes.kernels import tiling
-from fx_passes.kernels.log_softmax import lm_head
+from fx_passes.kernels.log_softmax import lm_head_masked
 from fx_passes.kernels.ops import registry
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER
@@ -177,13 +177,13 @@ def one(gm, mode, options):
     values = [meta(n) for n in new.graph.nodes if n.op != "output"]
     factories = {f"{n.name}:{n.target.__name__}": str(n.kwargs.get("device")) for n in new.graph.nodes
                  if n.op == "call_function" and n.target in FACTORIES}
-    counts, masked_op = [], lm_head.lm_head_stats_masked
+    counts, masked_op = [], lm_head_masked.lm_head_stats_masked
 
     def counted(*args):  # (the masked op's count of rows run: kept inside the call)
         results = masked_op(*args)
         counts.extend(devices(results[-1:]))
         return results
-    with torch.no_grad(), mode, unittest.mock.patch.object(lm_head, "lm_head_stats_masked", counted):
+    with torch.no_grad(), mode, unittest.mock.patch.object(lm_head_masked, "lm_head_stats_masked", counted):
         calls = EmittedCalls(new).run()
     out = calls.results
     return {"emitted": emitted, "unchanged": new is gm, "failed_for_no_cuda": failed_for_no_cuda,
