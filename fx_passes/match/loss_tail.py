@@ -46,6 +46,7 @@ known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else
 #   fuses that cast into the tail's kernel and skips it too), unless it is a converted bool.
 #   A 16-bit input of the graph, read as it is, is its own exact value.
 #
+# (The two predicates are ``match/short_floats.py``'s, which the row-local regions share.)
 # A sum over the rows in a 16-bit dtype (``x.sum(dtype=torch.bfloat16)``, a 16-bit scalar
 # part) is one rounding of the FP64 sum, as stock's one rounding of its FP32 sum: taken.
 
@@ -69,20 +70,14 @@ from ..fx.graph_ops import (
     same,
     same_shape,
 )
-from ..fx.op_rules import TAIL_ROWS, Kind, tail_row_rule, tail_rule
+from ..fx.op_rules import Kind, tail_row_rule, tail_rule
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
+from .short_floats import VIEWS, computed_short, rounds_to_16_bits
 
 __all__ = ["LossTail", "NoTail", "match_loss_tail", "match_tail", "match_reads", "match_region_reads",
            "VIEWS"]
 
-# Views that keep the row-major order of the values (one per row): identities on the flat rows.
-VIEWS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.ROW_VIEW}
 ROW, REDUCE, SCALAR = "row", "reduce", "scalar"
-# NOTE [16-bit roundings in a tail]: 16-bit dtypes; ops that keep a 16-bit value exactly;
-# conversions (a bool's is exact)
-SHORT = (torch.float16, torch.bfloat16)
-KEEPS_VALUE = VIEWS | {"detach", "clone", "contiguous", "positive", "neg"}
-CONVERSIONS = {name for name, kind in TAIL_ROWS.items() if kind is Kind.PER_ROW} - {"detach", "clone"}
 
 
 class NoTail(Exception):
@@ -190,7 +185,7 @@ class _Matcher:
             return ROW
         if not (tail_row_rule(name) or canon(node) == "convert"):
             raise NoTail(f"{node.name} ({name}) is not a pointwise op on the rows (fx/op_rules.py)")
-        if self.derive and out.dtype in SHORT and name not in KEEPS_VALUE and not _from_bool(node, name):
+        if self.derive and rounds_to_16_bits(node) is not None:
             raise NoTail(f"{node.name} ({name}) rounds each row's value to {out.dtype}, where stock's fused "
                          "kernel keeps FP32 and rounds the sum once (NOTE [16-bit roundings in a tail])")
         for a in node.all_input_nodes:
@@ -200,7 +195,7 @@ class _Matcher:
                     raise NoTail(f"{node.name} broadcasts {a.name} {tuple(t.shape)} to {tuple(out.shape)}")
             else:
                 self.operand(node, a, out.shape)
-                if self.derive and _computed_short(a):
+                if self.derive and computed_short(a):
                     raise NoTail(f"{node.name} reads {a.name}, {_tensor(a).dtype} the graph computes: stock "
                                  "fuses it into the tail's kernel, FP32 (NOTE [16-bit roundings in a tail])")
         return ROW
@@ -223,24 +218,6 @@ class _Matcher:
             if a not in self.kind:
                 self.operand(node, a, None)
         return SCALAR
-
-
-def _from_bool(node: Node, name: str) -> bool:
-    """Is ``node`` a conversion of a bool tensor (exact in any floating dtype)?"""
-    src = _tensor(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
-    return (name in CONVERSIONS or canon(node) == "convert") and src is not None and src.dtype == torch.bool
-
-
-def _computed_short(a: Node) -> bool:
-    """Is ``a`` a 16-bit floating tensor the graph computes (not an input read as it is,
-    through views, nor a converted bool)?"""
-    t = _tensor(a)
-    if t is None or t.dtype not in SHORT:
-        return False
-    while a.op in ("call_function", "call_method") and op_name(a) in KEEPS_VALUE and a.args \
-            and isinstance(a.args[0], Node):
-        a = a.args[0]
-    return a.op not in ("placeholder", "get_attr") and not _from_bool(a, op_name(a))
 
 
 def match_loss_tail(graph: Graph, stats: Node) -> LossTail:

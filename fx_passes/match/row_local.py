@@ -53,6 +53,7 @@ from ..fx.graph_ops import (
 )
 from ..fx.op_rules import pointwise_op
 from ..reporting.report import Decline, Reason
+from .short_floats import computed_short, rounds_to_16_bits
 from .upcast import upcast_input
 
 __all__ = ["RowRegion", "pointwise_op", "find_row_region", "TERMINAL_LOSSES", "check_row_local", "loss_arg",
@@ -259,7 +260,7 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
                 flattened.append(up)
                 for view in _flattening_views(up):
                     take(view)
-            elif _seed_of(a) is not None or check_row_local(a) is None:
+            elif _seed_of(a) is not None or (check_row_local(a) is None and _rounds(a) is None):
                 take(a)
         if _is_terminal(n):  # (reduced over the rows: what reads it is outside the region)
             continue
@@ -267,10 +268,14 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
             if u in region:
                 continue
             why = check_row_local(u)
-            if why is None:
+            low = _rounds(u) if why is None else None  # (left in the graph, after a per-row result)
+            if why is None and low is None:
                 take(u)
             elif _wide(n, rows, width) and u.op == "output":
                 raise Decline(Reason.ESCAPES, f"{n.name} (FP32 [rows x .. x V]) is a graph output")
+            elif _wide(n, rows, width) and low is not None:
+                raise Decline(Reason.ESCAPES, f"{u.name} ({op_name(u)}) {low}, so it stays in the graph, "
+                                              f"and it reads {n.name} (FP32 [rows x .. x V])")
             elif _wide(n, rows, width):
                 raise _not_row_local(u, f"{why} and reads {n.name} (FP32 [rows x .. x V])")
     nodes = [n for n in graph.nodes if n in region]
@@ -302,6 +307,17 @@ def find_row_region(graph: Graph, seed: Node) -> RowRegion:
                 raise _not_row_local(n, f"makes a tensor of shape {tuple(t.shape)}, whose dim 0 is not "
                                         "the rows")
     return RowRegion(seeds, nodes, rows_in, whole, outputs, terminals, tuple(flattened))
+
+
+def _rounds(node: Node) -> Optional[str]:
+    """Why the body leaves ``node`` to the graph, or None: it rounds to 16 bits, or reads a
+    16-bit tensor the graph computes (NOTE [16-bit roundings in a row-local body])."""
+    low, read = rounds_to_16_bits(node), [a for a in node.all_input_nodes if computed_short(a)]
+    if low is None and not read:
+        return None
+    what = f"rounds to {low}" if low is not None else \
+        f"reads {read[0].name}, {meta(read[0]).dtype} the graph computes"
+    return f"{what}, where stock's fused kernel keeps FP32 (NOTE [16-bit roundings in a row-local body])"
 
 
 def _flattened_upcast(view: Node) -> Optional[Node]:
