@@ -95,6 +95,14 @@ class LargestFP32(TorchDispatchMode):
                 self.largest = max(self.largest, t.numel())
         return out
 
+    def eager_bodies(self, body, options):
+        """A chunk-body compiler (``body_compiler.compiling_with(big.eager_bodies)``): each
+        body runs eagerly under this mode, which sees every op it runs, forward and backward."""
+        def watched(*args):
+            with self:
+                return body(*args)
+        return watched
+
 
 def auto_plan_computes_gradients_in_forward(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the lm_head loop's ``"auto"`` plan on this CPU computes the gradients in the

@@ -57,15 +57,9 @@ def test_no_fp32_logits_buffer(name):
     assert full_fp32_buffers(stock_codes, S, V) != []
     big = LargestFP32()
 
-    def eager_and_watched(body, options):
-        def watched(*args):
-            with big:
-                return body(*args)
-        return watched
-
     torch._dynamo.reset()
     counters.clear()
-    with compiling_with(eager_and_watched):
+    with compiling_with(big.eager_bodies):
         compiled = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 0.125,
                                                                          "leave_to_stock": False})
         _, codes = compiled_codes(run, compiled, inputs, (0, 1))

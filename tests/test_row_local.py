@@ -79,16 +79,10 @@ def test_no_fp32_logits_buffer(name):
     fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
     big = LargestFP32()
 
-    def eager_and_watched(body, options):
-        def watched(*args):
-            with big:
-                return body(*args)
-        return watched
-
     torch._dynamo.reset()
     counters.clear()
     budget_mib = 8 * V * BYTES_PER_ELEMENT / 2**20  # 8 rows of the widest working set
-    with compiling_with(eager_and_watched):
+    with compiling_with(big.eager_bodies):
         compiled = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": budget_mib,
                                                                          "leave_to_stock": False})
         _, codes = compiled_codes(run, compiled, inputs, grad_pos)
