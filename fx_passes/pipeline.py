@@ -6,6 +6,7 @@ turns it into counters and the log line)::
     vocab_parallel  find_shard_regions -> rewrite_shard_region (each region)
     regions         find_regions -> rewrite_region, else rewrite_row_region (each region);
                     rewrite_loss_tail on each lm_head call a rewrite fused
+    canonical_kept  the graph's own spelling back where no region was rewritten
     div_by_one      remove_div_by_one
 
 Runs on a copy of the graph: if anything inside raises, the caller gets the
@@ -29,7 +30,7 @@ from torch.fx import Graph, GraphModule, Node
 from . import compat, env
 from .config import Config
 from .distributed.shard_stages import find_shard_regions, rewrite_shard_region
-from .fx.graph_ops import meta
+from .fx.graph_ops import graph_snapshot, meta, restore_graph
 from .kernels.ops.registry import cacheable_names
 from .match.graph_break import returned_at_break, taken_after_break
 from .match.near_miss import custom_function, loss_outside
@@ -73,6 +74,8 @@ class _Run:
     shard_upcasts: set[Node] = dataclasses.field(default_factory=set)  # seen by vocab_parallel
     taken: set[Node] = dataclasses.field(default_factory=set)  # nodes of row-local regions rewritten or left
     declined: set[Node] = dataclasses.field(default_factory=set)  # roots and upcasts of regions declined
+    # the graph before ``canonical`` changed it, what it changed, and the rewrites counted then
+    canonical: Optional[tuple[Graph, dict[str, int], int]] = None
 
 
 def _vocab_parallel(graph: Graph, config: Config, run: _Run) -> None:
@@ -241,11 +244,28 @@ def _div_by_one(graph: Graph, config: Config, run: _Run) -> None:
 
 def _canonical(graph: Graph, config: Config, run: _Run) -> None:
     """Spellings the matchers read as their plain forms: in-place maths on a fresh FP32
-    copy made out of place, loops over the rows merged (both the same program)."""
+    copy made out of place, loops over the rows merged (both the same program).  Kept only
+    where a region is then rewritten (``_canonical_kept``)."""
     if config.report_only or not config.rewrite:
         return
-    for name, count in (("in_place_made_out_of_place", out_of_place(graph)),
-                        ("row_slices_merged", merge_row_slices(graph))):
+    snapshot = graph_snapshot(graph)
+    done = {"in_place_made_out_of_place": out_of_place(graph), "row_slices_merged": merge_row_slices(graph)}
+    if any(done.values()):
+        run.canonical = (snapshot, done, counters[COUNTER]["rewritten"])
+
+
+def _canonical_kept(graph: Graph, config: Config, run: _Run) -> None:
+    """The graph as the user wrote it again when ``canonical`` changed it and no region was
+    rewritten after: a spelling changed for nothing is not left behind."""
+    if run.canonical is None:
+        return
+    snapshot, done, rewritten = run.canonical
+    if counters[COUNTER]["rewritten"] == rewritten:
+        restore_graph(graph, snapshot)
+        log.info("chunked_logits: no region rewritten; the graph's own spelling kept (%s undone)",
+                 ", ".join(f"{name} {n}" for name, n in done.items() if n))
+        return
+    for name, count in done.items():
         if count:
             counters[COUNTER][name] += count
 
@@ -255,6 +275,7 @@ PASSES: tuple[tuple[str, Callable[[Graph, Config, _Run], None]], ...] = (
     ("canonical", _canonical),
     ("vocab_parallel", _vocab_parallel),
     ("regions", _regions),
+    ("canonical_kept", _canonical_kept),
     ("div_by_one", _div_by_one),
 )
 
@@ -361,23 +382,10 @@ class ChunkedLogitsPass(CustomGraphPass):
         with contained(self.config.strict or snapshot is None) as attempt:
             run_passes(graph, self.config)
         if attempt.failed:
-            _restore(graph, snapshot.graph)
+            restore_graph(graph, snapshot.graph)
         if gm is not None:
             setattr(gm, _DONE, True)
 
     def uuid(self) -> str:
         state = "off" if env.disabled() else "on"
         return f"chunked_logits-{source_hash()[:16]}-{self.config.key()}-{state}"
-
-
-def _restore(graph: Graph, snapshot: Graph) -> None:
-    """Put ``snapshot``'s nodes back into ``graph`` in place (the caller holds this graph
-    object), keeping ``graph``'s own placeholders: Dynamo hangs attributes on them
-    (``_dynamo_source``) that AOTAutograd asserts, and the passes never touch them."""
-    for node in reversed(list(graph.nodes)):
-        if node.op != "placeholder":
-            graph.erase_node(node)
-    ours = [n for n in graph.nodes if n.op == "placeholder"]
-    theirs = [n for n in snapshot.nodes if n.op == "placeholder"]
-    out = graph.graph_copy(snapshot, dict(zip(theirs, ours)))
-    graph.output(out)

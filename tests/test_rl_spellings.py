@@ -151,13 +151,14 @@ def per_sequence_bf16(hidden, weight, tokens):
 
 
 def test_per_sequence_bf16_loop_merged_then_upgraded():
-    """Merged, then a near miss naming upgrade_low_precision; with it, rewritten with the
+    """Merged, a near miss naming upgrade_low_precision and the loop kept; with it, rewritten with the
     lm_head fused and no further from FP64 than stock's bf16 log-probs."""
     _, (h, w, tokens) = rs.inputs("zipped_rows", B, S, H, V)
     counters.clear()
     rewrite_graphs(per_sequence_bf16, h, w, tokens)
     c = chunked_counters()
-    assert c.get("row_slices_merged") == 1 and c.get("near_miss") == 1 and "rewritten" not in c, c
+    # merged, the near miss said, then the user's loop put back: nothing was rewritten
+    assert "row_slices_merged" not in c and c.get("near_miss") == 1 and "rewritten" not in c, c
     torch._dynamo.reset()
     counters.clear()
     ours = torch.compile(per_sequence_bf16, backend="chunked_logits",

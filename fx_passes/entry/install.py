@@ -82,7 +82,7 @@ class InstalledPass(CustomGraphPass):
 
             self._impl = ChunkedLogitsPass(self.config)
         session.count_graph()
-        self._impl(graph)  # its fall-back keeps the graph's own placeholders (passes._restore)
+        self._impl(graph)  # its fall-back keeps the graph's own placeholders (fx.graph_ops.restore_graph)
 
     def uuid(self) -> str:
         from ..pipeline import source_hash

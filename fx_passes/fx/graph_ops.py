@@ -24,7 +24,7 @@ from .. import compat
 __all__ = ["canon", "op_name", "same", "same_shape", "get_arg", "bound_args", "meta", "is_low_precision",
            "is_metadata_query", "is_pure", "is_collective", "mutates", "is_mode_switch", "call_name",
            "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS", "is_elementwise", "requires_grad", "is_number",
-           "is_scalar", "scaled_by_number", "scalar_tensor", "keep_meta"]
+           "is_scalar", "scaled_by_number", "scalar_tensor", "keep_meta", "graph_snapshot", "restore_graph"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -344,3 +344,23 @@ def is_elementwise(node: Node) -> bool:
 def keep_meta(new: Node, old: Node) -> None:
     """Give ``new``, which replaces ``old``, its example value and source location."""
     new.meta.update({k: v for k, v in old.meta.items() if k in ("example_value", "val", "stack_trace")})
+
+
+def graph_snapshot(graph: Graph) -> Graph:
+    """A copy of ``graph``'s nodes (placeholders included) for :func:`restore_graph`."""
+    snapshot = Graph()
+    snapshot.output(snapshot.graph_copy(graph, {}))
+    return snapshot
+
+
+def restore_graph(graph: Graph, snapshot: Graph) -> None:
+    """Put ``snapshot``'s nodes back into ``graph`` in place (the caller holds this graph
+    object), keeping ``graph``'s own placeholders: Dynamo hangs attributes on them
+    (``_dynamo_source``) that AOTAutograd asserts, and the passes never touch them."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    ours = [n for n in graph.nodes if n.op == "placeholder"]
+    theirs = [n for n in snapshot.nodes if n.op == "placeholder"]
+    out = graph.graph_copy(snapshot, dict(zip(theirs, ours)))
+    graph.output(out)
