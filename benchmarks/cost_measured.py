@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/cost_measured.py                  # 2026-12-04's H200 run
     .venv/bin/python benchmarks/cost_measured.py --breakdown      # where the time goes, per case
     .venv/bin/python benchmarks/cost_measured.py --runs DIR       # another run's run*.json
+    .venv/bin/python benchmarks/cost_measured.py --memory         # peaks: predicted / measured
 
 Reads the ``run*.json`` files ``benchmarks/gpu_check.py`` wrote (a row per case, mode and
 run: ``t_median_ms``, ``gemm_ms``, the pass's counters), takes the median over the runs of
@@ -26,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import cost_loops as loops  # noqa: E402
+from benchmarks import cost_memory  # noqa: E402
 from benchmarks import cost_model as cm  # noqa: E402
 from benchmarks import cost_roofline as roof  # noqa: E402
 from fx_passes.kernels import tiling  # noqa: E402
@@ -159,7 +161,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default=str(RUNS), help="the folder of a gpu_check run's run*.json")
     p.add_argument("--breakdown", action="store_true", help="where the time goes, per lm_head case")
+    p.add_argument("--memory", action="store_true", help="each row's peak: predicted / measured")
     args = p.parse_args(argv)
+    if args.memory:
+        runs = pathlib.Path(args.runs)
+        print(cost_memory.compare_table(runs, roof.device_budget(device_of(runs))))
+        return 0
     if args.breakdown:
         print(breakdown(pathlib.Path(args.runs)))
         return 0

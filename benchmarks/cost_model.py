@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/cost_calibrate.py --calibrate  # this CPU's rates: predicted vs measured
     .venv/bin/python benchmarks/cost_calibrate.py --audit      # the modelled GEMMs vs a recording
     .venv/bin/python benchmarks/cost_measured.py               # vs the recorded H200 run
+    .venv/bin/python benchmarks/cost_model.py --memory         # predicted peaks (cost_memory.py)
 
 A prediction, not a measurement.  Each step is a list of kernels; a kernel takes
 ``max(GEMM FLOPs / rate(input dtype), bytes / bandwidth, exps / exp rate)`` (a roofline
@@ -256,7 +257,12 @@ def main(argv=None) -> int:
                    help="ratios at the default chunk budget and these (default 1024 512 256 128 32), H200")
     p.add_argument("--masked", nargs="*", type=float, default=None, metavar="FRACTION",
                    help="ratios by the share of rows the loss leaves out (default 0 0.25 0.5 0.75), H200")
+    p.add_argument("--memory", action="store_true", help="predicted peak memory vs stock (cost_memory.py)")
     args = p.parse_args(argv)
+    if args.memory:
+        from benchmarks.cost_memory import report as memory_report
+        print(memory_report())
+        return 0
     if args.masked is not None:
         print(masked_table(args.masked or [0.0, 0.25, 0.5, 0.75]))
         return 0
