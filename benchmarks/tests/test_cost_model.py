@@ -300,6 +300,8 @@ def test_predicted_peak_ratios_at_the_targets():
         assert got["W4L"]["ratio"] == pytest.approx(0.518, abs=0.002)
         assert got["WV"]["ratio"] == pytest.approx(1.018, abs=0.002) and got["WV"]["instead"] < 0.6
         assert got["WD"]["ratio"] > 1.0 and got["WD"]["instead"] < 1.0
+        # the row-local loop without its two holds: its backward's 6 V H + 2 T H, stock's exactly at T = 2 H
+        assert got["WD"]["what_if"] == pytest.approx(1.0)
         assert got["WV-tok"]["ratio"] < 0.6 and got["W4L-tok"]["ratio"] < 0.3
     table = mem.report()
     assert table.count("<= 0.6x: **not met**") == 2 and table.count("<= 1.0x: **not met**") == 2
