@@ -7,7 +7,8 @@ it under ``no_grad`` (the example values of the nodes they add are computed by t
 fake kernels without autograd); the rewritten graph then runs on fake CUDA inputs, again
 under ``no_grad``.  Prints one JSON line: per path, the emitted calls, the devices of every
 example value and of every factory call in the rewritten graph, and of its outputs; the
-lm_head plans a CUDA device gets.
+lm_head plans a CUDA device gets; the ATen calls of the ``"gpu"`` plan's chunk loops at
+the recorded run's sizes (``"loops"``: tests/fake_cuda_loops.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from fx_passes.kernels.log_softmax import lm_head_masked
 from fx_passes.kernels.ops import registry
 from fx_passes.pipeline import transform
 from fx_passes.reporting.report import COUNTER
+from tests import fake_cuda_loops, sweep_cases
 from tests import row_local_cases as rl
 from tests import rows_row_local_programs as rrl
-from tests import sweep_cases
 from tests.cases import lm_logprob_entropy, policy_loss
 from tests.helpers import dynamo_graph
 
@@ -217,7 +218,8 @@ def plans() -> dict:
 def main() -> None:
     """Each path as this torch is built (no CUDA ``mm.dtype``: the ``"blocks"`` plan),
     then with the CUDA build's ``mm.dtype`` registered (the ``"gpu"`` plan), strict off
-    there (see tests/test_fake_cuda.py on what a CPU-only torch cannot run)."""
+    there (see tests/test_fake_cuda.py on what a CPU-only torch cannot run); then the
+    ``"gpu"`` plan's chunk loops."""
     graphs = {}
     for name, (fn, args, options) in paths().items():
         dynamic, specialize_float = options.pop("dynamic", False), options.pop("specialize_float", True)
@@ -229,6 +231,8 @@ def main() -> None:
             result[kind] = {"plans": plans(), "paths": {
                 name: one(gm, mode, {"strict": strict, **options})
                 for name, ((gm, mode), options) in graphs.items()}}
+    with cuda_out_dtype_kernels():
+        result["loops"] = fake_cuda_loops.run(FakeTensorMode())
     print(json.dumps(result))
 
 

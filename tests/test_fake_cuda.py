@@ -26,6 +26,27 @@ What a CPU-only torch cannot run, and why (so not checked here; the GPU check ru
   (tests/test_vocab_parallel.py runs gloo groups on CPU tensors); not run here.
 No CUDA wheel is installed for this (several GB in ``make test``); the GPU check
 (benchmarks/gpu_check.py) covers the rest on a GPU.
+
+The ``"gpu"`` plan's chunk loops themselves (issue 54, item 2; tests/fake_cuda_loops.py,
+in the same process): the loss in the graph (``lm_head_loss``'s own function, then its
+backward) and the per-token backward, on fake CUDA tensors at the recorded H200 run's
+sizes (T 8192, V 151936, H 4096, bf16) with an 80 GB and a 141 GB device's budget, every
+ATen call recorded in order: the chunk count, each chunk's GEMMs, every call that touches
+an FP32 sum, the one downcast.  What runs otherwise than on a GPU there, and why:
+* the chunk bodies run eagerly (Inductor makes no CUDA kernels without a CUDA build): their
+  row kernels are not asserted, and the logits GEMM is ``aten.linear`` (Inductor's extern
+  ``mm`` on a GPU);
+* ``compat.probe_addmm_into`` reads a real CUDA tensor back: its answer is set as a CUDA
+  build gives it (torch newer than 2.8; 2.8's answer in a case of its own), and so is the
+  device's total memory;
+* the rewrite that emits the loss call runs on CPU tensors (on fake CUDA it traces on the
+  device, above); the backward is called on a plain context (autograd aborts);
+* the loss loop runs every row (``skip_masked_rows`` off): choosing the rows a mask
+  leaves out reads the mask's values, which a fake tensor has none of;
+* the Python bindings of ``Tensor.__getitem__`` / ``__setitem__`` / ``copy_`` /
+  ``contiguous`` are replaced by the ATen calls they make (their device guard raises),
+  and ``addmm(.., out=)`` takes its meta kernel (its Python decomposition copies through
+  ``Tensor.copy_``).
 """
 
 from __future__ import annotations
@@ -36,6 +57,8 @@ import sys
 
 import pytest
 
+from fx_passes.kernels import tiling
+from tests import fake_cuda_loops
 from tests.helpers import clean_env, last_json
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -127,3 +150,141 @@ def test_traced_on_the_device_leaves_the_graph(result, kind):
     for path in TRACED_ON_THE_DEVICE:
         got = result[kind]["paths"][path]
         assert got["unchanged"] and got["failed_for_no_cuda"], (path, got)
+
+
+# ---- the "gpu" plan's chunk loops at the recorded run's sizes (issue 54, item 2) ----------------
+# tests/fake_cuda_loops.py runs them on fake CUDA tensors (T 8192, V 151936, H 4096, bf16) with
+# the budget of an 80 GB and a 141 GB device and records every ATen call in order; its
+# docstring says what differs from a GPU (the chunk bodies run eagerly: the logits GEMM is
+# ``aten.linear``, Inductor's extern ``mm`` on a GPU).
+T, V, H = 8192, 151936, 4096
+BF16, F32 = "bfloat16", "float32"
+DEVICES = ("h100", "h200")
+OUT_DTYPE_GEMMS = ("aten.mm.dtype_out", "aten.addmm.dtype_out")
+
+
+def _gemms(ops) -> list:
+    return [(o["op"], tuple(o["shape"]), o["dtype"]) for o in ops
+            if o["op"] == "aten.linear.default" or o["op"].startswith(("aten.mm.", "aten.addmm."))]
+
+
+def _on(storages, ops) -> list:
+    """The calls that read or write one of ``storages`` (views of them left out: no kernel)."""
+    return [(o["op"], tuple(o["shape"]), o["dtype"]) for o in ops if set(storages) & set(o["storages"])
+            and not o["view"]]
+
+
+def _from_the_gradient(ops, first: int, last: int) -> list[str]:
+    """The calls (views left out) after the one that wrote the logits gradient that the
+    GEMMs ``ops[first]`` and ``ops[last]`` both read, through ``ops[last]``: no cast or
+    copy of it between its row kernel and its GEMMs, which read it in model precision."""
+    shared = set(ops[first]["storages"]) & set(ops[last]["storages"])
+    assert len(shared) == 1, (ops[first], ops[last])  # (one gradient, not a copy of it for one GEMM)
+    made = next(i for i, o in enumerate(ops) if shared & set(o["storages"]))
+    assert ops[made]["dtype"] == BF16 and F32 in ops[made]["in_dtypes"], ops[made]  # (rounded from FP32)
+    return [o["op"] for o in ops[made + 1:last + 1] if not o["view"]]
+
+
+def _loss_chunks(result, device) -> list[int]:
+    """Rows of each chunk: the logits GEMMs' (``[rows, V]`` in model precision)."""
+    fwd = result["loops"]["loss"][device]["forward"]
+    return [s[0] for op, s, dt in _gemms(fwd) if op == "aten.linear.default" and s[1] == V and dt == BF16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_loss_loop_runs_few_large_chunks(result, device):
+    rows = _loss_chunks(result, device)
+    assert 2 <= len(rows) <= 4 and sum(rows) == T, rows
+    budget = result["loops"]["loss"][device]["budget"]
+    assert budget == tiling.device_budget("cuda", fake_cuda_loops.DEVICES[device]) >= 1024 * 2**20
+    assert rows == [b - a for a, b in tiling.even_splits(T, tiling.gpu_loss_rows(budget, T, V))]
+
+
+def _loss_gemms(rows: list[int]) -> list[list[tuple]]:
+    """Per chunk: the logits GEMM, ``grad_hidden[chunk]``'s and ``grad_weight``'s."""
+    return [[("aten.linear.default", (r, V), BF16), ("aten.mm.dtype_out", (r, H), F32),
+             ("aten.addmm.dtype_out" if i else "aten.mm.dtype_out", (V, H), F32)] for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_loss_chunk_runs_its_gemms_into_the_fp32_sums(result, device):
+    """Per chunk: the logits GEMM, ``grad_hidden[chunk]`` written by one ``out_dtype`` GEMM
+    into its rows, ``grad_weight``'s FP32 sum written by the first chunk's GEMM (beta 0)
+    and added to inside every later one (``addmm`` into the FP32 ``out``: the path of the
+    CUDA probe's answer, not ``product_cols`` pieces); model-precision inputs only."""
+    got = result["loops"]["loss"][device]
+    fwd, rows, sums = got["forward"], _loss_chunks(result, device), got["sums"]
+    assert _gemms(fwd) == sum(_loss_gemms(rows), [])
+    gemms = [o for o in fwd if o["op"] in OUT_DTYPE_GEMMS]
+    assert all(o["in_dtypes"] in ([BF16, BF16], [F32, BF16, BF16]) for o in gemms)  # (addmm's self: the sum)
+    assert [o["writes"] for o in gemms] == [sums["grad_hidden"], sums["grad_weight"]] * len(rows)
+    starts = [sum(rows[:i]) * H for i in range(len(rows))]  # each chunk's rows of grad_hidden, once
+    assert [o["offset"] for o in gemms if o["writes"] == sums["grad_hidden"]] == starts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nothing_but_the_gemms_touches_the_fp32_sums(result, device):
+    """The sums are allocated (not filled), and in the forward no call but their GEMMs
+    reads or writes them (no fill, zero, copy, add or cast); each chunk's logits gradient
+    goes from its row kernel to its two GEMMs with nothing between."""
+    got = result["loops"]["loss"][device]
+    fwd, chunks, sums = got["forward"], _loss_gemms(_loss_chunks(result, device)), got["sums"]
+    allocated = [("aten.new_empty.default", (T, H), F32), ("aten.new_empty.default", (V, H), F32)]
+    assert _on(sums.values(), fwd) == allocated + [g for c in chunks for g in c[1:]]
+    on_h, on_w = ([i for i, o in enumerate(fwd) if o["writes"] == sums[name]] for name in sums)
+    assert [_from_the_gradient(fwd, i, j) for i, j in zip(on_h, on_w)] == [[c[1][0], c[2][0]] for c in chunks]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_loss_backward_rounds_each_fp32_sum_once(result, device):
+    """The backward (``loss._backward``): each sum read once, times the incoming gradient,
+    and rounded to model precision once (one kernel each under Inductor)."""
+    got = result["loops"]["loss"][device]
+    bwd = got["backward"]
+    assert [(o["op"], tuple(o["shape"]), o["dtype"]) for o in bwd] == [
+        ("aten.mul.Tensor", (T, H), F32), ("aten._to_copy.default", (T, H), BF16),
+        ("aten.mul.Tensor", (V, H), F32), ("aten._to_copy.default", (V, H), BF16)]
+    assert [set(got["sums"].values()) & set(o["storages"]) for o in bwd[0::2]] == [
+        {got["sums"]["grad_hidden"]}, {got["sums"]["grad_weight"]}]
+
+
+def test_where_addmm_cannot_write_an_fp32_out_later_chunks_add_products(result):
+    """torch 2.8's CUDA ``addmm`` (``compat.probe_addmm_into`` says no): each later chunk
+    adds FP32 products of at most ``product_cols`` columns into the sum, a separate add
+    each, which the test above finds wherever it appears."""
+    got = result["loops"]["loss_addmm_2_8"]
+    rows = _loss_chunks(result, "h200")
+    pieces = tiling.even_splits(V, tiling.product_cols(got["budget"], V, H))
+    on_weight = _on([got["sums"]["grad_weight"]], got["forward"])
+    adds = [(b - a, H) for a, b in pieces] * (len(rows) - 1)
+    assert [s for op, s, _ in on_weight if op == "aten.add_.Tensor"] == adds
+    assert [op for op, _, _ in on_weight] == ["aten.new_empty.default", "aten.mm.dtype_out"] + [
+        "aten.add_.Tensor"] * len(adds)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_token_blocks_write_then_add_the_fp32_grad_hidden(result, device):
+    """The per-token backward (``gpu_plan.out_dtype_blocks``): per vocabulary block the
+    logits recomputed over all rows, ``grad_weight[block]`` one model-precision GEMM
+    over all rows written into its rows, ``grad_hidden``'s FP32 sum written by the first
+    block's ``out_dtype`` GEMM and added to inside every later one; one downcast at the
+    end, no zero-fill."""
+    got = result["loops"]["per_token"][device]
+    ops, budget = got["ops"], got["budget"]
+    assert tiling.accumulator_rows(budget, T, H) == T  # one sweep: all rows' sum held
+    cols = [b - a for a, b in tiling.even_splits(V, tiling.gpu_block_cols(budget, T, V))]
+    assert len(cols) >= 2
+    assert _gemms(ops) == sum(([("aten.linear.default", (T, c), BF16), ("aten.mm.out", (c, H), BF16),
+                                ("aten.addmm.dtype_out" if i else "aten.mm.dtype_out", (T, H), F32)]
+                               for i, c in enumerate(cols)), [])
+    (acc,) = {o["writes"] for o in ops if o["op"] in OUT_DTYPE_GEMMS}
+    assert _on([acc], ops) == [("aten.empty.memory_format", (T, H), F32), ("aten.mm.dtype_out", (T, H), F32),
+                               *[("aten.addmm.dtype_out", (T, H), F32)] * (len(cols) - 1),
+                               ("aten.copy_.default", (T, H), BF16)]  # (the downcast into grad_hidden)
+    on_w = [i for i, o in enumerate(ops) if o["op"] == "aten.mm.out"]
+    assert [ops[i]["writes"] for i in on_w] == [got["grads"]["grad_weight"]] * len(cols)
+    on_acc = [i for i, o in enumerate(ops) if o["writes"] == acc]
+    assert [_from_the_gradient(ops, i, j) for i, j in zip(on_w, on_acc)] == [
+        ["aten.mm.out", "aten.addmm.dtype_out" if k else "aten.mm.dtype_out"] for k in range(len(cols))]
+    assert _on([got["grads"]["grad_hidden"]], ops) == [("aten.empty_like.default", (T, H), BF16),
+                                                        ("aten.copy_.default", (T, H), BF16)]
