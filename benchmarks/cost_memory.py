@@ -18,7 +18,9 @@ at the budget given (the device's: ``cost_roofline.device_budget``).
   backward's row kernel; then ``grad_hidden`` and ``grad_weight`` from their GEMMs.
 * ours, the loss in the graph (``log_softmax/loss.py``; ``row_local/loss.py``): the FP32
   ``[V, H]`` and ``[T, H]`` sums from the forward to the backward, a chunk's logits and
-  gradient, then the backward's bf16 gradients rounded from the sums.
+  gradient, then the backward's bf16 gradients rounded from the sums (``grad_hidden``
+  first, its sum then freed).  ``as_run``: the code the 2026-12-04 run measured, whose
+  row-local loop and ``"blocks"`` plan held a tile more (the recorded rows validate it).
 * ours, per token (``lm_head.py``'s forward, the backward plans of ``lm_head_sweeps.py`` /
   ``gpu_plan.py``): the bf16 gradients, the plan's FP32 ``grad_hidden`` sum and its tiles.
 * a mask (rows the loss leaves out): the kept rows' hidden states gathered, the loop on them.
@@ -120,40 +122,42 @@ def loss_two_sweeps(T: int, H: int, V: int, budget: int) -> list[Phase]:
     return [fwd] + [Phase(p.name, (made,) + p.terms) for p in _two_sweeps(T, T, H, V, budget)]
 
 
-def row_local_gpu(T: int, H: int, V: int, budget: int, n: Optional[int] = None, what_if: bool = False
+def row_local_gpu(T: int, H: int, V: int, budget: int, n: Optional[int] = None, as_run: bool = False
                   ) -> list[Phase]:
     """``row_local_loss``, ``gpu`` (WD, WDM): the FP32 sums; row chunks of ``sweep_step``
-    rows, the previous chunk's gradient still bound in the loop while the next chunk's logits
-    and gradient are made; the backward rounds both sums (``_rounded``) while the op's
-    context holds them.  ``what_if``: the previous chunk's gradient dropped first, and the
-    grad_hidden sum freed before grad_weight is rounded (as ``lm_head_loss``'s traced
-    backward does): not built."""
+    rows, a chunk's logits and gradient (the previous chunk's dropped first); the backward
+    rounds grad_hidden, its FP32 sum then freed, then grad_weight (NOTE [row-local loss
+    memory]).  ``as_run``: the code of the 2026-12-04 run, which held the previous chunk's
+    gradient while the next chunk's were made and both sums while grad_weight was rounded."""
     n = T if n is None else n
     r = piece(n, tiling.sweep_step(n, V, budget, torch.device("cpu")))
     tile = BF * r * V
     sums = (("grad_weight FP32 sum [V, H]", F4 * V * H), ("grad_hidden FP32 sum [n, H]", F4 * n * H))
     chunk = (("chunk logits bf16 [r, V]", tile), ("chunk gradient bf16 [r, V]", tile))
-    chunk += () if what_if else (("the previous chunk's gradient, still bound", tile),)
+    chunk += (("the previous chunk's gradient, still bound", tile),) if as_run else ()
     teacher = (("the teacher's kept rows of the chunk bf16 [r, V]", tile),) if n < T else ()
-    held = () if what_if else (("grad_hidden FP32 sum [T, H]", F4 * T * H),)
-    return [Phase(f"forward: a chunk of {r} rows", sums + _kept(T, n, H) + chunk + teacher),
-            Phase("backward: the sums rounded", (("grad_weight FP32 sum [V, H]", F4 * V * H),) + held + (
-                ("grad_hidden bf16 [T, H]", BF * T * H), _gw(V, H)))]
+    gw32, gh = ("grad_weight FP32 sum [V, H]", F4 * V * H), ("grad_hidden bf16 [T, H]", BF * T * H)
+    gh32 = ("grad_hidden FP32 sum [T, H]", F4 * T * H)
+    forward = Phase(f"forward: a chunk of {r} rows", sums + _kept(T, n, H) + chunk + teacher)
+    if as_run:
+        return [forward, Phase("backward: the sums rounded", (gw32, gh32, gh, _gw(V, H)))]
+    return [forward, Phase("backward: grad_hidden rounded", (gw32, gh32, gh)),
+            Phase("backward: grad_weight rounded", (gw32, gh, _gw(V, H)))]
 
 
 def row_local_sweeps(T: int, H: int, V: int, budget: int) -> list[Phase]:
     """``row_local_sweeps`` (what a row-local loss keeps where ``tiling.holds_weight_sums``
     says no): the backward's row sweep (``grad_hidden``) then vocabulary blocks over all
-    rows (``grad_weight``); in either, a piece's logits and gradient are made while the
-    previous piece's gradient is still bound (``sweeps.row_sweep`` / ``block_sweep``)."""
+    rows (``grad_weight``); in either, a piece's logits and gradient (``sweeps.row_sweep``
+    / ``block_sweep`` drop the previous piece's before the next is made)."""
     cpu = torch.device("cpu")
     r, c = piece(T, tiling.sweep_step(T, V, budget, cpu)), piece(V, tiling.sweep_step(V, T, budget, cpu))
     gh = ("grad_hidden bf16 [T, H]", BF * T * H)
-    three = ("logits", "gradient", "previous gradient")
+    two = ("logits", "gradient")
     return [Phase(f"backward row sweep: chunks of {r} rows", (gh,) + tuple(
-                (f"row chunk {w} bf16 [r, V]", BF * r * V) for w in three)),
+                (f"row chunk {w} bf16 [r, V]", BF * r * V) for w in two)),
             Phase(f"backward block sweep: blocks of {c} columns", (gh, _gw(V, H)) + tuple(
-                (f"block {w} bf16 [T, c]", BF * T * c) for w in three))]
+                (f"block {w} bf16 [T, c]", BF * T * c) for w in two))]
 
 
 # --- ours: per token (the lm_head's backward plans) ---------------------------------------
@@ -168,11 +172,13 @@ def _two_sweeps(T: int, n: int, H: int, V: int, budget: int) -> list[Phase]:
                                                                            BF * n * c),))]
 
 
-def per_token(T: int, H: int, V: int, plan: str, budget: int, n: Optional[int] = None) -> list[Phase]:
+def per_token(T: int, H: int, V: int, plan: str, budget: int, n: Optional[int] = None, as_run: bool = False
+              ) -> list[Phase]:
     """``lm_head_stats`` (``lm_head_stats_masked`` for ``n < T`` rows kept) and its backward
     plan: the forward keeps per-row statistics only (a chunk's logits at a time); the
     backward (``lm_head_grads`` on the kept rows) makes ``grad_hidden`` and ``grad_weight``
-    first, then sweeps."""
+    first, then sweeps.  ``as_run``: the code of the 2026-12-04 run (``"blocks"`` held the
+    previous block's FP32 gradient copy while the next was made)."""
     n = T if n is None else n
     fwd = Phase("forward: a chunk's logits", (("chunk logits bf16 [r, V]",
                                                BF * piece(n, tiling.forward_rows(budget, n, V)) * V),))
@@ -185,10 +191,10 @@ def per_token(T: int, H: int, V: int, plan: str, budget: int, n: Optional[int] =
         return [fwd, Phase(f"backward: blocks of {c} columns", grads + (acc, ("block gradient bf16 [n, c]",
                                                                                BF * n * c)))]
     c = piece(V, tiling.backward_tiles(budget, n, V, H, False)[0])  # "blocks": _Backward.sweep
+    held = (("the previous block's FP32 copy, still bound", F4 * n * c),) if as_run else ()
     return [fwd, Phase(f"backward: blocks of {c} columns", grads + (
         acc, ("weight block FP32 copy [c, H]", F4 * c * H), ("block gradient bf16 [n, c]", BF * n * c),
-        ("block gradient FP32 copy [n, c]", F4 * n * c),
-        ("the previous block's FP32 copy, still bound", F4 * n * c)))]
+        ("block gradient FP32 copy [n, c]", F4 * n * c)) + held)]
 
 
 # --- the plans a step runs -----------------------------------------------------------------
@@ -198,16 +204,17 @@ def ours(case: str, T: int, H: int, V: int, plan: str, budget: int, n: Optional[
     """Ours for a GPU check case (``W4L``, ``WV``, ``W4C``: the loss in the graph; ``-tok``,
     ``W4E``: per token; ``WD``, ``WDM``: row-local), ``plan`` the mode's, ``n`` the rows run.
     ``as_run``: as the 2026-12-04 run ran it (the FP32 sums held at any T, the loss loop's
-    chunks of ``forward_rows``); else as built now (``tiling.holds_weight_sums``)."""
+    chunks of ``forward_rows``, the row-local loop's and ``"blocks"``' holds); else as built
+    now (``tiling.holds_weight_sums``)."""
     held = as_run or tiling.holds_weight_sums(T, V, H, "cuda")
     if case in ("WD", "WDM"):
-        return row_local_gpu(T, H, V, budget, n) if held else row_local_sweeps(T, H, V, budget)
+        return row_local_gpu(T, H, V, budget, n, as_run) if held else row_local_sweeps(T, H, V, budget)
     in_graph = case in ("W4L", "WV", "W4C") and plan in ("gpu", "two_sweeps")
     if in_graph and plan == "two_sweeps":
         return loss_two_sweeps(T, H, V, budget)
     if in_graph and held:
         return loss_gpu(T, H, V, budget, n, as_run)
-    return per_token(T, H, V, plan, budget, n)
+    return per_token(T, H, V, plan, budget, n, as_run)
 
 
 STOCK_LOSS = {"W4L": "logprob", "W4L-tok": "logprob", "WV": "ce", "WV-tok": "ce", "W4C": "ce", "WD": "ce"}
@@ -224,9 +231,9 @@ def ratios(dev, shape: tuple = SHAPE) -> list[dict]:
                "target": TARGETS.get(case)}
         if case in ("W4L", "WV"):  # the plan without the FP32 [V, H] sum (one GEMM more)
             row["instead"] = peak(per_token(T, H, V, "gpu", budget)).bytes / base.bytes
-        if case == "WD":  # the row-local sweeps (two GEMMs more); the sums' loop without its two holds
+        if case == "WD":  # the row-local sweeps (two GEMMs more); the sums' loop as the 2026-12-04 run's code
             row["instead"] = peak(row_local_sweeps(T, H, V, budget)).bytes / base.bytes
-            row["what_if"] = peak(row_local_gpu(T, H, V, budget, what_if=True)).bytes / base.bytes
+            row["as_run"] = peak(row_local_gpu(T, H, V, budget, as_run=True)).bytes / base.bytes
         out.append(row)
     return out
 
@@ -255,9 +262,9 @@ def report(shape: tuple = SHAPE) -> str:
         lines.append(f"* {dev.name} (budget {device_budget(dev) // MIB} MiB), the plans that hold no FP32 "
                      f"[V, H] sum instead: W4L {alt['W4L']:.2f}x, WV {alt['WV']:.2f}x (the per-token gpu "
                      f"plan, one GEMM more), WD {alt['WD']:.2f}x (the row-local sweeps, two GEMMs more); "
-                     f"WD holding the sums without the previous chunk's gradient and with grad_hidden's sum "
-                     f"freed before grad_weight is rounded (not built): "
-                     f"{next(r['what_if'] for r in ratios(dev, shape) if r['case'] == 'WD'):.2f}x")
+                     f"WD with the row-local loop's two holds of the 2026-12-04 run's code (the previous "
+                     f"chunk's gradient, grad_hidden's FP32 sum while grad_weight is rounded): "
+                     f"{next(r['as_run'] for r in ratios(dev, shape) if r['case'] == 'WD'):.2f}x")
     return "\n".join(lines)
 
 
@@ -286,7 +293,7 @@ def predicted(case: str, mode: str, T: int, V: int, H: int, counters: dict, budg
     n = T - counters.get("rows_skipped", 0)
     plan = variant if variant in ("gpu", "blocks", "two_sweeps") else "gpu"
     if case in ("W4L-tok", "WV-tok", "W4E"):
-        return peak(per_token(T, H, V, plan, budget, n))
+        return peak(per_token(T, H, V, plan, budget, n, as_run=True))
     return peak(ours(case, T, H, V, plan, budget, n, as_run=True))
 
 
@@ -312,7 +319,8 @@ def compare(run_dir: pathlib.Path, budget: int) -> list[dict]:
 
 
 def compare_table(run_dir: pathlib.Path, budget: int) -> str:
-    lines = [f"Peak memory of one step, predicted (benchmarks/cost_memory.py, as the run ran, budget "
+    lines = [f"Peak memory of one step, predicted (benchmarks/cost_memory.py, as the run ran: its code's "
+             f"chunks and holds, budget "
              f"{budget // MIB} MiB) / measured ({run_dir}):", "",
              "| case | T | mode | measured MiB | predicted MiB | predicted / measured | the peak |",
              "|" + " --- |" * 7]

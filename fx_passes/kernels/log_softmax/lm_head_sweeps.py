@@ -84,10 +84,12 @@ class _Backward:
                 a0, a1 = max(t0, r0), min(t1, r1)  # the tile's rows this sweep accumulates
                 if acc is not None and a0 < a1:
                     acc[a0 - r0:a1 - r0].addmm_(g32[a0 - t0:a1 - t0], w32)
+                del g, g32, h_in  # (before the next tile's gradient and its FP32 copy are made)
             if gw is not None:
                 grad_weight[v0:v1] = gw
             if gb is not None:
                 grad_bias[v0:v1] = gb
+            del w32, w_in, b_in, gw, gb  # (the block's FP32 copies and sums, before the next block's)
 
     def tile(self, t0: int, t1: int, v0: int, v1: int) -> torch.Tensor:
         """``grad_of_tile`` of the model-precision operands (``two_sweeps``)."""

@@ -24,6 +24,12 @@ the backward runs both sweeps with the scaled cotangents.  On plan ``"gpu"`` see
 # stock's over seeds (docs/gpu.md, "Host syncs").  The forward's `done` is not read on a
 # GPU; the CPU plan reads it and g on a CPU only (host memory).
 
+# NOTE [row-local loss memory]
+# Plan "gpu" holds its FP32 sums (4 V H + 4 T H bytes) and only what the maths needs on top:
+# the loop drops a chunk's gradient before the next chunk's logits are made; the backward's
+# grad_hidden call comes first, so the compiled backward frees the [T, H] sum before the
+# weight's call rounds grad_weight (6 V H + 2 T H at its end).  Same ops in the same order.
+
 from __future__ import annotations
 
 import dataclasses
@@ -168,17 +174,17 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
 
         def cotangents(a: int, b: int) -> list[torch.Tensor]:
             return [w.to(dt).expand(b - a).contiguous() for w, (_, dt) in zip(weights, reductions)]
-        for a, b, got in row_sweep(stats, region, lm, cotangents, plan != "gpu" and needs[1]):
-            g, outs, per_row = got[0], got[1:1 + k], got[1 + k:]
-            for s, o in zip(sums, outs):
-                s += o.sum(dtype=F64)
+        for a, b, (g, *got) in row_sweep(stats, region, lm, cotangents, plan != "gpu" and needs[1]):
+            for i, s in enumerate(sums):  # (got: the results, then the per-row values)
+                s += got[i].sum(dtype=F64)
             if plan == "gpu":
                 add_fp32_grads(g, h[a:b], weight, grad_h[a:b] if needs[0] else None,
                                grad_w if grad_w.numel() else None, grad_b if grad_b.numel() else None, cols)
-                continue
-            if needs[0]:
-                torch.mm(g, weight, out=grad_h[a:b])
-            _pack(packed[a:b], per_row)
+            else:
+                if needs[0]:
+                    torch.mm(g, weight, out=grad_h[a:b])
+                _pack(packed[a:b], got[k:])
+            del g, got  # (one chunk's gradient at a time: NOTE [row-local loss memory])
     value = loss_of_sums(loss.final_key, loss.kinds, sums, total, final_whole)
     return [value, grad_h, packed, torch.full((), int(done), dtype=torch.int8, device=dev), grad_w, grad_b]
 
@@ -358,8 +364,18 @@ def _backward(ctx, grads):
     args, made = saved_inputs(ctx)
     if g is None or not any(ctx.needs):
         return grads_by_name(_row_local_loss, ctx.lengths)
-    got = call_by_name(_row_local_loss_backward, args, g=g, **dict(zip(_MADE, made)))
+    got = _backward_calls(g, args, dict(zip(_MADE, made)), ctx.needs)
     return grads_by_name(_row_local_loss, ctx.lengths, **taken(iter(got), ctx.needs, args))
+
+
+def _backward_calls(g: torch.Tensor, args: dict, made: dict, needs: list[bool]) -> list[torch.Tensor]:
+    """The backward op's gradients (plan "gpu": two calls, NOTE [row-local loss memory])."""
+    if args["plan"] != "gpu" or not needs[0] or not any(needs[1:]):
+        return call_by_name(_row_local_loss_backward, args, g=g, **made)
+    none = torch.empty(0, dtype=F32, device=args["hidden"].device)  # (a sum the call does not read)
+    first = {**made, "grad_weight": none, "grad_bias": none, "needs": [True, False, False]}
+    rest = {**made, "grad_hidden": none, "needs": [False, *needs[1:]]}
+    return [t for more in (first, rest) for t in call_by_name(_row_local_loss_backward, args, g=g, **more)]
 
 
 _row_local_loss.register_autograd(_backward, setup_context=_setup)

@@ -94,8 +94,9 @@ def _say_whole(key: str, why: str) -> None:
 def row_sweep(stats, region: Region, lm: LogitsInput, cotangents, reorder: bool) -> Iterator[tuple]:
     """Sweep 1's loop, for each row chunk ``(a, b)``: the chunk's logits (freed before the
     chunk is yielded), the split's compiled ``stats`` graph on them, the region's inputs
-    and ``cotangents(a, b)``; yields ``(a, b, its results)``.  ``reorder``: lay the weight
-    out once for the loop (when ``grad_weight``, made after it, takes as much)."""
+    and ``cotangents(a, b)``; yields ``(a, b, its results)``, which the caller drops before
+    it asks for the next chunk (one chunk's gradient alive at a time).  ``reorder``: lay
+    the weight out once for the loop (when ``grad_weight``, made after it, takes as much)."""
     n = lm.h.shape[0]
     pieces = even_splits(n, sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device))
     chunk_logits = row_chunk_logits(lm.weight, lm.bias, lm.how, pieces, reorder)
@@ -104,6 +105,7 @@ def row_sweep(stats, region: Region, lm: LogitsInput, cotangents, reorder: bool)
         got = stats(*with_logits(region.chunk(a, b), lm.index, x), *region.whole, *cotangents(a, b))
         del x
         yield a, b, got
+        del got  # (the caller drops its own: the next chunk's logits and gradient are made without it)
 
 
 def run_sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int], grads: list[torch.Tensor],
@@ -118,11 +120,13 @@ def run_sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int],
     values: list[Optional[torch.Tensor]] = [None] * split.values
     for a, b, got in row_sweep(stats, region, lm, lambda a, b: (g[a:b] for g in grads), needs[1]):
         g, others, per_row = got[0], got[1:len(wanted)], got[len(wanted):]
+        del got
         if grad_h is not None:
             torch.mm(g, lm.weight, out=grad_h[a:b])
-        for o, got_o in zip(out, others):
-            o[a:b] = got_o
+        for i, o in enumerate(out):
+            o[a:b] = others[i]
         fill_rows(values, per_row, a, b, n)
+        del g, others, per_row  # (before the next chunk's logits and gradient are made)
     return (grad_h, *block_sweep(split, region, lm, grads, values, needs))
 
 
@@ -155,10 +159,12 @@ def block_sweep(split: Split, region: Region, lm: LogitsInput, grads: list[torch
         picked = [x if i == index else columns(v0, v1) if i == COLUMNS else
                   block_of(i, v0, v1) if sliced else unsliced.get(i, args[i]) for i, sliced in split.inputs]
         g = block(*picked, *values)
+        del x, picked  # (the block's logits and gathered inputs)
         if grad_w is not None:
             torch.mm(g.t(), h, out=grad_w[v0:v1])
         if grad_b is not None:
             grad_b[v0:v1] = g.sum(0, dtype=torch.float32)
+        del g  # (before the next block's logits and gradient are made)
     return grad_w, grad_b
 
 
