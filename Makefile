@@ -52,8 +52,9 @@ AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan and
 # them: on an x86-64 CPU with AVX-512 (elsewhere there is no AVX2 to emulate, and on an
 # AVX2-only CPU the first run was that already).
 HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
+# (the bare pass's files ran just before, in the venv they are about: not again here)
 test: lint test-bare
-	$(BIN)/python -m pytest -q $(WORKERS)
+	$(BIN)/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(BARE_TESTS))
 ifeq ($(shell uname -m),x86_64)
 ifeq ($(HAS_AVX512),yes)
 	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(AVX2_CI_TESTS) -k "$(AVX2_CI_SELECT)"
