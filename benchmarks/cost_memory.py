@@ -206,7 +206,8 @@ def ours(case: str, T: int, H: int, V: int, plan: str, budget: int, n: Optional[
     ``as_run``: as the 2026-12-04 run ran it (the FP32 sums held at any T, the loss loop's
     chunks of ``forward_rows``, the row-local loop's and ``"blocks"``' holds); else as built
     now (``tiling.holds_weight_sums``)."""
-    held = as_run or tiling.holds_weight_sums(T, V, H, "cuda")
+    held = as_run or tiling.holds_weight_sums(T, V, H, "cuda", STOCK_LOSS.get(case) == "logprob",
+                                              row_local=case in ("WD", "WDM"))
     if case in ("WD", "WDM"):
         return row_local_gpu(T, H, V, budget, n, as_run) if held else row_local_sweeps(T, H, V, budget)
     in_graph = case in ("W4L", "WV", "W4C") and plan in ("gpu", "two_sweeps")

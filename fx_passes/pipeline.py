@@ -221,7 +221,8 @@ def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
         _row_local(graph, region.upcast, d, config, run.taken, run.declined)
         return
     new = sorted(fused_calls(graph) - fused, key=lambda n: n.name)
-    losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config) for call in new)))  # (in the forward)
+    losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config, nbytes[0] > 0)  # (in the forward)
+                                 for call in new)))
     kept = [call for call in new if call in fused_calls(graph)]  # (those keeping per-token results)
     why: list[str] = []  # (per-token results a mask leaves unread that every row computes: why)
     masked = sum(skip_unread_rows(graph, call, config, why) for call in kept)

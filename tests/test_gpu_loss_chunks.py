@@ -117,27 +117,49 @@ def test_per_token_blocks_write_then_add_the_fp32_grad_hidden():
 
 # ---- never more memory than stock (issue 54, item 3) -------------------------------------------
 
-@pytest.mark.parametrize("rows, kind, holds", [
-    (4096, "cuda", False),   # WD: T = H, its FP32 sums were 1.52x stock's peak on the H200
-    (8192, "cuda", True),    # WV: T = 2 H, 1.00x
-    (16384, "cuda", True), (2048, "xpu", False),
-    (4096, "cpu", True),     # a CPU's plans hold no such sums
-    (None, "cuda", True),    # T unknown at compile time (dynamic): as before
+@pytest.mark.parametrize("rows, kind, stock_fp32, holds", [
+    (4096, "cuda", False, False),   # WD: T = H, its FP32 sums were 1.52x stock's peak on the H200
+    (8192, "cuda", False, False),   # WV (a cross-entropy alone): T = 2 H, 1.02x by the memory model
+    (8192, "cuda", True, True),     # W4L (a log-prob: stock keeps the FP32 [T, V]): 0.52x
+    (4096, "cuda", True, False),    # ... but not at T = H: 3657 MiB against stock's 3561
+    (16384, "cuda", False, True), (2048, "xpu", False, False),
+    (4096, "cpu", False, True),     # a CPU's plans hold no such sums
+    (None, "cuda", False, True),    # T unknown at compile time (dynamic): as before
 ])
-def test_fp32_weight_sums_only_where_stock_keeps_more(rows, kind, holds):
-    assert tiling.holds_weight_sums(rows, 151936, 4096, kind) is holds
+def test_fp32_weight_sums_only_where_stock_keeps_more(rows, kind, stock_fp32, holds):
+    assert tiling.holds_weight_sums(rows, 151936, 4096, kind, stock_fp32) is holds
+
+
+def test_the_rule_is_the_peaks_compared():
+    """Held exactly where ours' peak (the FP32 sums, a chunk's logits and gradient or the
+    rounded gradients) is at most stock's (its logits, and its FP32 [T, V] or gradients),
+    at the H200 run's sizes: a cross-entropy alone from about 2.1 H rows, a log-prob from
+    about 1.03 H."""
+    V, H = 151936, 4096
+    for stock_fp32, first in ((False, 8683), (True, 4210)):
+        assert not tiling.holds_weight_sums(first - 1, V, H, "cuda", stock_fp32)
+        assert tiling.holds_weight_sums(first, V, H, "cuda", stock_fp32)
+        ours, stock = tiling.weight_sums_peaks(first, V, H, stock_fp32)
+        assert ours <= stock and 4 * V * H < ours
+    ours, stock = tiling.weight_sums_peaks(8192, V, H)
+    assert (ours // MIB, stock // MIB) == (3753, 3625)  # stock: 2 T V + 2 V H + 2 T H
+    # a row-local loss (its backward's 6 V H + 2 T H): from T = 2 H on, against a cross-entropy's stock
+    assert tiling.holds_weight_sums(2 * H, V, H, "cuda", row_local=True)
+    assert not tiling.holds_weight_sums(2 * H - 8, V, H, "cuda", row_local=True)
 
 
 def test_a_short_loss_keeps_the_per_token_plan_and_says_why(monkeypatch, caplog):
-    """On a GPU (the rule's device argument made "cuda" here) a loss over fewer than 2 H
-    rows keeps the per-token plan (vocabulary blocks over all rows, no FP32 [V, H] sum);
-    2 H rows or more take the loss in the graph."""
+    """On a GPU (the rule's device argument made "cuda" here) a cross-entropy whose FP32
+    sums would peak above stock's keeps the per-token plan (vocabulary blocks over all
+    rows, no FP32 [V, H] sum); from the first T where they do not, the loss in the graph."""
     from fx_passes.rewrite import loss_tail
     monkeypatch.setattr(loss_tail, "holds_weight_sums",
-                        lambda rows, v, w, kind: tiling.holds_weight_sums(rows, v, w, "cuda"))
+                        lambda rows, v, w, kind, *rest: tiling.holds_weight_sums(rows, v, w, "cuda", *rest))
+    first = next(t for t in range(8, 4 * H) if tiling.holds_weight_sums(t, V, H, "cuda"))
+    assert 2 * H < first < 3 * H  # (V 1024, H 64: 148)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(V, H, generator=g) / H**0.5).to(BF16).requires_grad_()
-    for t, taken in ((2 * H - 8, 0), (2 * H, 1)):
+    for t, taken in ((first - 1, 0), (first, 1)):
         h = torch.randn(t, H, generator=g).to(BF16).requires_grad_()
         labels = torch.randint(0, V, (t,), generator=g)
         counters.clear()
@@ -148,4 +170,5 @@ def test_a_short_loss_keeps_the_per_token_plan_and_says_why(monkeypatch, caplog)
         torch.testing.assert_close(loss, ce(h, w, labels), rtol=1e-2, atol=1e-2)
         assert counters["chunked_logits"]["gradients_in_forward"] == taken, dict(counters["chunked_logits"])
         assert counters["chunked_logits"]["weight_sums_over_stock"] == 1 - taken
-    assert "T 120 < 2 H 128" in caplog.text and "vocabulary blocks over all rows" in caplog.text
+    assert "above stock's" in caplog.text and f"(T {first - 1}, V {V}, H {H})" in caplog.text
+    assert "vocabulary blocks over all rows" in caplog.text

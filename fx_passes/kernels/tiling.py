@@ -113,32 +113,62 @@ def gpu_loss_rows(budget_bytes: int, n: int, vocab: int, by_device: bool = True)
 
 
 # NOTE [FP32 weight sums and stock's memory]
-# The ``"gpu"`` loss in the graph keeps FP32 ``grad_weight`` (and ``grad_hidden``) sums from
-# the forward to the backward, which rounds them into new model-precision gradients: at
-# its peak ``4 V H + 2 V H`` bytes.  Stock keeps the model-precision logits (``2 T V``)
-# and writes its own ``grad_weight`` (``2 V H``).  Below ``T = 2 H`` rows the sums cost
-# more than stock keeps (the H200 run of 2026-12-04: WD, T 4096 = H, 1.52x stock's peak;
-# WV at T 8192 = 2 H, 1.00x).  There the region keeps the plan that holds no ``[V, H]``
-# sum: vocabulary blocks outermost, each ``grad_weight`` block one GEMM over all rows
-# written once (``gpu_plan.out_dtype_blocks``; a row-local region keeps its sweeps), at
-# one GEMM more.  The rule reads the sizes and the device only; on a CPU (whose plans
+# The ``"gpu"`` loss in the graph keeps FP32 ``grad_weight`` and ``grad_hidden`` sums
+# (``4 V H + 4 T H`` bytes) from the forward to the backward, and beside them, in the
+# forward, a chunk's model-precision logits and gradient (``4 r V``, ``r`` rows:
+# ``gpu_loss_rows``), in the backward the model-precision gradients it rounds them into
+# (``2 V H + 2 T H``).  Stock keeps the model-precision logits (``2 T V``), with either
+# the FP32 ``[T, V]`` the region upcasts (``4 T V``: a log-prob's gather reads it; a
+# cross-entropy alone keeps none, its kernels fuse the upcast) or its own gradients
+# (``2 V H + 2 T H``), whichever is more.  The region holds the sums only where its peak
+# is at most stock's; else it keeps the plan that holds no ``[V, H]`` sum: vocabulary
+# blocks outermost, each ``grad_weight`` block one GEMM over all rows written once
+# (``gpu_plan.out_dtype_blocks``; a row-local region keeps its sweeps), at one GEMM more.
+# The recorded H200 run of 2026-12-04: WD (T 4096 = H) 1.52x stock's peak with the sums;
+# the cross-entropy WV at T 8192 = 2 H 1.00x measured with its ignored rows left out, 1.02x
+# by the memory model with every row (``benchmarks/cost_memory.py``): over stock, so the
+# cross-entropy alone takes the sums from about 2.1 H rows on, a log-prob from about 1.03 H.
+# A row-local loss (``row_local=True``) frees a chunk's tiles and its ``grad_hidden`` sum
+# before it rounds ``grad_weight`` (NOTE [row-local loss memory]): its peak is the
+# backward's ``6 V H + 2 T H``, stock's gradients' peak exactly at T = 2 H.
+# The rule reads the sizes, what stock keeps and the device only; on a CPU (whose plans
 # hold no such sums; ``"gpu"`` forced there runs the test-only kernels) it never applies.
 
 
-def holds_weight_sums(rows, vocab: int, width: int, device_type: str) -> bool:
+def weight_sums_peaks(rows: int, vocab: int, width: int, stock_fp32: bool = False,
+                      row_local: bool = False) -> tuple[int, int]:
+    """(ours, stock): the peak bytes of the ``"gpu"`` loss in the graph holding its FP32
+    sums, and stock's, for 16-bit logits (NOTE [FP32 weight sums and stock's memory]);
+    ``stock_fp32``: stock keeps the region's FP32 ``[T, V]``; ``row_local``: the
+    row-local loss's loop."""
+    grads = 2 * vocab * width + 2 * rows * width
+    if row_local:
+        ours = 4 * vocab * width + grads
+    else:
+        ours = 4 * vocab * width + 4 * rows * width + max(4 * gpu_loss_rows(0, rows, vocab) * vocab, grads)
+    stock = 2 * rows * vocab + max(4 * rows * vocab if stock_fp32 else 0, grads)
+    return ours, stock
+
+
+def holds_weight_sums(rows, vocab: int, width: int, device_type: str, stock_fp32: bool = False,
+                      row_local: bool = False) -> bool:
     """May the ``"gpu"`` loss in the graph hold its FP32 ``[V, H]`` sums on this device
     (NOTE [FP32 weight sums and stock's memory])?  ``rows``: T, or None where it is not
-    known at compile time (dynamic: as before, they are held).  Not on a CPU (whose
-    plans hold none)."""
+    known at compile time (dynamic: as before, they are held); ``stock_fp32``: stock keeps
+    the region's FP32 ``[T, V]`` (False: a cross-entropy alone, or not known);
+    ``row_local``: the row-local loss's loop.  Not on a CPU (whose plans hold none)."""
     if device_type == "cpu" or not isinstance(rows, int):
         return True
-    return 4 * vocab * width <= 2 * rows * vocab
+    ours, stock = weight_sums_peaks(rows, vocab, width, stock_fp32, row_local)
+    return ours <= stock
 
 
-def weight_sums_why(rows: int, vocab: int, width: int) -> str:
+def weight_sums_why(rows: int, vocab: int, width: int, stock_fp32: bool = False, row_local: bool = False
+                    ) -> str:
     """The summary's line for a region that keeps the per-token plan (``holds_weight_sums``)."""
-    return (f"the loss in the graph would hold FP32 [V, H] sums of {4 * vocab * width // MIB} MiB, more than "
-            f"the bf16 logits stock keeps ({2 * rows * vocab // MIB} MiB: T {rows} < 2 H {2 * width}): "
+    ours, stock = weight_sums_peaks(rows, vocab, width, stock_fp32, row_local)
+    return (f"the loss in the graph would hold FP32 [V, H] sums of {4 * vocab * width // MIB} MiB, a peak of "
+            f"{ours // MIB} MiB above stock's {stock // MIB} MiB (T {rows}, V {vocab}, H {width}): "
             "vocabulary blocks over all rows instead (one GEMM more, no [V, H] sum)")
 
 

@@ -58,24 +58,25 @@ def fused_calls(graph: Graph) -> set[Node]:
     return {n for n in graph.nodes if n.op == "call_function" and n.target is lm_head_row_stats}
 
 
-def _plan(tail: LossTail) -> str:
-    """The plan the op runs (``tiling.backward_plan`` of the region's device and dtype)."""
+def _plan(tail: LossTail, stock_fp32: bool) -> str:
+    """The plan the op runs (``tiling.backward_plan`` of the region's device and dtype);
+    ``stock_fp32``: stock keeps the region's FP32 ``[T, V]`` (``_weight_sums_fit``)."""
     hidden = meta(head_of_node(tail.stats).hidden)
     plan = backward_plan(hidden.device, hidden.dtype, HeadOptions.from_node(tail.stats).plan)
     if plan not in PLANS:
         raise NoTail(f"the {plan!r} plan computes no gradient in the forward")
-    _weight_sums_fit(plan, hidden, meta(head_of_node(tail.stats).weight))
+    _weight_sums_fit(plan, hidden, meta(head_of_node(tail.stats).weight), stock_fp32)
     return plan
 
 
-def _weight_sums_fit(plan: str, hidden, weight) -> None:
-    """NoTail where the ``"gpu"`` loss would hold FP32 ``[V, H]`` sums above what stock
-    keeps (``tiling.holds_weight_sums``), said in the log and counted."""
+def _weight_sums_fit(plan: str, hidden, weight, stock_fp32: bool = False, row_local: bool = False) -> None:
+    """NoTail where the ``"gpu"`` loss would hold FP32 ``[V, H]`` sums at a peak above
+    stock's (``tiling.holds_weight_sums``), said in the log and counted."""
     rows = math.prod(hidden.shape[:-1])
     rows = rows if isinstance(rows, int) else None
     (vocab, width), kind = weight.shape[-2:], hidden.device.type
-    if plan == "gpu" and not holds_weight_sums(rows, int(vocab), int(width), kind):
-        why = weight_sums_why(rows, int(vocab), int(width))
+    if plan == "gpu" and not holds_weight_sums(rows, int(vocab), int(width), kind, stock_fp32, row_local):
+        why = weight_sums_why(rows, int(vocab), int(width), stock_fp32, row_local)
         say_once(logging.INFO, "chunked_logits: %s", why)
         counters["chunked_logits"]["weight_sums_over_stock"] += 1
         raise NoTail(why)
@@ -106,16 +107,18 @@ def _recount(graph: Graph, tail: LossTail, hidden: Node) -> None:
             tail.whole[i] = rows
 
 
-def rewrite_loss_tail(graph: Graph, stats: Node, config: Config) -> Optional[LossInCall]:
+def rewrite_loss_tail(graph: Graph, stats: Node, config: Config, stock_fp32: bool = False
+                      ) -> Optional[LossInCall]:
     """Replace the fused call ``stats`` and its loss tail by one :func:`lm_head_loss` call
     and say what it computes, or None where the region keeps the recompute path (the
-    reason logged at debug level)."""
+    reason logged at debug level).  ``stock_fp32``: stock keeps the region's FP32
+    ``[T, V]`` (NOTE [FP32 weight sums and stock's memory])."""
     if not config.gradients_in_forward:
         return None
     head, opts = head_of_node(stats), HeadOptions.from_node(stats)
     try:
         tail = match_loss_tail(graph, stats)
-        plan = _plan(tail)
+        plan = _plan(tail, stock_fp32)
         _check(graph, tail, [head.hidden, head.weight, head.bias], [])
         tail_key, final_key = _bodies(tail)  # (before the graph changes: it may still say no)
     except (NoTail, Decline) as why:
@@ -169,7 +172,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
             if config.skip_masked_rows else ""
         plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
-        _weight_sums_fit(plan, meta(hidden), meta(weight))
+        _weight_sums_fit(plan, meta(hidden), meta(weight), row_local=True)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
         return None
