@@ -1,6 +1,7 @@
 """Child process of tests/test_recompiles_cache.py: compile, report the cache counters.
 
     python tests/cache_child.py '{"train": {...options}, "score": {...}, "pre_grad": {...}}'
+    python tests/cache_child.py '{"score": {}, "score@off": {"rewrite": false}}'
 
 Modes (each optional, each with its options): ``train``, a training step with
 ``backend="chunked_logits"`` (forward and backward graphs); ``score``, a scoring
@@ -9,7 +10,8 @@ Inductor plus ``ChunkedLogitsPass`` as ``pre_grad_custom_pass``; ``installed``, 
 under ``fx_passes.install(**options)`` (early pre-grad timing: the rewritten graph is the
 key).  They compile in the FX graph cache that TORCHINDUCTOR_CACHE_DIR names; the child
 prints one JSON line with, per mode, Inductor's cache counters, our counters and a
-checksum of the results, plus which ``fx_passes`` it imported and the pre-grad pass's uuid.
+checksum of the results (a ``pre_grad`` mode: its pass's uuid), plus which ``fx_passes`` it
+imported and the first pre-grad pass's uuid.
 """
 
 from __future__ import annotations
@@ -50,36 +52,51 @@ def report() -> dict:
     return out
 
 
+def train(options: dict, x, tok, adv) -> dict:
+    x1 = x.clone().requires_grad_()
+    loss = torch.compile(train_step, backend="chunked_logits", options=options)(x1, tok, adv)
+    loss.backward()
+    return {**report(), "checksum": [loss.item(), x1.grad.float().abs().sum().item()]}
+
+
+def scored(compiled, x, tok) -> dict:
+    with torch.no_grad():
+        lp, ent = compiled(x, tok)
+    return {**report(), "checksum": [lp.sum().item(), ent.sum().item()]}
+
+
+def pre_grad(options: dict, x, tok) -> dict:
+    cl_pass = fx_passes.ChunkedLogitsPass(fx_passes.Config.from_options(options))
+    with torch._inductor.config.patch(pre_grad_custom_pass=cl_pass):
+        return {**scored(torch.compile(score, backend="inductor"), x, tok), "uuid": cl_pass.uuid()}
+
+
+def installed(options: dict, x, tok) -> dict:
+    with fx_passes.install(**options):
+        return scored(torch.compile(score, backend="inductor"), x, tok)
+
+
 def main() -> None:
+    """Each mode in the order given; ``mode@label`` runs a mode again (other options) in the
+    same process, after the ones before it."""
     options = json.loads(sys.argv[1])
     result = {"fx_passes": fx_passes.__file__, "uuid": None}
     x, tok, adv = inputs()
-    if "train" in options:
-        counters.clear()
-        x1 = x.clone().requires_grad_()
-        loss = torch.compile(train_step, backend="chunked_logits", options=options["train"])(x1, tok, adv)
-        loss.backward()
-        result["train"] = {**report(), "checksum": [loss.item(), x1.grad.float().abs().sum().item()]}
-    if "score" in options:
+    for key, opts in options.items():
+        mode = key.split("@")[0]
         torch._dynamo.reset()
         counters.clear()
-        with torch.no_grad():
-            lp, ent = torch.compile(score, backend="chunked_logits", options=options["score"])(x, tok)
-        result["score"] = {**report(), "checksum": [lp.sum().item(), ent.sum().item()]}
-    if "pre_grad" in options:
-        torch._dynamo.reset()
-        counters.clear()
-        cl_pass = fx_passes.ChunkedLogitsPass(fx_passes.Config.from_options(options["pre_grad"]))
-        result["uuid"] = cl_pass.uuid()
-        with torch._inductor.config.patch(pre_grad_custom_pass=cl_pass), torch.no_grad():
-            lp, ent = torch.compile(score, backend="inductor")(x, tok)
-        result["pre_grad"] = {**report(), "checksum": [lp.sum().item(), ent.sum().item()]}
-    if "installed" in options:
-        torch._dynamo.reset()
-        counters.clear()
-        with fx_passes.install(**options["installed"]), torch.no_grad():
-            lp, ent = torch.compile(score, backend="inductor")(x, tok)
-        result["installed"] = {**report(), "checksum": [lp.sum().item(), ent.sum().item()]}
+        if mode == "train":
+            result[key] = train(opts, x, tok, adv)
+        elif mode == "score":
+            result[key] = scored(torch.compile(score, backend="chunked_logits", options=opts), x, tok)
+        elif mode == "pre_grad":
+            result[key] = pre_grad(opts, x, tok)
+            result["uuid"] = result["uuid"] or result[key]["uuid"]
+        elif mode == "installed":
+            result[key] = installed(opts, x, tok)
+        else:
+            raise SystemExit(f"unknown mode {key!r}")
     print(json.dumps(result))
 
 
