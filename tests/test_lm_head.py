@@ -1,6 +1,8 @@
 """lm_head inside the chunk: the logits matmul runs per row chunk (forward) and per
 vocabulary block (backward), so not even the model-precision logits exist whole."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,14 @@ def lm_scaled(hidden, weight, labels, up=F32):
     return F.cross_entropy(logits.to(up), labels)
 
 
-def _inputs(name, dtype, T=61, H=32, V=50257):
+# The vocabulary of these tests and a budget that cuts it (and T) as 1 MiB cuts GPT-2's 50257:
+# the same numbers of row chunks and vocabulary blocks (remainders included) at a twelfth of
+# the elements (the sizes are not what they test; the FP64 reference and each run cost less).
+V_TEST = 4099
+BUDGET_MIB = V_TEST / 50257
+
+
+def _inputs(name, dtype, T=61, H=32, V=V_TEST):
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
     if name == "logprob_entropy":
@@ -78,6 +87,14 @@ CPU_PLANS = ["two_sweeps", "fp32_tiles", "blocks"]
 EAGER = lambda fn, options: fn  # noqa: E731 - compiler.compiling_with(EAGER): chunk bodies run eagerly
 
 
+@functools.cache
+def _reference_and_stock(name, dtype, V):
+    """(FP64 reference, stock Inductor's run) of a case: the same for every plan (and the
+    "gpu" plan's test), so computed once per module."""
+    fn, inputs, grad_pos = _inputs(name, dtype, V=V)
+    return reference(fn, inputs, grad_pos), run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+
+
 @pytest.fixture
 def plan(request):
     """The backward plan, forced through the public option (``lm_head_plan``)."""
@@ -89,12 +106,11 @@ def plan(request):
                                       CPU_PLANS), indirect=["plan"])
 def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol, plan):
     fn, inputs, grad_pos = _inputs(name, dtype)
-    ref_outs, ref_grads = reference(fn, inputs, grad_pos)
-    stock_outs, stock_grads = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    (ref_outs, ref_grads), (stock_outs, stock_grads) = _reference_and_stock(name, dtype, V_TEST)
     torch._dynamo.reset()
     counters.clear()
     # a small budget: several row chunks and vocabulary blocks, T not divisible by either
-    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1,
+    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": BUDGET_MIB,
                                                                  "lm_head_plan": plan})
     outs, grads = run(fused, inputs, grad_pos)
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
@@ -111,9 +127,8 @@ def test_gpu_plan_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol)
     blocks through out_dtype=float32) on this CPU, through the test-only kernels of
     fx_passes.testing.gemms (a bias, a shift, ignored labels; a softcap in fp16; several
     row groups: tests/test_gemm_audit.py)."""
-    fn, inputs, grad_pos = _inputs(name, dtype, V=4099)
-    ref = reference(fn, inputs, grad_pos)
-    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    fn, inputs, grad_pos = _inputs(name, dtype, V=V_TEST)
+    ref, stock = _reference_and_stock(name, dtype, V_TEST)
     torch._dynamo.reset()
     counters.clear()
     fused = torch.compile(fn, backend="chunked_logits",
@@ -263,7 +278,7 @@ def test_frozen_weight_computes_no_weight_gradient(plan):
     (the loops' matmuls are seen by a dispatch mode: fewer, and none whose output is a
     block of grad_weight), and grad_hidden is the same bits as with the weight trainable."""
     fn, inputs, _ = _inputs("logprob_entropy", torch.bfloat16)
-    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 1,
+    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": BUDGET_MIB,
                                                                  "lm_head_plan": plan})
     run(fused, inputs, (0, 1))  # (compiles the bodies)
     with _Matmuls() as trainable:
@@ -296,7 +311,7 @@ def lm_softcap_returns_logits(hidden, weight, labels, up=F32):
 RETURNS_LOGITS = [lm_ce_returns_logits, lm_softcap_returns_logits]
 
 
-def _returns_logits_inputs(dtype, B=2, S=37, H=32, V=50257, fn=lm_ce_returns_logits):
+def _returns_logits_inputs(dtype, B=2, S=37, H=32, V=V_TEST, fn=lm_ce_returns_logits):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(B, S, H, generator=g).to(dtype)
     spread = 10 if fn is lm_softcap_returns_logits else 1  # logits up to about +-40: the cap matters
@@ -319,7 +334,20 @@ def _fused(fn=lm_ce_returns_logits, **options):
     torch._dynamo.reset()
     counters.clear()
     return torch.compile(fn, backend="chunked_logits",
-                         options={"chunk_budget_mib": 1, **options})
+                         options={"chunk_budget_mib": BUDGET_MIB, **options})
+
+
+@functools.cache
+def _returns_logits_runs(fn, dtype, gradient_used=False, V=V_TEST):
+    """(inputs, FP64 reference, stock Inductor's run) of a returned-logits case, the same for
+    every plan: computed once per module.  ``gradient_used``: the step also differentiates
+    the returned logits (``_step_using_logits``)."""
+    inputs = _returns_logits_inputs(dtype, fn=fn, V=V)
+    stock = torch.compile(fn, backend="inductor")
+    if not gradient_used:
+        return inputs, reference(fn, inputs, (0, 1)), run(stock, inputs, (0, 1))
+    inputs64 = [t.double() if t.is_floating_point() else t for t in inputs]
+    return inputs, _step_using_logits(fn, inputs64, up=torch.float64), _step_using_logits(stock, inputs)
 
 
 @pytest.mark.parametrize("fn,dtype,out_rtol,grad_rtol,plan",
@@ -328,10 +356,8 @@ def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rt
     """Only the loss's gradient is used (the logits' is the autograd engine's zeros): the
     lm_head fuses, the returned logits (softcapped too) are stock's bit for bit, and the
     loss and gradients are no further from FP64 than stock's."""
-    inputs, grad_pos = _returns_logits_inputs(dtype, fn=fn), (0, 1)
-    ref = reference(fn, inputs, grad_pos)
-    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
-    ours = run(_fused(fn, lm_head_plan=plan), inputs, grad_pos)
+    inputs, ref, stock = _returns_logits_runs(fn, dtype)
+    ours = run(_fused(fn, lm_head_plan=plan), inputs, (0, 1))
     assert counters["chunked_logits"]["lm_head_fused"] == 1, dict(counters["chunked_logits"])
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     assert torch.equal(ours[0][1], stock[0][1]), "the returned logits differ from stock's"
@@ -349,18 +375,15 @@ def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_r
 def test_gpu_plan_returned_logits_gradient_used():
     """The same through the "gpu" plan (one case: its loop is the same for every region)."""
     with cpu_out_dtype_kernels():
-        _check_returned_logits_gradient_used(lm_ce_returns_logits, *TOLERANCES[0].values, "gpu", V=4099)
+        _check_returned_logits_gradient_used(lm_ce_returns_logits, *TOLERANCES[0].values, "gpu", budget_mib=1)
 
 
-def _check_returned_logits_gradient_used(fn, dtype, out_rtol, grad_rtol, plan, V=50257):
-    inputs = _returns_logits_inputs(dtype, fn=fn, V=V)
-    ref = _step_using_logits(fn, [t.double() if t.is_floating_point() else t for t in inputs],
-                             up=torch.float64)
-    stock = _step_using_logits(torch.compile(fn, backend="inductor"), inputs)
-    ours = _step_using_logits(_fused(fn, lm_head_plan=plan), inputs)
+def _check_returned_logits_gradient_used(fn, dtype, out_rtol, grad_rtol, plan, budget_mib=BUDGET_MIB):
+    inputs, ref, stock = _returns_logits_runs(fn, dtype, gradient_used=True)
+    ours = _step_using_logits(_fused(fn, lm_head_plan=plan, chunk_budget_mib=budget_mib), inputs)
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     # positive control: the logits' gradient moves the result (a test that drops it fails)
-    loss_only = run(torch.compile(fn, backend="inductor"), inputs, (0, 1))
+    loss_only = _returns_logits_runs(fn, dtype)[2]
     assert max_err(loss_only[1][1], ref[1][1]) > 10 * max_err(stock[1][1], ref[1][1])
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
