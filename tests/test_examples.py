@@ -1,10 +1,7 @@
 """The examples, unmodified, in fresh processes: the launcher, the environment switch
 and the backend each make the pass fire on them, and results match runs without it.
 
-The runs that a test compares go one after the other, not in parallel: their graphs share
-most kernels (the model's layers; the whole graph where the pass leaves it as it is), and
-the later run takes them from Inductor's on-disk cache instead of compiling them again at
-the same time (under ``make test`` the other core runs another test anyway).
+Two runs that a test compares go in parallel (the machine has 2 cores).
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -41,9 +39,9 @@ def run(cmd: list[str], cwd, **env: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def in_turn(*jobs):
-    """Each ``(function, *args)`` in order (the module's docstring says why not in parallel)."""
-    return [function(*args) for function, *args in jobs]
+def parallel(*jobs):
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return [f.result() for f in [pool.submit(*job) for job in jobs]]
 
 
 def test_sft_hf_trainer_under_the_launcher(tmp_path):
@@ -53,7 +51,7 @@ def test_sft_hf_trainer_under_the_launcher(tmp_path):
     # weights the first step's update left, all that a longer run would add here
     script = [str(EXAMPLES / "sft_hf_trainer.py"), "--steps", "2"]
     summary = tmp_path / "summary.json"
-    with_pass, stock = in_turn(
+    with_pass, stock = parallel(
         (run, [*LAUNCHER, "--summary-json", str(summary), "--", *script], tmp_path),
         (run, [sys.executable, *script], tmp_path),
     )
@@ -77,7 +75,7 @@ def test_grpo_step_backend_and_launcher(tmp_path):
     weights in every run (the script steps along the FP64 gradient), so each run's error
     against FP64 is held to stock Inductor's at the same weights, on any CPU."""
     script = [str(EXAMPLES / "grpo_step.py"), "--steps", "2"]  # (was 3) one step after an update
-    backend, launched, stock = in_turn(
+    backend, launched, stock = parallel(
         (run, [sys.executable, *script, "--backend", "chunked_logits"], tmp_path),
         (run, [*LAUNCHER, "--", *script], tmp_path),
         (run, [sys.executable, *script], tmp_path),
@@ -157,7 +155,7 @@ def test_trl_sft_under_the_launcher(tmp_path):
     pytest.importorskip("trl")
     script = str(EXAMPLES / "trl_sft.py")
     summary = tmp_path / "summary.json"
-    with_pass, stock = in_turn(
+    with_pass, stock = parallel(
         (run, [*LAUNCHER, "--summary-json", str(summary), "--", script], tmp_path),
         (run, [sys.executable, script], tmp_path),
     )
@@ -177,7 +175,7 @@ def test_trl_grpo_with_the_upgrade_by_environment(tmp_path):
     pytest.importorskip("trl")
     script = str(EXAMPLES / "trl_grpo.py")
     switch = functools.partial(run, CHUNKED_LOGITS="1", CHUNKED_LOGITS_OPTIONS="upgrade_low_precision")
-    with_pass, stock = in_turn(
+    with_pass, stock = parallel(
         (switch, [sys.executable, script], tmp_path),
         (run, [sys.executable, script], tmp_path),
     )
