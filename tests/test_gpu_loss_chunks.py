@@ -8,12 +8,16 @@ copy, no separate add.  Run on this CPU with the test-only ``out_dtype`` kernels
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from fx_passes.kernels import tiling
+from fx_passes.testing.codegen import allocations
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, tracing
 
 T, H, V = 256, 64, 1024
@@ -172,3 +176,47 @@ def test_a_short_loss_keeps_the_per_token_plan_and_says_why(monkeypatch, caplog)
         assert counters["chunked_logits"]["weight_sums_over_stock"] == 1 - taken
     assert "above stock's" in caplog.text and f"(T {first - 1}, V {V}, H {H})" in caplog.text
     assert "vocabulary blocks over all rows" in caplog.text
+
+
+# ---- the logits gradient written over the logits (issue 54, item 2) ------------------------------
+
+def _kernel_calls(code: str) -> list[tuple[str, list[str]]]:
+    """The kernels the wrapper's ``call`` launches: (name, its arguments)."""
+    body = code[code.index("def call(self, args)"):]
+    return [(m[0], [a.strip() for a in m[1].split(",")])
+            for m in re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)(?:\.run)?\((.*)\)$", body, re.M)]
+
+
+@pytest.mark.parametrize("transforms, scale, entropy", [
+    ("", None, True),                                                           # lse, log-prob, entropy
+    (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7), False),  # a soft cap, a temperature
+], ids=["plain", "softcap"])
+def test_the_gradient_is_written_over_the_logits_by_one_kernel(transforms, scale, entropy):
+    """``loss._loop``'s gradient body (``logits_grad_into``), compiled as the loop compiles it:
+    the wrapper Inductor generates launches one kernel, which reads the chunk's logits and
+    writes their gradient into the same buffer (passed as its input and its output), and
+    allocates nothing: no ``[r, V]`` temporary.  Bitwise the out-of-place body's gradient."""
+    from fx_passes.kernels.log_softmax import bodies, loss
+    from fx_passes.kernels.ops import body_compiler
+    from fx_passes.kernels.ops.args import Cotangents, LogitMap, RowValues
+    g = torch.Generator().manual_seed(0)
+    r = 96
+    x = (torch.randn(r, V, generator=g) * 4).to(BF16)
+    tok = torch.randint(0, V, (r,), generator=g)
+    lse = torch.logsumexp(x.float(), -1)
+    saved = RowValues(lse, torch.rand(r, generator=g) if entropy else None)
+    cot = Cotangents(*torch.randn(3, r, generator=g)) if entropy else Cotangents(
+        *torch.randn(2, r, generator=g), None)
+    logit_map = LogitMap(BF16, transforms, scale, True)
+    expected = bodies.compiled(loss.logits_grad)(x, tok, saved, cot, logit_map)
+    # (a compiler of its own: the body compiles here, not taken from the bodies' cache)
+    with body_compiler.compiling_with(lambda fn, options: body_compiler._inductor(fn, options)):
+        into = bodies.compiled(loss.logits_grad_into)
+        storage = x.untyped_storage().data_ptr()
+        _, codes = run_and_get_code(into, x, tok, saved, cot, logit_map)
+    assert x.untyped_storage().data_ptr() == storage and torch.equal(x, expected)
+    [code] = codes
+    name = re.search(r"assert_size_stride\((\w+), \((\w+), (\w+)\)", code)[1]  # the logits: the one 2-D input
+    [(kernel, args)] = _kernel_calls(code)
+    assert args.count(name) == 2 or "in_out_ptr" in code, (kernel, args)
+    assert allocations(code) == []
