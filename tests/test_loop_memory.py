@@ -204,7 +204,7 @@ def test_the_row_local_sweeps_hold_one_chunk_or_block():
 
 
 def test_the_loss_loop_holds_one_tile_a_chunk():
-    """The loss in the graph's step compiled, plan ``"gpu"`` (the test-only CPU kernels), 4 row
+    """The loss in the graph's step compiled, plan ``"gpu"`` (the test-only CPU kernels), 2 row
     chunks (``tiling.MAX_LOSS_CHUNKS`` with the device's budget): the forward holds the FP32
     sums and one chunk's bf16 logits, whose gradient is written in their place
     (``loss.logits_grad_into``), not a second ``[r, V]`` tile (``cost_memory.loss_gpu``)."""
@@ -213,7 +213,7 @@ def test_the_loss_loop_holds_one_tile_a_chunk():
     labels = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(3))
     rows = tiling.gpu_loss_rows(tiling.CPU_BUDGET, T, V)
     chunks = len(tiling.even_splits(T, rows))
-    assert chunks == tiling.MAX_LOSS_CHUNKS == 4
+    assert chunks == tiling.MAX_LOSS_CHUNKS == 2
 
     def ce(h, w, y):
         return torch.nn.functional.cross_entropy((h @ w.T).float(), y)
