@@ -2,6 +2,8 @@
 the live buffers they allocate is the sum of the buffers their maths needs together, each
 named, as ``benchmarks/cost_memory.py`` models them (docs/gpu.md, "Predicted peak memory").
 
+* the loss in the graph's ``"gpu"`` loop (``log_softmax/loss.py``, W4L): the FP32 sums and
+  one row chunk's logits, their gradient written in their place (not a second tile);
 * the row-local loss's ``"gpu"`` loop (``row_local/loss.py``, WD): the FP32 ``grad_weight``
   and ``grad_hidden`` sums and one row chunk's logits and gradient, not the previous
   chunk's gradient as well (NOTE [row-local loss memory]);
@@ -15,7 +17,7 @@ Measured on this CPU: a dispatch mode counts each storage an op allocates from t
 until a ``weakref.finalize`` on the storage says it is freed, in compiled code and inside
 the package's ops; chunk bodies are one op each (their results count, not their
 temporaries, which a compiled body's kernel does not keep).  The terms are the model's
-(``cost_memory.row_local_gpu``, ``row_local_sweeps``, ``per_token``), at small shapes.
+(``cost_memory.loss_gpu``, ``row_local_gpu``, ``row_local_sweeps``, ``per_token``), at small shapes.
 """
 
 from __future__ import annotations
