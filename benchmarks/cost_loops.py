@@ -73,13 +73,14 @@ def two_sweeps(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     return ks
 
 
-def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
-    """``gpu_plan.out_dtype_blocks``: blocks over all rows, ``grad_hidden`` summed in FP32
-    through ``out_dtype`` per group of rows."""
-    ks = []
+def gpu(budget: int, T: int, H: int, V: int, block_cols: Optional[Callable] = None) -> list[Kernel]:
+    """``gpu_plan.out_dtype_blocks``: blocks over all rows (of ``block_cols`` columns, None:
+    ``tiling.gpu_block_cols``), ``grad_hidden`` summed in FP32 through ``out_dtype`` per
+    group of rows."""
+    ks, block_cols = [], block_cols or tiling.gpu_block_cols
     for i, g in enumerate(splits(T, tiling.accumulator_rows(budget, T, H))):
         n = T if i == 0 else g  # the first sweep reads every row for grad_weight
-        for j, c in enumerate(splits(V, tiling.gpu_block_cols(budget, n, V))):
+        for j, c in enumerate(splits(V, block_cols(budget, n, V))):
             ks += tile("recompute block", n, c, H, True)
             if i == 0:
                 ks.append(gemm("grad_weight", (c, n, H), sweep=True))
@@ -87,6 +88,18 @@ def gpu(budget: int, T: int, H: int, V: int) -> list[Kernel]:
             ks.append(gemm("grad_hidden (out_dtype FP32)", (g, c, H), out=FP32, acc=j > 0, sweep=True))
         ks.append(elementwise("grad_hidden FP32 -> bf16", 4 * g * H, 2 * g * H))
     return ks
+
+
+def gpu_block_cols_2026_12_04(budget: int, n: int, V: int) -> int:
+    """``tiling.gpu_block_cols`` as the 2026-12-04 run's code cut the blocks: the budget's
+    columns rounded down to the granule (at T 8192, V 151936: 37888, under V / 4, so 5
+    blocks where 4 even ones hold)."""
+    return tiling.aligned(min(V, max(1, min(budget, n * V)) // (4 * n))) if n else max(1, V)
+
+
+def gpu_2026_12_04(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``gpu`` as the 2026-12-04 run ran it (``gpu_block_cols_2026_12_04``)."""
+    return gpu(budget, T, H, V, gpu_block_cols_2026_12_04)
 
 
 def blocks(budget: int, T: int, H: int, V: int, fp32: bool = False) -> list[Kernel]:
@@ -126,7 +139,8 @@ def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
 
 def gif_gpu(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True) -> list[Kernel]:
     """``lm_head_loss``, ``gpu`` (``gpu_plan.fp32_chunk_grads``): 3 GEMMs over at most
-    ``tiling.MAX_LOSS_CHUNKS`` row chunks; per chunk ``grad_hidden`` written in FP32 by its
+    ``tiling.MAX_LOSS_CHUNKS`` row chunks; per chunk the gradient written over the
+    logits (one row kernel, ``loss.logits_grad_into``), ``grad_hidden`` written in FP32 by its
     GEMM, the FP32 ``[V, H]`` ``grad_weight`` written by the first chunk's GEMM and added to
     inside every later one; the backward scales both FP32 gradients and rounds them
     (``by_device``: the device's budget, else one the user set)."""
@@ -181,17 +195,20 @@ BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": tw
                                   "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True)}
 GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
 GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": gif_two_sweeps}  # as measured
+BACKWARDS_2026_12_04: dict[str, Callable] = {**BACKWARDS, "gpu": gpu_2026_12_04}  # as measured
 
 
 @dataclasses.dataclass(frozen=True)
 class Build:
     """How the modelled loops are built: ``kind``, the device's (``Device.kind``); ``gif``,
     the loss-in-graph loops (None: ``GIF``, as built; ``GIF_2026_12_04``: as measured then);
-    ``by_device``: the budget is the device's (else one the user set)."""
+    ``by_device``: the budget is the device's (else one the user set); ``backwards``: the
+    per-token backward plans (None: ``BACKWARDS``; ``BACKWARDS_2026_12_04``: as measured)."""
 
     kind: str = "cuda"
     gif: Optional[dict] = None
     by_device: bool = True
+    backwards: Optional[dict] = None
 
 
 def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int, build: Build = Build()
@@ -203,7 +220,8 @@ def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int, build
     if in_forward:
         loops = (build.gif or GIF)[plan](budget, T, H, V, build.kind, build.by_device)
         return loops + _outputs(T, H, V, 4 if plan == "gpu" else 2)
-    return forward_loop(budget, T, H, V) + BACKWARDS[plan](budget, T, H, V) + _outputs(T, H, V, 2)
+    return forward_loop(budget, T, H, V) + (build.backwards or BACKWARDS)[plan](budget, T, H, V) + _outputs(
+        T, H, V, 2)
 
 
 def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
@@ -232,6 +250,7 @@ def masked(T: int, H: int, V: int, plan: str, budget: int, fraction: float, in_f
     if in_forward:
         ks += (build.gif or GIF)[plan](budget, n, H, V, build.kind, build.by_device) if n else []
     else:
-        ks += forward_loop(budget, n, H, V) + BACKWARDS[plan](budget, n, H, V) if n else []
+        backward = (build.backwards or BACKWARDS)[plan]
+        ks += forward_loop(budget, n, H, V) + backward(budget, n, H, V) if n else []
     ks += [elementwise("scatter grad_hidden (zeros + kept rows)", size * n * H, size * T * H)]
     return ks + _outputs(T, H, V, size)

@@ -78,7 +78,7 @@ def kernels(case: str, T: int, mode: str, counters: dict, budget: int) -> tuple[
     variant = mode.partition(":")[2]
     plan = variant if variant in cm.PLANS else "gpu"
     skipped = counters.get("rows_skipped", 0)
-    in_forward, as_run = in_graph and plan in loops.GIF, loops.Build(gif=AS_RUN)
+    in_forward, as_run = in_graph and plan in loops.GIF, loops.Build(gif=AS_RUN, backwards=AS_RUN_BACKWARDS)
     if skipped:
         return loops.masked(T, H, V, plan, budget, skipped / T, in_forward, as_run), loops.SYNC_S
     return loops.ours(T, H, V, plan, in_forward, budget, as_run), 0.0
@@ -86,6 +86,7 @@ def kernels(case: str, T: int, mode: str, counters: dict, budget: int) -> tuple[
 
 STOCK = "inductor"
 AS_RUN = loops.GIF_2026_12_04  # the loss-in-graph loops as that run ran them
+AS_RUN_BACKWARDS = loops.BACKWARDS_2026_12_04  # and its per-token backward's blocks
 
 
 def compare(run_dir: pathlib.Path = RUNS, dev: Optional[roof.Device] = None) -> list[dict]:
@@ -133,7 +134,8 @@ def loop_sizes(case: str, T: int, mode: str, counters: dict, budget: int) -> tup
     if LM_CASES[case][1] and "two_sweeps" not in mode:
         blocks = len(tiling.even_splits(V, max(1, min(V, budget // (4 * H)))))
         return chunks, blocks, 8 * V * H / roof.GB  # read and written: the first chunk reads the zero-fill
-    return chunks, len(tiling.even_splits(V, tiling.gpu_block_cols(budget, n, V))), 8 * n * H / roof.GB
+    cols = loops.gpu_block_cols_2026_12_04(budget, n, V)
+    return chunks, len(tiling.even_splits(V, cols)), 8 * n * H / roof.GB
 
 
 def breakdown(run_dir: pathlib.Path = RUNS) -> str:

@@ -17,10 +17,12 @@ at the budget given (the device's: ``cost_roofline.device_budget``).
   place; the log-probs' gather adds an FP32 ``[T, V]`` gradient, zero-filled, read by the
   backward's row kernel; then ``grad_hidden`` and ``grad_weight`` from their GEMMs.
 * ours, the loss in the graph (``log_softmax/loss.py``; ``row_local/loss.py``): the FP32
-  ``[V, H]`` and ``[T, H]`` sums from the forward to the backward, a chunk's logits and
-  gradient, then the backward's bf16 gradients rounded from the sums (``grad_hidden``
-  first, its sum then freed).  ``as_run``: the code the 2026-12-04 run measured, whose
-  row-local loop and ``"blocks"`` plan held a tile more (the recorded rows validate it).
+  ``[V, H]`` and ``[T, H]`` sums from the forward to the backward, a chunk's logits (the
+  lm_head loss writes their gradient in their place; the row-local loss beside them),
+  then the backward's bf16 gradients rounded from the sums (``grad_hidden`` first, its sum
+  then freed).  ``as_run``: the code the 2026-12-04 run measured, whose
+  loss loops, row-local loop and ``"blocks"`` plan held a tile more and whose ``"gpu"``
+  per-token blocks were one more (the recorded rows validate it).
 * ours, per token (``lm_head.py``'s forward, the backward plans of ``lm_head_sweeps.py`` /
   ``gpu_plan.py``): the bf16 gradients, the plan's FP32 ``grad_hidden`` sum and its tiles.
 * a mask (rows the loss leaves out): the kept rows' hidden states gathered, the loop on them.
@@ -40,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.cost_loops import gpu_block_cols_2026_12_04  # noqa: E402
 from benchmarks.cost_roofline import DEVICES, MIB, device_budget  # noqa: E402
 from fx_passes.kernels import tiling  # noqa: E402
 
@@ -97,12 +100,14 @@ def _kept(T: int, n: int, H: int) -> tuple:
 def loss_gpu(T: int, H: int, V: int, budget: int, n: Optional[int] = None, as_run: bool = False,
              by_device: bool = True) -> list[Phase]:
     """``lm_head_loss``, ``gpu``: ``n`` rows run (the others masked); chunks of
-    ``gpu_loss_rows`` (``as_run``: of ``forward_rows``, as the 2026-12-04 run cut them)."""
+    ``gpu_loss_rows``, each one tile: the logits, their gradient written in their place
+    (``as_run``: of ``forward_rows`` with the gradient beside the logits, as the 2026-12-04
+    run's code)."""
     n = T if n is None else n
     most = tiling.forward_rows(budget, n, V) if as_run else tiling.gpu_loss_rows(budget, n, V, by_device)
     r = piece(n, most)
     sums = (("grad_weight FP32 sum [V, H]", F4 * V * H), ("grad_hidden FP32 sum [n, H]", F4 * n * H))
-    chunk = (("chunk logits bf16 [r, V]", BF * r * V), ("chunk gradient bf16 [r, V]", BF * r * V))
+    chunk = _loss_tile(r, V, as_run)
     phases = [Phase(f"forward: a chunk of {r} rows", sums + _kept(T, n, H) + chunk)]
     if n < T:
         phases.append(Phase("forward: grad_hidden scattered to every row", sums + _kept(T, n, H)
@@ -112,13 +117,20 @@ def loss_gpu(T: int, H: int, V: int, budget: int, n: Optional[int] = None, as_ru
         ("grad_weight bf16 [V, H]", BF * V * H)))]
 
 
-def loss_two_sweeps(T: int, H: int, V: int, budget: int) -> list[Phase]:
+def _loss_tile(r: int, V: int, as_run: bool) -> tuple:
+    """A chunk of ``lm_head_loss``'s loop: its logits, their gradient written in their place
+    (``loss.logits_grad_into``; ``as_run``: beside them, as the 2026-12-04 run's code)."""
+    if as_run:
+        return ("chunk logits bf16 [r, V]", BF * r * V), ("chunk gradient bf16 [r, V]", BF * r * V)
+    return (("chunk logits bf16 [r, V], then their gradient in their place", BF * r * V),)
+
+
+def loss_two_sweeps(T: int, H: int, V: int, budget: int, as_run: bool = False) -> list[Phase]:
     """``lm_head_loss``, ``two_sweeps`` on a GPU: ``grad_hidden`` in the forward (saved),
     both gradients recomputed in the backward (``lm_head_sweeps.two_sweeps``)."""
     r = piece(T, tiling.forward_rows(budget, T, V))
     made = ("forward's grad_hidden bf16 [T, H], saved", BF * T * H)
-    fwd = Phase(f"forward: a chunk of {r} rows", (made, ("chunk logits bf16 [r, V]", BF * r * V),
-                                                  ("chunk gradient bf16 [r, V]", BF * r * V)))
+    fwd = Phase(f"forward: a chunk of {r} rows", (made, *_loss_tile(r, V, as_run)))
     return [fwd] + [Phase(p.name, (made,) + p.terms) for p in _two_sweeps(T, T, H, V, budget)]
 
 
@@ -187,7 +199,7 @@ def per_token(T: int, H: int, V: int, plan: str, budget: int, n: Optional[int] =
     grads = _kept(T, n, H) + (("grad_hidden bf16 [n, H]", BF * n * H), _gw(V, H))
     acc = ("grad_hidden FP32 sum [S, H]", F4 * min(n, tiling.accumulator_rows(budget, n, H)) * H)
     if plan == "gpu":  # gpu_plan.out_dtype_blocks: Inductor writes the gradient over the recomputed logits
-        c = piece(V, tiling.gpu_block_cols(budget, n, V))
+        c = piece(V, (gpu_block_cols_2026_12_04 if as_run else tiling.gpu_block_cols)(budget, n, V))
         return [fwd, Phase(f"backward: blocks of {c} columns", grads + (acc, ("block gradient bf16 [n, c]",
                                                                                BF * n * c)))]
     c = piece(V, tiling.backward_tiles(budget, n, V, H, False)[0])  # "blocks": _Backward.sweep
@@ -212,7 +224,7 @@ def ours(case: str, T: int, H: int, V: int, plan: str, budget: int, n: Optional[
         return row_local_gpu(T, H, V, budget, n, as_run) if held else row_local_sweeps(T, H, V, budget)
     in_graph = case in ("W4L", "WV", "W4C") and plan in ("gpu", "two_sweeps")
     if in_graph and plan == "two_sweeps":
-        return loss_two_sweeps(T, H, V, budget)
+        return loss_two_sweeps(T, H, V, budget, as_run)
     if in_graph and held:
         return loss_gpu(T, H, V, budget, n, as_run)
     return per_token(T, H, V, plan, budget, n, as_run)

@@ -108,8 +108,11 @@ def test_sizes_over_a_grid(device_type, total_bytes):
             assert rows * 4 * v <= max(budget, 4 * v * min(rows, ALIGN)), (t, v, rows)  # within the budget
             _check_pieces(tiling.even_splits(t, rows), t, rows)
             cols = tiling.gpu_block_cols(budget, t, v)
-            assert cols % (ALIGN if cols >= 8 * ALIGN else 8 if cols >= 64 else 1) == 0
-            assert cols * t * 4 <= max(budget, 4 * t * min(cols, ALIGN))
+            unit = ALIGN if cols >= 8 * ALIGN else 8 if cols >= 64 else 1
+            assert cols % unit == 0 or cols == v
+            # (even blocks: each rounded up to the granule, at most one granule over the budget)
+            assert (cols - unit + 1) * t * 4 <= max(budget, 4 * t * min(cols, ALIGN))
+            assert len(tiling.even_splits(v, cols)) == -(-v // max(1, min(v, min(budget, t * v) // (4 * t))))
             _check_pieces(tiling.even_splits(v, cols), v, cols)
             sweep_rows, sweep_cols = tiling.sweep_sizes(budget, t, v)
             _check_pieces(tiling.even_splits(t, sweep_rows), t, sweep_rows)

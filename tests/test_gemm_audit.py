@@ -125,7 +125,7 @@ def test_gpu_plan_bounded_accumulator_recomputes_the_rows_past_it(truth):
 # ---- the device-dependent choices, as pure functions ------------------------------------------
 
 @pytest.mark.parametrize("t,v,h,rows,blocks", [
-    (4096, 151936, 1024, 1024, 5),    # WV: a quarter of the rows (the cap: a quarter of the FP32 logits)
+    (4096, 151936, 1024, 1024, 4),    # WV: a quarter of the rows (the cap: a quarter of the FP32 logits)
     (16384, 32768, 1024, 4096, 4),    # W4L
     (32768, 151936, 4096, 3456, 10),  # long T: the 2 GiB budget
 ])

@@ -8,12 +8,16 @@ copy, no separate add.  Run on this CPU with the test-only ``out_dtype`` kernels
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from fx_passes.kernels import tiling
+from fx_passes.testing.codegen import allocations
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, tracing
 
 T, H, V = 256, 64, 1024
@@ -23,24 +27,25 @@ WV = (8192, 151936)  # (T, V) of the recorded H200 run (benchmarks/gpu_runs/2026
 
 
 @pytest.mark.parametrize("total_gib, t, chunks", [
-    (80, 8192, 4), (140, 8192, 4),     # H100 / H200 at WV's size: the recorded run had 4 on the H200
-    (140, 16384, 4), (80, 16384, 4),   # 5 and 8 by the budget alone: at most MAX_LOSS_CHUNKS
-    (140, 32768, 4),
-    (140, 100, 4), (140, 0, 0),
+    (80, 8192, 2), (140, 8192, 2),     # H100 / H200 at WV's size: the recorded run had 4 on the H200
+    (140, 16384, 2), (80, 16384, 2),   # 5 and 8 by the budget alone: at most MAX_LOSS_CHUNKS
+    (140, 32768, 2),
+    (140, 100, 2), (140, 0, 0),
 ])
 def test_few_large_chunks_on_a_gpu(total_gib, t, chunks):
     budget = tiling.device_budget("cuda", total_gib * GIB)
     rows = tiling.gpu_loss_rows(budget, t, WV[1])
     spans = tiling.even_splits(t, rows)
-    assert len(spans) == chunks and 2 <= chunks <= tiling.MAX_LOSS_CHUNKS or t == 0
-    # a chunk's model-precision logits and gradient: at most the bytes of the bf16 logits stock keeps
-    assert all(4 * (b - a) * WV[1] <= 2 * t * WV[1] for a, b in spans)
+    assert len(spans) == chunks == tiling.MAX_LOSS_CHUNKS or t == 0
+    # a chunk's model-precision logits, their gradient written in their place: at most half
+    # the bytes of the bf16 logits stock keeps
+    assert all(2 * (b - a) * WV[1] <= t * WV[1] for a, b in spans)
 
 
 def test_a_budget_the_user_sets_bounds_the_chunk():
     budget = 32 * MIB  # chunk_budget_mib=32 (a CPU's default too)
     assert tiling.gpu_loss_rows(budget, *WV, by_device=False) == tiling.forward_rows(budget, *WV) == 55
-    assert tiling.gpu_loss_rows(budget, *WV) == 2048  # the device's: 4 chunks
+    assert tiling.gpu_loss_rows(budget, *WV) == 4096  # the device's: 2 chunks
 
 
 def ce(hidden, weight, labels):
@@ -65,7 +70,7 @@ def _traced_step():
 
 def test_each_chunk_runs_its_gemms_and_nothing_between_them():
     ops = _traced_step()
-    rows = T // tiling.MAX_LOSS_CHUNKS  # 4 chunks of 64 rows (the device's budget)
+    rows = T // tiling.MAX_LOSS_CHUNKS  # 2 chunks of 128 rows (the device's budget)
     gemms = [(o.op, o.shape, o.dtype) for o in ops if o.op.startswith(("aten.mm", "aten.addmm"))]
     first = [("aten.mm.out", (rows, V), BF16),              # the logits chunk (the compiled body's GEMM)
              ("aten.mm.dtype_out", (rows, H), F32),         # grad_hidden[chunk] = g @ W, into its FP32 rows
@@ -131,10 +136,10 @@ def test_fp32_weight_sums_only_where_stock_keeps_more(rows, kind, stock_fp32, ho
 
 
 def test_the_rule_is_the_peaks_compared():
-    """Held exactly where ours' peak (the FP32 sums, a chunk's logits and gradient or the
-    rounded gradients) is at most stock's (its logits, and its FP32 [T, V] or gradients),
-    at the H200 run's sizes: a cross-entropy alone from about 2.1 H rows, a log-prob from
-    about 1.03 H."""
+    """Held exactly where ours' peak (the FP32 sums, a chunk's logits with their gradient
+    written in their place, or the rounded gradients) is at most stock's (its logits, and
+    its FP32 [T, V] or gradients), at the H200 run's sizes: a cross-entropy alone from
+    about 2.1 H rows, a log-prob from about 1.03 H."""
     V, H = 151936, 4096
     for stock_fp32, first in ((False, 8683), (True, 4210)):
         assert not tiling.holds_weight_sums(first - 1, V, H, "cuda", stock_fp32)
@@ -172,3 +177,47 @@ def test_a_short_loss_keeps_the_per_token_plan_and_says_why(monkeypatch, caplog)
         assert counters["chunked_logits"]["weight_sums_over_stock"] == 1 - taken
     assert "above stock's" in caplog.text and f"(T {first - 1}, V {V}, H {H})" in caplog.text
     assert "vocabulary blocks over all rows" in caplog.text
+
+
+# ---- the logits gradient written over the logits (issue 54, item 2) ------------------------------
+
+def _kernel_calls(code: str) -> list[tuple[str, list[str]]]:
+    """The kernels the wrapper's ``call`` launches: (name, its arguments)."""
+    body = code[code.index("def call(self, args)"):]
+    return [(m[0], [a.strip() for a in m[1].split(",")])
+            for m in re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)(?:\.run)?\((.*)\)$", body, re.M)]
+
+
+@pytest.mark.parametrize("transforms, scale, entropy", [
+    ("", None, True),                                                           # lse, log-prob, entropy
+    (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7), False),  # a soft cap, a temperature
+], ids=["plain", "softcap"])
+def test_the_gradient_is_written_over_the_logits_by_one_kernel(transforms, scale, entropy):
+    """``loss._loop``'s gradient body (``logits_grad_into``), compiled as the loop compiles it:
+    the wrapper Inductor generates launches one kernel, which reads the chunk's logits and
+    writes their gradient into the same buffer (passed as its input and its output), and
+    allocates nothing: no ``[r, V]`` temporary.  Bitwise the out-of-place body's gradient."""
+    from fx_passes.kernels.log_softmax import bodies, loss
+    from fx_passes.kernels.ops import body_compiler
+    from fx_passes.kernels.ops.args import Cotangents, LogitMap, RowValues
+    g = torch.Generator().manual_seed(0)
+    r = 96
+    x = (torch.randn(r, V, generator=g) * 4).to(BF16)
+    tok = torch.randint(0, V, (r,), generator=g)
+    lse = torch.logsumexp(x.float(), -1)
+    saved = RowValues(lse, torch.rand(r, generator=g) if entropy else None)
+    cot = Cotangents(*torch.randn(3, r, generator=g)) if entropy else Cotangents(
+        *torch.randn(2, r, generator=g), None)
+    logit_map = LogitMap(BF16, transforms, scale, True)
+    expected = bodies.compiled(loss.logits_grad)(x, tok, saved, cot, logit_map)
+    # (a compiler of its own: the body compiles here, not taken from the bodies' cache)
+    with body_compiler.compiling_with(lambda fn, options: body_compiler._inductor(fn, options)):
+        into = bodies.compiled(loss.logits_grad_into)
+        storage = x.untyped_storage().data_ptr()
+        _, codes = run_and_get_code(into, x, tok, saved, cot, logit_map)
+    assert x.untyped_storage().data_ptr() == storage and torch.equal(x, expected)
+    [code] = codes
+    name = re.search(r"assert_size_stride\((\w+), \((\w+), (\w+)\)", code)[1]  # the logits: the one 2-D input
+    [(kernel, args)] = _kernel_calls(code)
+    assert args.count(name) == 2 or "in_out_ptr" in code, (kernel, args)
+    assert allocations(code) == []

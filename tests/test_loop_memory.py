@@ -2,6 +2,8 @@
 the live buffers they allocate is the sum of the buffers their maths needs together, each
 named, as ``benchmarks/cost_memory.py`` models them (docs/gpu.md, "Predicted peak memory").
 
+* the loss in the graph's ``"gpu"`` loop (``log_softmax/loss.py``, W4L): the FP32 sums and
+  one row chunk's logits, their gradient written in their place (not a second tile);
 * the row-local loss's ``"gpu"`` loop (``row_local/loss.py``, WD): the FP32 ``grad_weight``
   and ``grad_hidden`` sums and one row chunk's logits and gradient, not the previous
   chunk's gradient as well (NOTE [row-local loss memory]);
@@ -15,7 +17,7 @@ Measured on this CPU: a dispatch mode counts each storage an op allocates from t
 until a ``weakref.finalize`` on the storage says it is freed, in compiled code and inside
 the package's ops; chunk bodies are one op each (their results count, not their
 temporaries, which a compiled body's kernel does not keep).  The terms are the model's
-(``cost_memory.row_local_gpu``, ``row_local_sweeps``, ``per_token``), at small shapes.
+(``cost_memory.loss_gpu``, ``row_local_gpu``, ``row_local_sweeps``, ``per_token``), at small shapes.
 """
 
 from __future__ import annotations
@@ -201,3 +203,31 @@ def test_the_row_local_sweeps_hold_one_chunk_or_block():
     block = [((T, cols), BF16)] * 2  # its logits, its gradient
     assert mode.at_peak == _named([((T, H), BF16), ((V, H), BF16), *block]), mode.at_peak
     assert mode.peak == 2 * T * H + 2 * V * H + 2 * (2 * T * cols)
+
+
+def test_the_loss_loop_holds_one_tile_a_chunk():
+    """The loss in the graph's step compiled, plan ``"gpu"`` (the test-only CPU kernels), 2 row
+    chunks (``tiling.MAX_LOSS_CHUNKS`` with the device's budget): the forward holds the FP32
+    sums and one chunk's bf16 logits, whose gradient is written in their place
+    (``loss.logits_grad_into``), not a second ``[r, V]`` tile (``cost_memory.loss_gpu``)."""
+    T, V, H = sweeps.T, sweeps.V, sweeps.H
+    hidden, weight = sweeps.head()
+    labels = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(3))
+    rows = tiling.gpu_loss_rows(tiling.CPU_BUDGET, T, V)
+    chunks = len(tiling.even_splits(T, rows))
+    assert chunks == tiling.MAX_LOSS_CHUNKS == 2
+
+    def ce(h, w, y):
+        return torch.nn.functional.cross_entropy((h @ w.T).float(), y)
+    compiled = torch.compile(ce, backend="chunked_logits", options={"lm_head_plan": "gpu",
+                                                                   "skip_masked_rows": False})
+    h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    with cpu_out_dtype_kernels(), compiling_with(_one_op):
+        torch.autograd.grad(compiled(h, w, labels), [h, w])  # (compiles the graphs and the bodies)
+        assert chunked_counters().get("gradients_in_forward") == 1, chunked_counters()
+        mode = LiveBytes()
+        with _counting(mode):
+            compiled(h, w, labels)
+    sums = [((V, H), F32), ((T, H), F32)]
+    assert mode.at_peak == _named([*sums, ((rows, V), BF16)]), mode.at_peak
+    assert mode.peak == 4 * V * H + 4 * T * H + 2 * rows * V

@@ -221,9 +221,10 @@ def test_the_model_reproduces_the_recorded_h200_run():
 
 def test_the_gpu_loss_loop_as_built_is_predicted_faster_than_as_measured():
     """Issue 54, items 2 and 4: at T 8192 / V 151936 / H 4096 the loss loop of
-    ``gpu_plan.fp32_chunk_grads`` (4 chunks, grad_weight written by the first GEMM and added
-    to inside the later ones, grad_hidden written by its GEMM) against the one measured
-    (a zero-filled accumulator, a copy per chunk); the targets (<= 0.95x) are not met."""
+    ``gpu_plan.fp32_chunk_grads`` (2 chunks, each gradient written over its logits,
+    grad_weight written by the first GEMM and added to inside the later one, grad_hidden
+    written by its GEMM) against the one measured (4 chunks, a zero-filled accumulator, a
+    copy per chunk); the targets (<= 0.95x) are not met."""
     T, H, V = 8192, 4096, 151936
     for dev in roof.DEVICES:
         budget = roof.device_budget(dev)
@@ -232,8 +233,10 @@ def test_the_gpu_loss_loop_as_built_is_predicted_faster_than_as_measured():
             now = roof.step_time(loops.ours(T, H, V, "gpu", True, budget), dev) / base
             as_run = loops.ours(T, H, V, "gpu", True, budget, loops.Build(gif=loops.GIF_2026_12_04))
             then = roof.step_time(as_run, dev) / base
-            assert now < then - 0.03, (dev.name, loss, now, then)
-            assert 1.0 < now < 1.2, (dev.name, loss, now)  # (docs/gpu.md: 1.09x / 1.14x on the H200)
+            assert now < then - 0.1, (dev.name, loss, now, then)
+            assert 1.0 < now < 1.1, (dev.name, loss, now)  # (docs/gpu.md: 1.01x / 1.06x on the H200)
+            chunks = [k for k in loops.ours(T, H, V, "gpu", True, budget) if k.what.startswith("grad_weight")]
+            assert len(chunks) == tiling.MAX_LOSS_CHUNKS == 2, chunks
 
 
 # ---- the memory term (benchmarks/cost_memory.py) ----------------------------------------------
@@ -262,14 +265,15 @@ def test_the_memory_model_reproduces_every_recorded_peak():
 def test_memory_terms_in_closed_form():
     """The peaks at T 8192 / V 151936 / H 4096 (the H200's 2048 MiB budget), each from its
     named buffers: stock's logits (+ the gather's FP32 gradient) and gradients; the loss in
-    the graph's FP32 sums with one of 4 chunks' logits and gradient (T V bytes)."""
+    the graph's FP32 sums with one of 2 chunks' logits, their gradient written in their
+    place (T V bytes)."""
     from benchmarks import cost_memory as mem
     T, V, H = mem.SHAPE
     budget = 2048 * roof.MIB
     assert mem.peak(mem.stock(T, H, V, "logprob")).bytes == 6 * T * V
     assert mem.peak(mem.stock(T, H, V, "ce")).bytes == 2 * T * V + 2 * V * H + 2 * T * H
     gpu = mem.peak(mem.loss_gpu(T, H, V, budget))
-    assert gpu.bytes == 4 * V * H + 4 * T * H + T * V and "2048 rows" in gpu.name
+    assert gpu.bytes == 4 * V * H + 4 * T * H + T * V and "4096 rows" in gpu.name
     assert dict(gpu.terms)["grad_weight FP32 sum [V, H]"] == 4 * V * H
     # the as-run chunks at T 16384 (forward_rows: 3328 rows) and the "blocks" plan's bound copy
     assert mem.peak(mem.loss_gpu(2 * T, H, V, budget, as_run=True)).bytes == (
@@ -311,14 +315,15 @@ def test_the_plans_as_built_follow_holds_weight_sums():
 
 def test_predicted_peak_ratios_at_the_targets():
     """At T 8192 = 2 H: the cross-entropy WV would hold its FP32 [V, H] sums at a peak over
-    stock's (1.02x), so ``tiling.holds_weight_sums`` keeps the per-token plan (0.51x, one
-    GEMM more); the log-prob W4L, whose stock keeps the FP32 [T, V], holds them (0.52x); WD
+    stock's (1.02x), so ``tiling.holds_weight_sums`` keeps the per-token plan (0.54x, one
+    GEMM more: 4 even blocks of a quarter of the vocabulary); the log-prob W4L, whose stock
+    keeps the FP32 [T, V], holds them (0.52x); WD
     <= 1.0x, exactly, by the row-local loop without the holds of the 2026-12-04 run's code."""
     from benchmarks import cost_memory as mem
     for dev in roof.DEVICES:
         got = {r["case"]: r for r in mem.ratios(dev)}
         assert got["W4L"]["ratio"] == pytest.approx(0.518, abs=0.002)
-        assert got["WV"]["ratio"] == pytest.approx(0.512, abs=0.002) == got["WV"]["instead"]
+        assert got["WV"]["ratio"] == pytest.approx(0.544, abs=0.002) == got["WV"]["instead"]
         held = mem.peak(mem.loss_gpu(8192, 4096, 151936, roof.device_budget(dev))).bytes
         assert held / got["WV"]["stock"].bytes == pytest.approx(1.018, abs=0.002)  # what the rule avoids
         # the row-local loop's backward: 6 V H + 2 T H, stock's exactly at T = 2 H

@@ -127,10 +127,11 @@ def test_the_masked_case_skips_rows_with_one_read(tmp_path):
     assert ours["predicted"]["ratio"] > 0 and every["predicted"]["ratio"] > 0
     # at the plan's size the cost model prices half the rows below every row, read included
     # (at the dry run's the 100 us read is most of the step); calibrated on the H200 run,
-    # which measured 0.70x and 1.17x (docs/gpu.md, "Where the time goes")
+    # which measured 0.70x and 1.17x with 4 row chunks (docs/gpu.md, "Where the time goes");
+    # the loops as built (2 chunks, the gradient over the logits): 0.64x and 1.06x
     full = [gpu_case.predicted("W4C", m, 8192, gpu_check.FULL_V, gpu_check.FULL_H)["ratio"]
             for m in ("ours", "ours:all_rows")]
-    assert 0.65 < full[0] < 0.75 and 1.05 < full[1] < 1.2, full
+    assert 0.6 < full[0] < 0.7 and 1.0 < full[1] < 1.1, full
     for row in rows.values():  # the same error as stock's (pass_report: vs FP64)
         assert "check_errors" not in row, row
 

@@ -90,15 +90,21 @@ def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
 # FP32 ``[V, H]`` ``grad_weight`` sum that every row chunk's GEMM reads and writes once
 # more (8 V H bytes in its epilogue).  On the H200 run of 2026-12-04 (T 8192, V 151936,
 # H 4096: ``benchmarks/cost_measured.py --breakdown``, docs/gpu.md "Where the time goes")
-# its 4 chunks of 2048 rows took 42.4 ms of GEMMs against stock's 39.2: that pass (5 GB,
-# about 1 ms) and the chunk's kernels (130 us each in the fitted model) are the price of a
-# chunk, and at T 16384 the budget made 5.  So, with the device's budget, the loop runs
-# ``MAX_LOSS_CHUNKS`` chunks at any T: a chunk of ``T / 4`` rows holds its model-precision
-# logits and gradient (4 bytes an element) in ``T V`` bytes, half the bf16 logits stock
-# keeps, so the loop never holds more than stock where stock holds more than the FP32
-# sums (T >= 2 H).  A budget the user sets (``chunk_budget_mib``) bounds the chunk as
+# its 4 chunks of 2048 rows took 42.4 ms of GEMMs against stock's 39.2 (smaller GEMMs:
+# 698 TFLOPS against stock's 786): that pass (5 GB, about 1 ms) and the chunk's kernels
+# (130 us each in the fitted model) are the price of a chunk, and at T 16384 the budget
+# made 5.  Issue 54's peers measured the same: Liger's loop +7.6% at 4 chunks of 2048
+# rows, best at 2 of 4096.  So, with the device's budget, the loop runs
+# ``MAX_LOSS_CHUNKS`` (2) chunks at any T: a chunk's gradient is written over its logits
+# (``loss.logits_grad_into``: 2 bytes an element), so a chunk of ``T / 2`` rows holds
+# ``T V`` bytes, half the bf16 logits stock keeps, as ``T / 4`` rows with a separate
+# gradient did: the loop never holds more than stock where stock holds more than the FP32
+# sums (T >= 2 H; ``weight_sums_peaks``).  The accumulator then moves 12 V H bytes a step
+# (the first GEMM writes it, the second reads and writes it), not 28, in 2 GEMMs of 4096
+# rows; the model (``benchmarks/cost_model.py``, W4L-8k on the H200): 1.01x stock, 1.09x
+# at 4 chunks.  A budget the user sets (``chunk_budget_mib``) bounds the chunk as
 # everywhere else (``forward_rows``).
-MAX_LOSS_CHUNKS = 4
+MAX_LOSS_CHUNKS = 2
 
 
 def gpu_loss_rows(budget_bytes: int, n: int, vocab: int, by_device: bool = True) -> int:
@@ -115,8 +121,8 @@ def gpu_loss_rows(budget_bytes: int, n: int, vocab: int, by_device: bool = True)
 # NOTE [FP32 weight sums and stock's memory]
 # The ``"gpu"`` loss in the graph keeps FP32 ``grad_weight`` and ``grad_hidden`` sums
 # (``4 V H + 4 T H`` bytes) from the forward to the backward, and beside them, in the
-# forward, a chunk's model-precision logits and gradient (``4 r V``, ``r`` rows:
-# ``gpu_loss_rows``), in the backward the model-precision gradients it rounds them into
+# forward, a chunk's model-precision logits, its gradient written in their place (``2 r V``,
+# ``r`` rows: ``gpu_loss_rows``), in the backward the model-precision gradients it rounds them into
 # (``2 V H + 2 T H``).  Stock keeps the model-precision logits (``2 T V``), with either
 # the FP32 ``[T, V]`` the region upcasts (``4 T V``: a log-prob's gather reads it; a
 # cross-entropy alone keeps none, its kernels fuse the upcast) or its own gradients
@@ -145,7 +151,7 @@ def weight_sums_peaks(rows: int, vocab: int, width: int, stock_fp32: bool = Fals
     if row_local:
         ours = 4 * vocab * width + grads
     else:
-        ours = 4 * vocab * width + 4 * rows * width + max(4 * gpu_loss_rows(0, rows, vocab) * vocab, grads)
+        ours = 4 * vocab * width + 4 * rows * width + max(2 * gpu_loss_rows(0, rows, vocab) * vocab, grads)
     stock = 2 * rows * vocab + max(4 * rows * vocab if stock_fp32 else 0, grads)
     return ours, stock
 
@@ -198,10 +204,17 @@ def gpu_block_cols(budget_bytes: int, n: int, vocab: int) -> int:
     """Columns per vocabulary block of the ``"gpu"`` plan's sweep over ``n`` rows: all
     rows in one tile (``grad_weight[block]`` is one GEMM whose sum over the rows, K = n,
     is inside it); the block's model-precision logits and gradient (4 bytes an element)
-    fill the budget (capped for small problems as the forward's)."""
+    fill the budget (capped for small problems as the forward's).  Even blocks: as few
+    as the budget's columns allow, each ``V / blocks`` rounded *up* to the granule, so a
+    block may hold up to one granule of columns (127) more than the budget's; rounding
+    the budget's columns down first made one block more (at T 8192, V 151936: 37888
+    columns, under V / 4 = 37984, so 5 blocks instead of 4)."""
     if n == 0:
         return max(1, vocab)
-    return aligned(min(vocab, _budget(budget_bytes, n, vocab) // (4 * n)))
+    most = max(1, min(vocab, _budget(budget_bytes, n, vocab) // (4 * n)))
+    even = -(-vocab // -(-vocab // most))  # V over the fewest blocks of at most `most`, rounded up
+    unit = granule(even)
+    return min(vocab, -(-even // unit) * unit)
 
 
 def sweep_sizes(budget_bytes: int, n: int, vocab: int) -> tuple[int, int]:

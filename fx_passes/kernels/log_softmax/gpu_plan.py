@@ -80,7 +80,7 @@ def out_dtype_blocks(hidden: torch.Tensor, weight: torch.Tensor, budget_bytes: i
 
 # NOTE [gpu loss chunk]
 # The loss in the graph (``loss._loop``, ``"gpu"``): each row chunk's logits gradient ``g``
-# (model precision, written in place of nothing else: the chunk's one row kernel) feeds two
+# (model precision, written over the chunk's logits by the chunk's one row kernel) feeds two
 # GEMMs with model-precision inputs and FP32 outputs, and nothing else touches the FP32
 # sums between the GEMMs:
 #

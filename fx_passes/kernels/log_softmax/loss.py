@@ -19,8 +19,10 @@ FP64).  Each gradient element is one FP32 sum rounded once.  See NOTE [lm_head_l
 # * the tail (the user's own ops, an FX graph ``tail(lse, logprob, entropy, *rows, *whole)``
 #   returning the tensors the loss sums) on the chunk, compiled with its gradient: the
 #   chunk's partial sums and, for a unit loss, the per-row cotangents of the results;
-# * the model-precision logits gradient of the chunk from those cotangents, then
-#   ``grad_hidden[chunk] = g @ W``: one GEMM holding the whole sum over the vocabulary.
+# * the model-precision logits gradient of the chunk from those cotangents, written over
+#   the chunk's logits (one kernel reads each logit once and writes its gradient in its
+#   place: one ``[r, V]`` tile a chunk, not two), then ``grad_hidden[chunk] = g @ W``: one
+#   GEMM holding the whole sum over the vocabulary.
 #
 # ``grad_weight[v]`` sums over every row, so across chunks.  Each gradient element is one
 # FP32 sum rounded to model precision once; how ``grad_weight`` keeps that depends on the
@@ -92,6 +94,13 @@ def logits_grad(x, tokens, saved: RowValues, grads: Cotangents, logit_map: Logit
     return grad_through_transforms(grad, outs, logit_map.transforms).to(x.dtype)
 
 
+def logits_grad_into(x, tokens, saved: RowValues, grads: Cotangents, logit_map: LogitMap) -> None:
+    """:func:`logits_grad` written over the chunk's logits ``x`` (which the loop owns):
+    compiled, one kernel that reads each element of ``x`` once and writes its gradient in
+    its place, no ``[r, V]`` temporary (tests/test_gpu_loss_chunks.py reads the code)."""
+    x.copy_(logits_grad(x, tokens, saved, grads, logit_map))
+
+
 def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:
     return like.new_empty(0, dtype=dtype)
 
@@ -153,7 +162,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
     keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
     log_softmax = head.tokens is not None or opts.want_entropy
-    stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad)
+    stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad_into)
     tail = user_bodies.body(loss.tail_key, COUNTER)
     logit_map = opts.logit_map(hidden.dtype, head.scale)
     step = (gpu_loss_rows(budget_bytes, n, vocab, opts.budget_bytes == BY_DEVICE) if gpu
@@ -164,7 +173,8 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     for r0, r1 in chunks:
         chunk = head.rows(r0, r1)
         h, tok = chunk.hidden, chunk.tokens
-        lse, lp, ent, x = stats_body(h, weight, bias, tok, head.scale, opts.scale_is_div, opts.want_entropy,
+        # g: the chunk's logits (a buffer of the loop's own), then their gradient in their place
+        lse, lp, ent, g = stats_body(h, weight, bias, tok, head.scale, opts.scale_is_div, opts.want_entropy,
                                      opts.transforms)
         zeros = lse.new_zeros(lse.shape)
         c_lse, c_lp, c_ent, *part = tail(lse, lp if lp is not None else zeros,
@@ -174,8 +184,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
             s += p.double()
         lse = softmax_lse(lse, log_softmax)
         cot = Cotangents(c_lse, c_lp if tok is not None else None, c_ent if opts.want_entropy else None)
-        g = grad_body(x, tok, RowValues(lse, ent), cot, logit_map)
-        del x
+        grad_body(g, tok, RowValues(lse, ent), cot, logit_map)
         if gpu:
             fp32_chunk_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
                              gb if need_weight and bias is not None else None, r0 == 0, budget_bytes)
