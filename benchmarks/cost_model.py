@@ -66,6 +66,7 @@ from benchmarks.cost_roofline import (  # noqa: E402
     device_budget,
     full_gemms,
     gemm,
+    kernel_time,
     moved_bytes,
     step_time,
 )
@@ -246,7 +247,38 @@ def what_ifs(dev: Device = DEVICES[-1]) -> str:
         lines.append(f"* {name}: loss in graph as built {step_time(built, dev) / base:.2f}x, grad_weight one "
                      f"GEMM and the scaling free {best:.2f}x; at 32 MiB: loss in graph {small[0]:.2f}x, "
                      f"per-token {small[1]:.2f}x")
-    return "\n".join(lines)
+    return "\n".join(lines + [floors(dev)] + [kept_logits(name, dev) for name in ("W4L-8k", "WV-8k")])
+
+
+def floors(dev: Device) -> str:
+    """What no loop of ours can go under in this calibration (W4L-8k): stock's own GEMM
+    kernels plus the fitted rest of the step (``Device.step_s``), and four of them."""
+    T, H, V, loss = WORKLOADS["W4L-8k"]
+    ks = stock(T, H, V, loss)
+    base, gemms = step_time(ks, dev), sum(kernel_time(k, dev) for k in ks if k.flops)
+    return (f"* W4L-8k floors: stock's 3 GEMMs and the rest of the step {(gemms + dev.step_s) / base:.2f}x; "
+            f"4 GEMMs {gemms * 4 / 3 / base:.2f}x, with the rest {(gemms * 4 / 3 + dev.step_s) / base:.2f}x")
+
+
+def kept_logits(name: str, dev: Device) -> str:
+    """A per-token plan not built: the forward keeps its bf16 logits tiles (``[T, V]``, as
+    stock's logits) and the backward runs the loss loop's chunks on them (the gradient
+    over each tile, ``grad_hidden`` written and ``grad_weight`` added to in FP32 by their
+    GEMMs: ``cost_loops.gif_gpu``'s kernels, 3 GEMMs), holding the bf16 logits with the
+    FP32 ``[V, H]`` and ``[T, H]`` sums; its peak against stock's (``cost_memory``)."""
+    from benchmarks import cost_memory as mem  # (imports torch: only for the what-ifs)
+
+    T, H, V, loss = WORKLOADS[name]
+    base, per_token = step_time(stock(T, H, V, loss), dev), ours(T, H, V, "gpu", False, device_budget(dev))
+    kept = ours(T, H, V, "gpu", True, device_budget(dev))
+    peak = 2 * T * V + 4 * V * H + 4 * T * H  # the logits with both sums, in the backward's loop
+    stock_peak = mem.peak(mem.stock(T, H, V, loss)).bytes
+    per_token_peak = mem.peak(mem.ours(name.split("-")[0] + "-tok", T, H, V, "gpu", device_budget(dev))).bytes
+    return (f"* {name} per token: as built {step_time(per_token, dev) / base:.2f}x time, "
+            f"{per_token_peak / stock_peak:.2f}x peak; with the bf16 logits kept for the backward "
+            "(not built) "
+            f"{step_time(kept, dev) / base:.2f}x time, {peak / stock_peak:.2f}x peak"
+            + (" (over stock's: not allowed)" if peak > stock_peak else ""))
 
 
 def main(argv=None) -> int:

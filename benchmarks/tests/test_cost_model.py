@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -178,7 +179,23 @@ def test_a_plan_this_checkout_cannot_size_is_one_row_saying_so(monkeypatch):
 
 def test_what_ifs_name_both_lm_head_workloads():
     text = cm.what_ifs()
-    assert text.count("\n* ") == 2 and "* W4: loss in graph as built" in text and "at 32 MiB" in text
+    assert text.count("\n* ") == 5 and "floors: stock's 3 GEMMs" in text
+    assert "* W4: loss in graph as built" in text and "at 32 MiB" in text
+
+
+def test_kept_logits_what_if_trades_the_fourth_gemm_for_the_logits():
+    """The per-token what-if that keeps the bf16 logits: the loss loop's 3 GEMMs, so its
+    time is the loss in the graph's and under the per-token plan's; its peak holds the
+    [T, V] logits with the FP32 sums: under stock's for the log-probs (whose stock keeps an
+    FP32 [T, V] more), over it for a cross-entropy alone, and said so."""
+    dev = roof.DEVICES[-1]
+    lines = {name: cm.kept_logits(name, dev) for name in ("W4L-8k", "WV-8k")}
+    for name, line in lines.items():
+        as_built, kept = (float(x) for x in re.findall(r"([0-9.]+)x time", line))
+        assert kept < as_built, line
+    peaks = {name: [float(x) for x in re.findall(r"([0-9.]+)x peak", line)] for name, line in lines.items()}
+    assert peaks["W4L-8k"][1] < 1.0 < peaks["WV-8k"][1], peaks
+    assert "not allowed" in lines["WV-8k"] and "not allowed" not in lines["W4L-8k"]
 
 
 def test_masked_rows_scale_the_gemms_and_meet_the_target():
