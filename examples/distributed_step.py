@@ -157,16 +157,18 @@ class BucketCount(logging.Handler):
             self.buckets = record.args[1]
 
 
-def compiled_model(args, backend: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A fresh wrapped model and its ``torch.compile``."""
-    torch._dynamo.reset()
+def compiled_model(args, backend: str, reset: bool = True) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A fresh wrapped model and its ``torch.compile`` (after ``torch._dynamo.reset()``
+    unless ``reset=False``: frames compiled before are served where their guards hold)."""
+    if reset:
+        torch._dynamo.reset()
     model = wrap(build(args), args)
     return model, torch.compile(model, backend=backend)
 
 
-def step(args, rank: int, backend: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def step(args, rank: int, backend: str, reset: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward + backward of the wrapped, compiled model on this rank's shard."""
-    model, compiled = compiled_model(args, backend)
+    model, compiled = compiled_model(args, backend, reset)
     ids, tok = batch(args, rank)
     loss = compiled(ids, tok)
     loss.backward()
@@ -211,19 +213,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_head(args, rank: int, head: str) -> dict:
-    """Stock, then the pass, then the FP64 reference, for one loss head."""
-    args = argparse.Namespace(**{**vars(args), "head": head})
-    stock_loss, stock_grads = step(args, rank, "inductor")
-    counters.clear()
-    session.reset()
-    with ours(args.backend) as backend:
-        loss, grads = step(args, rank, backend)
-    ref_losses, ref_grads = reference(args)
-    return {"counters": dict(counters["chunked_logits"]),
-            "events": [f"{e.kind}: {e.what}" for e in session.events],
-            "stock": compare(stock_loss, stock_grads, ref_losses[rank], ref_grads),
-            "ours": compare(loss, grads, ref_losses[rank], ref_grads)}
+def run_heads(args, rank: int) -> dict[str, dict]:
+    """Stock for every head, then the pass for every head, then the FP64 references.
+    One Dynamo reset before each backend's steps, not one per step: what the heads share
+    (FSDP2's decoder layers, the pass's chunk bodies) is traced and compiled once per
+    backend; each head's own graph (its loss) compiles in its step, the pass's counters
+    and events are taken per head."""
+    per_head = {head: argparse.Namespace(**{**vars(args), "head": head}) for head in args.head}
+    torch._dynamo.reset()
+    stock = {head: step(a, rank, "inductor", reset=False) for head, a in per_head.items()}
+    torch._dynamo.reset()
+    out = {}
+    for head, a in per_head.items():
+        counters.clear()
+        session.reset()
+        with ours(args.backend) as backend:
+            loss, grads = step(a, rank, backend, reset=False)
+        ref_losses, ref_grads = reference(a)
+        out[head] = {"counters": dict(counters["chunked_logits"]),
+                     "events": [f"{e.kind}: {e.what}" for e in session.events],
+                     "stock": compare(*stock[head], ref_losses[rank], ref_grads),
+                     "ours": compare(loss, grads, ref_losses[rank], ref_grads)}
+    return out
 
 
 def run(args: argparse.Namespace) -> None:
@@ -232,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
     rank, args.world = dist.get_rank(), dist.get_world_size()
     buckets = BucketCount()
     try:
-        heads = {head: run_head(args, rank, head) for head in args.head}
+        heads = run_heads(args, rank)
     finally:
         logging.getLogger("torch._dynamo.backends.distributed").removeHandler(buckets)
     result = {"rank": rank, "world": args.world, "ddp_buckets": buckets.buckets, "heads": heads}

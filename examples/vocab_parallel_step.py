@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 4 examples/vocab_parallel_step.py --dp 2 --out out/   # TP + FSDP2
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --vocab 2400 \
         --vocab-split 1000,1400 --chunk-budget-mib 0.05 --out out/        # uneven shards
+    torchrun --standalone --nproc-per-node 4 examples/vocab_parallel_step.py --ranks 2 --out out/  # on 0, 1
 
 (tests/test_vocab_parallel.py runs it; benchmarks/vocab_parallel.py measures its step.)
 
@@ -224,8 +225,48 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --dp: fully_shard the lm_head shard alone, or a module holding it and the loss")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas (TP + FSDP2: world = dp x tp, the shard under fully_shard)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="run on the first RANKS ranks of the process group (the others skip the run): one "
+                        "torchrun start serves runs on several rank counts (tests/test_vocab_parallel.py)")
     p.add_argument("--out", type=pathlib.Path, required=True)
     return p.parse_args(argv)
+
+
+def head_data(args, head: str, dp_rank: int, lo: int, shard: int) -> tuple:
+    """This rank's rows and weight shard for ``head``, and the FP64 reference's loss and
+    gradients (``h``'s, and the weight shard's averaged over the replicas, as FSDP2 does)."""
+    # every replica draws all replicas' rows, keeps its own (the reference needs them all)
+    h, w, tok, old_logp, adv = inputs(argparse.Namespace(**{**vars(args), "rows": args.rows * args.dp}), head)
+    replicas = [slice(d * args.rows, (d + 1) * args.rows) for d in range(args.dp)]
+    refs = [reference(h[r], w, tok[r], old_logp[r], adv[r], head) for r in replicas]
+    rows = replicas[dp_rank]
+    ref_w = sum(r[2] for r in refs) / args.dp
+    return ((h[rows], w[lo:lo + shard], tok[rows], old_logp[rows], adv[rows]),
+            (refs[dp_rank][0], refs[dp_rank][1], ref_w[lo:lo + shard]))
+
+
+def megatron_heads(args, dp_rank: int, lo: int, shard: int, dp_mesh, options) -> dict:
+    """Each head's step with each backend: counters, events and errors against FP64.
+    One Dynamo reset per backend, not per step: what the heads share (the pass's stage
+    bodies, FSDP2's module calls) is traced and compiled once per backend; each head's
+    loss compiles in its own step, and its counters and events are taken per step."""
+    data = {head: head_data(args, head, dp_rank, lo, shard) for head in args.head}
+    report: dict = {head: {} for head in args.head}
+    for backend in args.backends.split(","):
+        torch._dynamo.reset()
+        for head, ((h, w_local, tok, old_logp, adv), (ref_loss, ref_h, ref_w)) in data.items():
+            counters.clear()
+            session.reset()
+            loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo, dp_mesh,
+                                options if backend.startswith("chunked_logits") else None, args.fsdp_unit)
+            dist.all_reduce(gh, group=tp_group())  # h is replicated: its gradient sums the shards'
+            report[head][backend] = {
+                "counters": dict(counters["chunked_logits"]),
+                "events": [e.what for e in session.events],
+                "loss": errors(loss, ref_loss),
+                "grads": {"lm_head_shard": errors(gw, ref_w), "hidden": errors(gh, ref_h)},
+            }
+    return report
 
 
 def run(args: argparse.Namespace) -> None:
@@ -234,6 +275,14 @@ def run(args: argparse.Namespace) -> None:
     global TP_GROUP
     TP_GROUP = None  # (a run before this one in the process may have set it)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.ranks is not None and args.ranks < world:
+        if args.dp > 1 or args.spelling != "megatron":
+            raise SystemExit("--ranks takes neither --dp nor --spelling loss_parallel (their meshes span "
+                             "the whole world)")
+        group = dist.new_group(list(range(args.ranks)))  # (every rank of the world calls it)
+        if rank >= args.ranks:
+            return
+        TP_GROUP, world = group, args.ranks
     tp, dp_rank, tp_rank, dp_mesh = world, 0, rank, None
     if args.dp > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -251,35 +300,12 @@ def run(args: argparse.Namespace) -> None:
     shard, lo = widths[tp_rank], sum(widths[:tp_rank])
     options = {"chunk_budget_mib": args.chunk_budget_mib} if args.chunk_budget_mib else None
     report: dict = {"rank": rank, "world": world, "dp": args.dp, "tp": tp}
-    for head in args.head:
-        # every replica draws all replicas' rows, keeps its own (the reference needs them all)
-        full = argparse.Namespace(**{**vars(args), "rows": args.rows * args.dp})
-        h, w, tok, old_logp, adv = inputs(full, head)
-        if args.spelling == "loss_parallel":
+    if args.spelling == "loss_parallel":
+        for head in args.head:
+            h, w, tok, _, _ = inputs(argparse.Namespace(**{**vars(args), "rows": args.rows * args.dp}), head)
             report[head] = try_loss_parallel(args, h, w, tok.clamp(min=0))
-            continue
-        refs = [reference(*(t[d * args.rows:(d + 1) * args.rows] for t in (h,)), w,
-                          *(t[d * args.rows:(d + 1) * args.rows] for t in (tok, old_logp, adv)), head)
-                for d in range(args.dp)]
-        ref_loss, ref_h = refs[dp_rank][0], refs[dp_rank][1]
-        ref_w = sum(r[2] for r in refs) / args.dp  # FSDP2 averages the replicas' gradients
-        rows = slice(dp_rank * args.rows, (dp_rank + 1) * args.rows)
-        h, tok, old_logp, adv = h[rows], tok[rows], old_logp[rows], adv[rows]
-        w_local = w[lo:lo + shard]
-        report[head] = {}
-        for backend in args.backends.split(","):
-            torch._dynamo.reset()
-            counters.clear()
-            session.reset()
-            loss, gh, gw = step(head, backend, h, w_local, tok, old_logp, adv, lo, dp_mesh,
-                                options if backend.startswith("chunked_logits") else None, args.fsdp_unit)
-            dist.all_reduce(gh, group=tp_group())  # h is replicated: its gradient sums the shards'
-            report[head][backend] = {
-                "counters": dict(counters["chunked_logits"]),
-                "events": [e.what for e in session.events],
-                "loss": errors(loss, ref_loss),
-                "grads": {"lm_head_shard": errors(gw, ref_w[lo:lo + shard]), "hidden": errors(gh, ref_h)},
-            }
+    else:
+        report.update(megatron_heads(args, dp_rank, lo, shard, dp_mesh, options))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
 

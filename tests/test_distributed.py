@@ -43,13 +43,14 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 def torchrun(tmp_path: pathlib.Path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
     """Each run of the example on 2 ranks (``--standalone``: a free port), all in one
-    start, and what each rank wrote for each."""
+    start, the ranks compiling in turn (tests/torchrun_cases.py: the second finds each
+    graph in the caches), and what each rank wrote for each."""
     exe = shutil.which("torchrun", path=str(BIN))
     assert exe, "torchrun is installed with torch"
     runs = {name: [*argv, "--out", str(tmp_path / name)] for name, argv in runs.items()}
     proc = subprocess.run(
         [exe, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "torchrun_cases.py"),
-         "examples.distributed_step", json.dumps(runs)],
+         "examples.distributed_step", json.dumps(runs), "--compile-in-turn"],
         capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -282,6 +282,19 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
         torch.testing.assert_close(got, want.detach(), rtol=2e-6, atol=2**-8 * want.abs().max().item())
 
 
+def isa_probes_settled() -> dict[str, str]:
+    """``TORCHINDUCTOR_VEC_ISA_OK=1`` where this process found that every vector ISA the
+    CPU lists builds and loads: a child then picks the same ISA without probing, which in
+    a cold cache costs ~6 s of probe compiles; else nothing (the child probes)."""
+    from torch._inductor import cpu_vec_isa as isa
+
+    if not hasattr(isa, "x86_isa_checker"):
+        return {}
+    cpu = isa.x86_isa_checker()
+    listed = [i for i in isa.supported_vec_isa_list if all(flag in cpu for flag in str(i).split())]
+    return {"TORCHINDUCTOR_VEC_ISA_OK": "1"} if listed and isa.valid_vec_isa_list() == listed else {}
+
+
 @pytest.mark.slow
 def test_warm_start_in_a_new_process_serves_the_one_pass_graphs(tmp_path):
     """AOTAutograd's cache holds graphs that call ``shard_lm_head_stages`` by a plan's
@@ -289,7 +302,8 @@ def test_warm_start_in_a_new_process_serves_the_one_pass_graphs(tmp_path):
     cache runs the pass again (it registers the same plan under the same name), hits the
     cache for every graph, and gets the same bits."""
     env = clean_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT),
-                    TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+                    TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+                    **isa_probes_settled())
 
     def child() -> dict:
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vocab_parallel_child.py")], env=env,
@@ -370,34 +384,28 @@ def every_rank_heads(ranks: int) -> list[str]:
     return ["logprob", "entropy", "ce", "logprob_unshifted"] if ranks == 2 else ["logprob", "ce"]
 
 
-def torchrun(tmp_path: pathlib.Path, ranks: int, names: list[str]) -> dict[str, list[dict]]:
-    """The runs ``names`` of the example, all on ``ranks`` ranks, in one torchrun start
-    (tests/torchrun_cases.py), and what each rank wrote for each."""
+def torchrun(tmp_path: pathlib.Path) -> dict[str, list[dict]]:
+    """Every run of the example in one torchrun start (tests/torchrun_cases.py) on the
+    most ranks any asks for, a run on fewer on the first ranks (``--ranks``; the others
+    skip it), and what each of its ranks wrote."""
     exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
-    runs = {name: ["--head", *every_rank_heads(ranks), "--dp", str(EVERY_RANK[name][1]),
-                   "--out", str(tmp_path / name), *EVERY_RANK[name][2]] for name in names}
+    world = max(ranks for ranks, _, _ in EVERY_RANK.values())
+    runs = {name: ["--head", *every_rank_heads(ranks), "--dp", str(dp), "--ranks", str(ranks),
+                   "--out", str(tmp_path / name), *extra] for name, (ranks, dp, extra) in EVERY_RANK.items()}
     proc = subprocess.run(
-        [exe, "--standalone", "--nproc-per-node", str(ranks), str(ROOT / "tests" / "torchrun_cases.py"),
+        [exe, "--standalone", "--nproc-per-node", str(world), str(ROOT / "tests" / "torchrun_cases.py"),
          "examples.vocab_parallel_step", json.dumps(runs)],
         capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(ranks)]
-            for name in names}
+            for name, (ranks, _, _) in EVERY_RANK.items()}
 
 
 @pytest.fixture(scope="module")
-def every_rank_runs(tmp_path_factory):
-    """A run's rank files by name; the runs on as many ranks share one torchrun start (the
-    two 4-rank runs), made when a test first asks for one of them."""
-    started: dict[int, dict[str, list[dict]]] = {}
-
-    def rank_files(name: str) -> list[dict]:
-        ranks = EVERY_RANK[name][0]
-        if ranks not in started:
-            names = [n for n, (r, _, _) in EVERY_RANK.items() if r == ranks]
-            started[ranks] = torchrun(tmp_path_factory.mktemp(f"ranks{ranks}"), ranks, names)
-        return started[ranks][name]
-    return rank_files
+def every_rank_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each run's rank files by name: the 4-rank runs and the 2-rank run share one
+    torchrun start (each rank imports torch, joins the group and warms Inductor once)."""
+    return torchrun(tmp_path_factory.mktemp("every_rank"))
 
 
 @pytest.mark.slow
@@ -414,7 +422,8 @@ def test_every_rank_every_head(every_rank_runs, case):
     parallelism; the 4-rank runs take two heads, the 2-rank run every head.)"""
     ranks, dp, extra = EVERY_RANK[case]
     heads = every_rank_heads(ranks)
-    files = every_rank_runs(case)
+    files = every_rank_runs[case]
+    assert [rank["world"] for rank in files] == [ranks] * ranks
     for rank in files:
         for head in heads:
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
