@@ -112,3 +112,16 @@ def auto_plan_computes_gradients_in_forward(dtype: torch.dtype = torch.bfloat16)
     from fx_passes.kernels.tiling import backward_plan
     from fx_passes.rewrite.loss_tail import PLANS
     return backward_plan(torch.device("cpu"), dtype) in PLANS
+
+
+def isa_probes_settled() -> dict[str, str]:
+    """``TORCHINDUCTOR_VEC_ISA_OK=1`` where this process found that every vector ISA the
+    CPU lists builds and loads: a child then picks the same ISA without probing, which in
+    a cold cache costs ~6 s of probe compiles; else nothing (the child probes)."""
+    from torch._inductor import cpu_vec_isa as isa
+
+    if not hasattr(isa, "x86_isa_checker"):
+        return {}
+    cpu = isa.x86_isa_checker()
+    listed = [i for i in isa.supported_vec_isa_list if all(flag in cpu for flag in str(i).split())]
+    return {"TORCHINDUCTOR_VEC_ISA_OK": "1"} if listed and isa.valid_vec_isa_list() == listed else {}

@@ -33,7 +33,7 @@ from fx_passes.kernels.ops import registry
 from tests import row_local_cases as rl
 from tests import shard_heads
 from tests import sweep_cases as sweeps
-from tests.helpers import rewrite_graphs
+from tests.helpers import isa_probes_settled, rewrite_graphs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHILD = pathlib.Path(__file__).resolve().parent / "registry_cache_child.py"
@@ -188,11 +188,10 @@ def test_a_bad_decision_is_a_value_error():
 
 def _child(cache_dir, options: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TORCH_LOGS"))}
-    # VEC_ISA_OK: the CPU's best ISA without compiling a probe for each (~6.5 CPU-s in a new
-    # cache directory); the ISA picked, and every cache key, is the same in each child
+    # (isa_probes_settled: the CPU's best ISA without compiling a probe for each, ~6.5 CPU-s
+    # in a new cache directory; the ISA picked, and every cache key, is the same in each child)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT),
-               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-               TORCHINDUCTOR_VEC_ISA_OK="1")
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1", **isa_probes_settled())
     proc = subprocess.run([sys.executable, str(CHILD), json.dumps(options)], env=env, cwd=str(ROOT),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,6 +26,7 @@ import fx_passes
 import fx_passes.pipeline
 from fx_passes import ChunkedLogitsPass, Config
 from fx_passes.entry.backend import chunked_logits
+from tests.helpers import isa_probes_settled
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHILD = pathlib.Path(__file__).resolve().parent / "cache_child.py"
@@ -140,11 +141,10 @@ def test_source_hash_changes_when_a_source_file_is_added(package_copy) -> None:
 
 def run_child(cache_dir, options: dict, pythonpath: pathlib.Path = ROOT) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TORCH_LOGS"))}
-    # VEC_ISA_OK: the CPU's best ISA without compiling a probe for each (~6.5 CPU-s in a new
-    # cache directory); the ISA picked, and every cache key, is the same in each child
+    # (isa_probes_settled: the CPU's best ISA without compiling a probe for each, ~6.5 CPU-s
+    # in a new cache directory; the ISA picked, and every cache key, is the same in each child)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(pythonpath),
-               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-               TORCHINDUCTOR_VEC_ISA_OK="1")
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1", **isa_probes_settled())
     proc = subprocess.run([sys.executable, str(CHILD), json.dumps(options)], env=env, cwd=str(cache_dir),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
 
 from fx_passes.testing.codegen import allocations, full_fp32_buffers
-from tests.helpers import chunked_counters, clean_env, ops, rewrite_graphs
+from tests.helpers import chunked_counters, clean_env, isa_probes_settled, ops, rewrite_graphs
 from tests.numerics import assert_no_less_accurate, dtype_matrix, reference, run
 from tests.shard_heads import (
     HEADS,
@@ -280,19 +280,6 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
     out.sum().backward()
     for got, want in zip((step(h, w, tok), hr.grad, wr.grad), (out, hs.grad, ws.grad)):
         torch.testing.assert_close(got, want.detach(), rtol=2e-6, atol=2**-8 * want.abs().max().item())
-
-
-def isa_probes_settled() -> dict[str, str]:
-    """``TORCHINDUCTOR_VEC_ISA_OK=1`` where this process found that every vector ISA the
-    CPU lists builds and loads: a child then picks the same ISA without probing, which in
-    a cold cache costs ~6 s of probe compiles; else nothing (the child probes)."""
-    from torch._inductor import cpu_vec_isa as isa
-
-    if not hasattr(isa, "x86_isa_checker"):
-        return {}
-    cpu = isa.x86_isa_checker()
-    listed = [i for i in isa.supported_vec_isa_list if all(flag in cpu for flag in str(i).split())]
-    return {"TORCHINDUCTOR_VEC_ISA_OK": "1"} if listed and isa.valid_vec_isa_list() == listed else {}
 
 
 @pytest.mark.slow
