@@ -130,7 +130,7 @@ def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:
     ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there; an
     ignored label's row still gets ``0 * exp(lp)``, NaN, from log-softmax's backward."""
-    stock, ours, c = _non_finite_runs(fn, tuple(KINDS))[kind]
+    stock, ours, c = _non_finite_runs(fn, tuple(KINDS), SCALES)[kind, 1.0]
     assert _pattern(ours) == stock, (_pattern(ours), stock, c)
     if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is not kd_where):
         assert c.get("rows_skipped", 0) < T // 2, c  # (that row, every row for w, is computed)
@@ -157,19 +157,24 @@ def _poisoned(kind):
     return xs
 
 
+SCALES = (1.0, 0.3)  # the incoming gradients of the non-finite kinds' tests
+
+
 @functools.cache
-def _non_finite_runs(fn, kinds) -> dict:
-    """{kind: (stock's pattern, ours, the counters of that run)}: stock and ours each
-    compiled once (a kind changes values only: the same programs), ours's counters cleared
-    before each run (what the tests read of them, the rows, counts at run time)."""
+def _non_finite_runs(fn, kinds, scales=(1.0,)) -> dict:
+    """{(kind, incoming gradient): (stock's pattern, ours, the counters of that run)}: stock
+    and ours each compiled once (a kind or a gradient changes values only: the same
+    programs), ours's counters cleared before each run (what the tests read of them, the
+    rows, counts at run time)."""
     torch._dynamo.reset()
     stock = torch.compile(fn, backend="inductor")
-    patterns = {kind: _pattern(_run(stock, _poisoned(kind))) for kind in kinds}
+    patterns = {(k, s): _pattern(_run(stock, _poisoned(k), s)) for k in kinds for s in scales}
     ours = _compile_ours(fn)
     runs = {}
-    for kind in kinds:
-        counters.clear()
-        runs[kind] = (patterns[kind], *_run_ours(ours, _poisoned(kind)))
+    for k in kinds:
+        for s in scales:
+            counters.clear()
+            runs[k, s] = (patterns[k, s], *_run_ours(ours, _poisoned(k), s))
     return runs
 
 
@@ -182,7 +187,7 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
     """A class weighing 0 leaves a row out only where its logits are finite (``-0 * inf``
     is NaN in stock's loss); ``nll_loss``'s ignored rows are 0 in the forward, and NaN in
     the gradient where log-softmax's backward multiplies ``exp(lp)`` by 0."""
-    stock, ours, c = _non_finite_runs(fn, tuple(CE_KINDS))[kind]
+    stock, ours, c = _non_finite_runs(fn, tuple(CE_KINDS))[kind, 1.0]
     xs = _poisoned(kind)
     assert _pattern(ours) == stock and c.get("rows_seen") == T, (_pattern(ours), stock, c)
     if kind == "h+inf, a masked row" or fn is weighted_ce and kind.startswith("h+inf"):
@@ -195,9 +200,7 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
 def test_non_finite_values_with_an_incoming_gradient_as_stock(kind):
     """An incoming gradient of 0.3: the backward's both sweeps run on the kept rows, with
     stock's (NaN, +inf, -inf) counts."""
-    xs = poisoned(kind)
-    stock = _pattern(_run(torch.compile(kd_masked_mean, backend="inductor"), xs, 0.3))
-    ours, c = _ours(kd_masked_mean, xs, scale=0.3)
+    stock, ours, c = _non_finite_runs(kd_masked_mean, tuple(KINDS), SCALES)[kind, 0.3]
     assert _pattern(ours) == stock and c.get("rows_skipped"), (_pattern(ours), stock, c)
 
 
