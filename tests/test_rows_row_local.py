@@ -130,7 +130,7 @@ def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:
     ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there; an
     ignored label's row still gets ``0 * exp(lp)``, NaN, from log-softmax's backward."""
-    stock, ours, c = _non_finite_runs(fn, tuple(KINDS), SCALES)[kind, 1.0]
+    stock, ours, c = _non_finite_runs(fn, _runs_of(fn))[kind, 1.0]
     assert _pattern(ours) == stock, (_pattern(ours), stock, c)
     if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is not kd_where):
         assert c.get("rows_skipped", 0) < T // 2, c  # (that row, every row for w, is computed)
@@ -157,25 +157,31 @@ def _poisoned(kind):
     return xs
 
 
-SCALES = (1.0, 0.3)  # the incoming gradients of the non-finite kinds' tests
+INCOMING_KINDS = ["teacher+inf, a masked row", "h nan, a kept row"]  # (kd_masked_mean's, with 0.3)
+
+
+def _runs_of(fn) -> tuple:
+    """The (kind, incoming gradient) pairs the non-finite tests run ``fn`` on."""
+    kinds = CE_KINDS if fn in (weighted_ce, sft_and_kd) else KINDS
+    extra = [(k, 0.3) for k in INCOMING_KINDS] if fn is kd_masked_mean else []
+    return tuple([(k, 1.0) for k in kinds] + extra)
 
 
 @functools.cache
-def _non_finite_runs(fn, kinds, scales=(1.0,)) -> dict:
-    """{(kind, incoming gradient): (stock's pattern, ours, the counters of that run)}: stock
-    and ours each compiled once (a kind or a gradient changes values only: the same
-    programs), ours's counters cleared before each run (what the tests read of them, the
-    rows, counts at run time)."""
+def _non_finite_runs(fn, runs) -> dict:
+    """{(kind, incoming gradient): (stock's pattern, ours, the counters of that run)} of
+    ``runs``: stock and ours each compiled once (a kind or a gradient changes values only:
+    the same programs), ours's counters cleared before each run (what the tests read of
+    them, the rows, counts at run time)."""
     torch._dynamo.reset()
     stock = torch.compile(fn, backend="inductor")
-    patterns = {(k, s): _pattern(_run(stock, _poisoned(k), s)) for k in kinds for s in scales}
+    patterns = {(k, s): _pattern(_run(stock, _poisoned(k), s)) for k, s in runs}
     ours = _compile_ours(fn)
-    runs = {}
-    for k in kinds:
-        for s in scales:
-            counters.clear()
-            runs[k, s] = (patterns[k, s], *_run_ours(ours, _poisoned(k), s))
-    return runs
+    out = {}
+    for k, s in runs:
+        counters.clear()
+        out[k, s] = (patterns[k, s], *_run_ours(ours, _poisoned(k), s))
+    return out
 
 
 CE_KINDS = ["h+inf, a kept row of a class that weighs 0", "teacher nan, a masked row", "h+inf, a masked row"]
@@ -187,7 +193,7 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
     """A class weighing 0 leaves a row out only where its logits are finite (``-0 * inf``
     is NaN in stock's loss); ``nll_loss``'s ignored rows are 0 in the forward, and NaN in
     the gradient where log-softmax's backward multiplies ``exp(lp)`` by 0."""
-    stock, ours, c = _non_finite_runs(fn, tuple(CE_KINDS))[kind, 1.0]
+    stock, ours, c = _non_finite_runs(fn, _runs_of(fn))[kind, 1.0]
     xs = _poisoned(kind)
     assert _pattern(ours) == stock and c.get("rows_seen") == T, (_pattern(ours), stock, c)
     if kind == "h+inf, a masked row" or fn is weighted_ce and kind.startswith("h+inf"):
@@ -196,11 +202,11 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
         assert 0 < c.get("rows_skipped", 0) < allowed, (allowed, c)
 
 
-@pytest.mark.parametrize("kind", ["teacher+inf, a masked row", "h nan, a kept row"])
+@pytest.mark.parametrize("kind", INCOMING_KINDS)
 def test_non_finite_values_with_an_incoming_gradient_as_stock(kind):
     """An incoming gradient of 0.3: the backward's both sweeps run on the kept rows, with
     stock's (NaN, +inf, -inf) counts."""
-    stock, ours, c = _non_finite_runs(kd_masked_mean, tuple(KINDS), SCALES)[kind, 0.3]
+    stock, ours, c = _non_finite_runs(kd_masked_mean, _runs_of(kd_masked_mean))[kind, 0.3]
     assert _pattern(ours) == stock and c.get("rows_skipped"), (_pattern(ours), stock, c)
 
 
