@@ -15,6 +15,8 @@ here on the test-only CPU kernels of ``mm(..., out_dtype=)``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -63,12 +65,24 @@ def test_an_incoming_gradient_other_than_one(name, scale):
     _compare(name, scale)
 
 
-def _compare(name, scale, mean_ratio=1.1, **options):
+# Every incoming gradient the tests below give a case: stock's one compile of a case runs them all.
+SCALES = (3.0, 0.25, -0.3, -1.0, 0.3)
+
+
+@functools.cache
+def _reference_and_stock(name):
+    """{scale: (FP64 reference, stock Inductor's run)} of a case, for every scale in ``SCALES``."""
     fn, inputs, grad_pos = sweeps.case(name)
     f64 = [t.double() if t.is_floating_point() else t for t in inputs]
-    ref = _run(fn, f64, grad_pos, scale, up=torch.float64)
     torch._dynamo.reset()
-    stock = _run(torch.compile(fn, backend="inductor"), inputs, grad_pos, scale)
+    stock = torch.compile(fn, backend="inductor")
+    return {scale: (_run(fn, f64, grad_pos, scale, up=torch.float64), _run(stock, inputs, grad_pos, scale))
+            for scale in SCALES}
+
+
+def _compare(name, scale, mean_ratio=1.1, **options):
+    fn, inputs, grad_pos = sweeps.case(name)
+    ref, stock = _reference_and_stock(name)[scale]
     torch._dynamo.reset()
     counters.clear()
     ours = _run(torch.compile(fn, backend="chunked_logits", options=options), inputs, grad_pos, scale)

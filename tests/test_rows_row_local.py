@@ -5,6 +5,8 @@ exactly zero, GEMMs included, forward and backward (``match/body_mask.py``); eve
 as accurate as stock's, stock's NaN / inf pattern kept (a row that might make one, a
 teacher's inf included, is computed)."""
 
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -32,6 +34,7 @@ from tests.rows_row_local_programs import (
     weighted_ce,
 )
 
+SHARES = (0.0, 0.5, 0.75, 1.0)  # the shares of masked rows the tests run (values only: one program)
 _stock: dict = {}
 
 
@@ -48,21 +51,37 @@ def _reference(fn, xs, scale=1.0):
 
 
 def _ours(fn, xs, plan="two_sweeps", dynamic=False, scale=1.0, **options):
+    return _run_ours(_compile_ours(fn, plan, dynamic, **options), xs, scale)
+
+
+def _compile_ours(fn, plan="two_sweeps", dynamic=False, **options):
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
-                             options={"lm_head_plan": plan, "chunk_budget_mib": 0.125, **options})
+    return torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
+                         options={"lm_head_plan": plan, "chunk_budget_mib": 0.125, **options})
+
+
+def _run_ours(compiled, xs, scale=1.0):
+    """A run of ``compiled`` (its first compiles it), with its counters."""
     with cpu_out_dtype_kernels(), compiling_with(EAGER):
         return _run(compiled, xs, scale), dict(counters["chunked_logits"])
 
 
+def _reference_and_stock(fn, dtype, masked, dynamic=False, scale=1.0):
+    """(FP64 reference, stock's run) on ``inputs(dtype, masked)``: stock compiled once per
+    (fn, dtype, dynamic, scale) and run on every share of ``SHARES``, for every plan."""
+    key = (fn, dtype, dynamic, scale)
+    if key not in _stock:
+        torch._dynamo.reset()
+        stock = torch.compile(fn, backend="inductor", dynamic=dynamic)
+        _stock[key] = {m: (_reference(fn, xs, scale), _run(stock, xs, scale))
+                       for m in SHARES for xs in [inputs(dtype, m)]}
+    return _stock[key][masked]
+
+
 def _check(fn, dtype, tol, masked, plan="two_sweeps", dynamic=False, scale=1.0):
     xs = inputs(dtype, masked)
-    key = (fn, dtype, masked, dynamic, scale)
-    if key not in _stock:
-        _stock[key] = (_reference(fn, xs, scale), _run(torch.compile(fn, backend="inductor", dynamic=dynamic),
-                                                      xs, scale))
-    ref, stock = _stock[key]
+    ref, stock = _reference_and_stock(fn, dtype, masked, dynamic, scale)
     ours, c = _ours(fn, xs, plan, dynamic, scale)
     assert c.get("row_local_lm_head") == 1 and c.get("gradients_in_forward") == 1, c
     assert c.get("masked_rows") == 1, c
@@ -111,9 +130,7 @@ def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's:
     ``kl * 0`` is NaN where the teacher's row is not finite, a ``where`` is 0 there; an
     ignored label's row still gets ``0 * exp(lp)``, NaN, from log-softmax's backward."""
-    xs = poisoned(kind)
-    stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
-    ours, c = _ours(fn, xs)
+    stock, ours, c = _non_finite_runs(fn, _runs_of(fn))[kind, 1.0]
     assert _pattern(ours) == stock, (_pattern(ours), stock, c)
     if kind.startswith(("h+inf", "w+inf")) or (kind.endswith("a masked row") and fn is not kd_where):
         assert c.get("rows_skipped", 0) < T // 2, c  # (that row, every row for w, is computed)
@@ -131,21 +148,53 @@ def test_a_class_that_weighs_nothing_leaves_its_rows_out(plan):
     assert T // 2 < out - 8 < c.get("rows_skipped", 0) <= out, (out, c)
 
 
-@pytest.mark.parametrize("kind", ["h+inf, a kept row of a class that weighs 0", "teacher nan, a masked row",
-                                  "h+inf, a masked row"])
+def _poisoned(kind):
+    if not kind.startswith("h+inf, a kept"):
+        return poisoned(kind)
+    xs = inputs(torch.bfloat16, 0.5)
+    row = next(r for r in range(T) if xs[4][r] > 0 and xs[3][r] % 4 == 0)
+    xs[0][row, 5] = float("inf")
+    return xs
+
+
+INCOMING_KINDS = ["teacher+inf, a masked row", "h nan, a kept row"]  # (kd_masked_mean's, with 0.3)
+
+
+def _runs_of(fn) -> tuple:
+    """The (kind, incoming gradient) pairs the non-finite tests run ``fn`` on."""
+    kinds = CE_KINDS if fn in (weighted_ce, sft_and_kd) else KINDS
+    extra = [(k, 0.3) for k in INCOMING_KINDS] if fn is kd_masked_mean else []
+    return tuple([(k, 1.0) for k in kinds] + extra)
+
+
+@functools.cache
+def _non_finite_runs(fn, runs) -> dict:
+    """{(kind, incoming gradient): (stock's pattern, ours, the counters of that run)} of
+    ``runs``: stock and ours each compiled once (a kind or a gradient changes values only:
+    the same programs), ours's counters cleared before each run (what the tests read of
+    them, the rows, counts at run time)."""
+    torch._dynamo.reset()
+    stock = torch.compile(fn, backend="inductor")
+    patterns = {(k, s): _pattern(_run(stock, _poisoned(k), s)) for k, s in runs}
+    ours = _compile_ours(fn)
+    out = {}
+    for k, s in runs:
+        counters.clear()
+        out[k, s] = (patterns[k, s], *_run_ours(ours, _poisoned(k), s))
+    return out
+
+
+CE_KINDS = ["h+inf, a kept row of a class that weighs 0", "teacher nan, a masked row", "h+inf, a masked row"]
+
+
+@pytest.mark.parametrize("kind", CE_KINDS)
 @pytest.mark.parametrize("fn", [weighted_ce, sft_and_kd], ids=lambda f: f.__name__)
 def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
     """A class weighing 0 leaves a row out only where its logits are finite (``-0 * inf``
     is NaN in stock's loss); ``nll_loss``'s ignored rows are 0 in the forward, and NaN in
     the gradient where log-softmax's backward multiplies ``exp(lp)`` by 0."""
-    if kind.startswith("h+inf, a kept"):
-        xs = inputs(torch.bfloat16, 0.5)
-        row = next(r for r in range(T) if xs[4][r] > 0 and xs[3][r] % 4 == 0)
-        xs[0][row, 5] = float("inf")
-    else:
-        xs = poisoned(kind)
-    stock = _pattern(_run(torch.compile(fn, backend="inductor"), xs))
-    ours, c = _ours(fn, xs)
+    stock, ours, c = _non_finite_runs(fn, _runs_of(fn))[kind, 1.0]
+    xs = _poisoned(kind)
     assert _pattern(ours) == stock and c.get("rows_seen") == T, (_pattern(ours), stock, c)
     if kind == "h+inf, a masked row" or fn is weighted_ce and kind.startswith("h+inf"):
         # (that row is computed: fewer than the rows that count allow)
@@ -153,13 +202,11 @@ def test_non_finite_values_in_cross_entropies_as_stock(fn, kind):
         assert 0 < c.get("rows_skipped", 0) < allowed, (allowed, c)
 
 
-@pytest.mark.parametrize("kind", ["teacher+inf, a masked row", "h nan, a kept row"])
+@pytest.mark.parametrize("kind", INCOMING_KINDS)
 def test_non_finite_values_with_an_incoming_gradient_as_stock(kind):
     """An incoming gradient of 0.3: the backward's both sweeps run on the kept rows, with
     stock's (NaN, +inf, -inf) counts."""
-    xs = poisoned(kind)
-    stock = _pattern(_run(torch.compile(kd_masked_mean, backend="inductor"), xs, 0.3))
-    ours, c = _ours(kd_masked_mean, xs, scale=0.3)
+    stock, ours, c = _non_finite_runs(kd_masked_mean, _runs_of(kd_masked_mean))[kind, 0.3]
     assert _pattern(ours) == stock and c.get("rows_skipped"), (_pattern(ours), stock, c)
 
 

@@ -4,6 +4,8 @@ rows whose value and gradient the loss does not zero by a mask or ``ignore_index
 accurate as stock's, and stock's NaN / inf pattern is kept (a row that might make one is
 computed)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,7 @@ def entropy_unmasked(h, w, tok, adv, mask, up=F32):  # every row's entropy reach
 
 
 MASKED = [ce_ignore, masked_mean, where_mean, masked_fill_sum, entropy_masked, ppo_clip]
+SHARES = (0.0, 0.5, 0.75)  # the shares of masked rows the tests run (values only: one program runs them all)
 _stock: dict = {}
 
 
@@ -82,11 +85,14 @@ def _reference(fn, inputs, scale=1.0):
 
 
 def _ours(fn, inputs, plan="two_sweeps", dynamic=False, scale=1.0, **options):
+    return _run_ours(_compile_ours(fn, plan, dynamic, **options), inputs, scale)
+
+
+def _compile_ours(fn, plan="two_sweeps", dynamic=False, **options):
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
-                             options={"lm_head_plan": plan, "chunk_budget_mib": 0.125, **options})
-    return _run_ours(compiled, inputs, scale)
+    return torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
+                         options={"lm_head_plan": plan, "chunk_budget_mib": 0.125, **options})
 
 
 def _run_ours(compiled, inputs, scale=1.0):
@@ -95,13 +101,21 @@ def _run_ours(compiled, inputs, scale=1.0):
         return _run(compiled, inputs, scale), dict(counters["chunked_logits"])
 
 
+def _reference_and_stock(fn, dtype, masked, dynamic=False, scale=1.0):
+    """(FP64 reference, stock's run) on ``_inputs(dtype, masked)``: stock compiled once per
+    (fn, dtype, dynamic, scale) and run on every share of ``SHARES``, for every plan."""
+    key = (fn, dtype, dynamic, scale)
+    if key not in _stock:
+        torch._dynamo.reset()
+        stock = torch.compile(fn, backend="inductor", dynamic=dynamic)
+        _stock[key] = {m: (_reference(fn, inputs, scale), _run(stock, inputs, scale))
+                       for m in SHARES for inputs in [_inputs(dtype, m)]}
+    return _stock[key][masked]
+
+
 def _check(fn, dtype, tol, masked, plan="two_sweeps", dynamic=False, scale=1.0):
     inputs = _inputs(dtype, masked)
-    key = (fn, dtype, masked, dynamic, scale)
-    if key not in _stock:
-        _stock[key] = (_reference(fn, inputs, scale),
-                       _run(torch.compile(fn, backend="inductor", dynamic=dynamic), inputs, scale))
-    ref, stock = _stock[key]
+    ref, stock = _reference_and_stock(fn, dtype, masked, dynamic, scale)
     ours, c = _ours(fn, inputs, plan, dynamic, scale)
     assert c.get("gradients_in_forward") == 1 and c.get("masked_rows") == 1, c
     assert_no_less_accurate(ours, stock, ref, dtype, *tol)
@@ -119,13 +133,23 @@ def test_stock_zeroes_a_masked_row_by_multiplying_its_gradient():
 
 
 @pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
-@pytest.mark.parametrize("masked", [0.0, 0.5, 0.75])
 @pytest.mark.parametrize("fn", MASKED, ids=lambda f: f.__name__)
-def test_masked_losses_skip_rows_and_match_stock(fn, masked, plan):
-    c = _check(fn, torch.bfloat16, BF16, masked, plan)
-    out = round(32 * masked) * T // 32
-    # (kept rows rounded up to a multiple of 8: chunks stay aligned)
-    assert out - 8 < c.get("rows_skipped", 0) <= out and c.get("rows_seen") == T, c
+def test_masked_losses_skip_rows_and_match_stock(fn, plan):
+    """Each share of masked rows in ``SHARES`` through one compile (a share changes values
+    only: the same program), its counters cleared before each run after the first."""
+    runs = {masked: _reference_and_stock(fn, torch.bfloat16, masked) for masked in SHARES}  # (before ours)
+    compiled = _compile_ours(fn, plan)
+    for i, masked in enumerate(SHARES):
+        counters.clear()
+        ours, c = _run_ours(compiled, _inputs(torch.bfloat16, masked))
+        compiled_now = {k: c.get(k) for k in ("gradients_in_forward", "masked_rows")}
+        assert compiled_now == ({"gradients_in_forward": 1, "masked_rows": 1} if i == 0 else
+                                {"gradients_in_forward": None, "masked_rows": None}), (masked, c)
+        ref, stock = runs[masked]
+        assert_no_less_accurate(ours, stock, ref, torch.bfloat16, *BF16)
+        out = round(32 * masked) * T // 32
+        # (kept rows rounded up to a multiple of 8: chunks stay aligned)
+        assert out - 8 < c.get("rows_skipped", 0) <= out and c.get("rows_seen") == T, (masked, c)
 
 
 @pytest.mark.parametrize("fn", [ce_ignore, masked_mean], ids=lambda f: f.__name__)
@@ -139,12 +163,26 @@ def test_fp16_dynamic_shapes_and_an_incoming_gradient(fn, dynamic):
 @pytest.mark.parametrize("fn", [ce_ignore, masked_mean, where_mean, ppo_clip], ids=lambda f: f.__name__)
 def test_non_finite_values_as_stock(fn, kind):
     """(NaN, +inf, -inf) counts of the loss and both gradients equal stock Inductor's."""
-    inputs = _poisoned(kind)
-    stock = _pattern(_run(torch.compile(fn, backend="inductor"), inputs))
-    ours, c = _ours(fn, inputs)
+    stock, ours, c = _non_finite_runs(fn)[kind]
     assert ours and _pattern(ours) == stock, (_pattern(ours), stock, c)
     if kind == "h+inf, a masked row" or kind == "w+inf":
         assert c.get("rows_skipped", 0) < T // 2, c  # the row (every row, for w) is computed
+
+
+@functools.cache
+def _non_finite_runs(fn) -> dict:
+    """{kind: (stock's pattern, ours, the counters of that run)} over ``KINDS``: stock and ours
+    each compiled once (a kind changes values only: the same programs), ours's counters
+    cleared before each run (what the tests read of them, the rows, counts at run time)."""
+    torch._dynamo.reset()
+    stock = torch.compile(fn, backend="inductor")
+    patterns = {kind: _pattern(_run(stock, _poisoned(kind))) for kind in KINDS}
+    ours = _compile_ours(fn)
+    runs = {}
+    for kind in KINDS:
+        counters.clear()
+        runs[kind] = (patterns[kind], *_run_ours(ours, _poisoned(kind)))
+    return runs
 
 
 @pytest.mark.parametrize("fn", [sigmoid_masked, entropy_unmasked], ids=lambda f: f.__name__)
