@@ -14,9 +14,26 @@ from torch.profiler import ProfilerActivity, profile
 
 import fx_passes
 from fx_passes import compat
-from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
-from tests.masked_rows import BF16, EAGER, FP16, KINDS, H, T, V, _inputs, _pattern, _poisoned, every_row_said  # noqa: F401
+from tests.masked_rows import (  # noqa: F401
+    BF16,
+    EAGER,
+    FP16,
+    KINDS,
+    H,
+    StockOnce,
+    T,
+    V,
+    _inputs,
+    _pattern,
+    _poisoned,
+    every_row_said,
+)
+from tests.masked_rows import compile_ours as _compile_ours
+from tests.masked_rows import ours as _ours
+from tests.masked_rows import reference as _reference
+from tests.masked_rows import run as _run
+from tests.masked_rows import run_ours as _run_ours
 from tests.numerics import F32, assert_no_less_accurate
 from tests.zero_rows_entries import ENTRIES
 
@@ -69,48 +86,7 @@ def entropy_unmasked(h, w, tok, adv, mask, up=F32):  # every row's entropy reach
 
 MASKED = [ce_ignore, masked_mean, where_mean, masked_fill_sum, entropy_masked, ppo_clip]
 SHARES = (0.0, 0.5, 0.75)  # the shares of masked rows the tests run (values only: one program runs them all)
-_stock: dict = {}
-
-
-def _run(fn, inputs, scale=1.0):
-    leaves = [x.detach().clone().requires_grad_(i < 2) for i, x in enumerate(inputs)]
-    out = fn(*leaves)
-    grads = torch.autograd.grad(out, leaves[:2], grad_outputs=torch.tensor(scale, dtype=out.dtype))
-    return [out.detach()], list(grads)
-
-
-def _reference(fn, inputs, scale=1.0):
-    return _run(lambda *a: fn(*a, up=torch.float64), [x.double() if x.is_floating_point() else x
-                                                       for x in inputs], scale)
-
-
-def _ours(fn, inputs, plan="two_sweeps", dynamic=False, scale=1.0, **options):
-    return _run_ours(_compile_ours(fn, plan, dynamic, **options), inputs, scale)
-
-
-def _compile_ours(fn, plan="two_sweeps", dynamic=False, **options):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
-                         options={"lm_head_plan": plan, "chunk_budget_mib": 0.125, **options})
-
-
-def _run_ours(compiled, inputs, scale=1.0):
-    """A run of ``compiled`` (its first compiles it), with its counters."""
-    with cpu_out_dtype_kernels(), compiling_with(EAGER):
-        return _run(compiled, inputs, scale), dict(counters["chunked_logits"])
-
-
-def _reference_and_stock(fn, dtype, masked, dynamic=False, scale=1.0):
-    """(FP64 reference, stock's run) on ``_inputs(dtype, masked)``: stock compiled once per
-    (fn, dtype, dynamic, scale) and run on every share of ``SHARES``, for every plan."""
-    key = (fn, dtype, dynamic, scale)
-    if key not in _stock:
-        torch._dynamo.reset()
-        stock = torch.compile(fn, backend="inductor", dynamic=dynamic)
-        _stock[key] = {m: (_reference(fn, inputs, scale), _run(stock, inputs, scale))
-                       for m in SHARES for inputs in [_inputs(dtype, m)]}
-    return _stock[key][masked]
+_reference_and_stock = StockOnce(_inputs, SHARES)  # (FP64 reference, stock): once per fn, dtype, ...
 
 
 def _check(fn, dtype, tol, masked, plan="two_sweeps", dynamic=False, scale=1.0):
