@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo lint test test-bare test-avx2 test-avx2-ci test-long test-full bench
+.PHONY: setup demo lint test test-bare test-avx2 test-long test-full bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -11,8 +11,7 @@ $(BIN)/python:
 # The CPU build of torch is pinned here (not in pyproject): an unpinned torch pulls a CUDA build.
 # --no-compile: pip byte-compiles every module it installs (two thirds of installing torch);
 # Python compiles the ones a run imports when it first imports them.
-# (A stamp, so that the passes `make test` starts beside each other find the venv set up
-# and do not install into it while the others run.)
+# (A stamp: a second `make test` does not run pip again; editing pyproject.toml does.)
 PIP := pip install -q --disable-pip-version-check --no-compile
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
@@ -55,36 +54,19 @@ AVX2_CI_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_codegen
 AVX2_CI_SELECT := not trl and not two_sweeps and not blocks and not gpu_plan and not compile_once \
 	and not dynamic_lengths and not frozen_weight
 
-# Lint, then three passes: the whole suite on this CPU; the torch-alone pass (`test-bare`,
-# below); and the ISA-sensitive tests as an AVX2-only CPU runs them (`test-avx2-ci`: on an
-# x86-64 CPU with AVX-512; elsewhere there is no AVX2 to emulate, and on an AVX2-only CPU
-# the first pass was that already).  The second and third run beside the first at the
-# lowest CPU priority (nice 19): they take a core only where the main suite leaves one
-# idle (a worker waiting on its subprocesses or torchrun ranks, the suite's tail) and
-# finish after it, each into its own log under .cache/, printed after the main suite's
-# output.  `make test` fails if any of the three does.
+# Lint, the whole suite on this CPU, then the ISA-sensitive tests as an AVX2-only CPU runs
+# them: on an x86-64 CPU with AVX-512 (elsewhere there is no AVX2 to emulate, and on an
+# AVX2-only CPU the first run was that already).
 HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo yes)
-test: lint
-	@mkdir -p .cache; trap 'kill 0' INT TERM; \
-	nice -n 19 $(MAKE) --no-print-directory test-bare > .cache/test-bare.log 2>&1 & bare=$$!; \
-	nice -n 19 $(MAKE) --no-print-directory test-avx2-ci > .cache/test-avx2-ci.log 2>&1 & avx2=$$!; \
-	echo "$(BIN)/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(BARE_TESTS))"; \
-	$(BIN)/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(BARE_TESTS)); main=$$?; \
-	wait $$bare; b=$$?; wait $$avx2; a=$$?; \
-	echo; echo "== make test-bare (torch alone; nice 19, beside the main suite): exit $$b"; cat .cache/test-bare.log; \
-	echo; echo "== make test-avx2-ci (nice 19, beside the main suite): exit $$a"; cat .cache/test-avx2-ci.log; \
-	echo; echo "== main suite exit $$main, torch-alone pass exit $$b, AVX2 pass exit $$a"; \
-	test $$main = 0 -a $$b = 0 -a $$a = 0
-
-test-avx2-ci: $(VENV)/.installed
+# (the bare pass's files ran just before, in the venv they are about: not again here)
+test: lint test-bare
+	$(BIN)/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(BARE_TESTS))
 ifeq ($(shell uname -m),x86_64)
 ifeq ($(HAS_AVX512),yes)
 	$(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(AVX2_CI_TESTS) -k "$(AVX2_CI_SELECT)"
 else
-	@echo "AVX2-only CPU: the main suite ran as such a CPU runs it; no AVX2 emulation run"
+	@echo "AVX2-only CPU: the suite above ran as such a CPU runs it; no AVX2 emulation run"
 endif
-else
-	@echo "not x86-64: no AVX2 to emulate"
 endif
 
 # The package with torch alone (issue 55): torch requires no numpy, nor does pyproject, and
