@@ -137,16 +137,19 @@ def loss_two_sweeps(T: int, H: int, V: int, budget: int, as_run: bool = False) -
 def row_local_gpu(T: int, H: int, V: int, budget: int, n: Optional[int] = None, as_run: bool = False
                   ) -> list[Phase]:
     """``row_local_loss``, ``gpu`` (WD, WDM): the FP32 sums; row chunks of ``sweep_step``
-    rows, a chunk's logits and gradient (the previous chunk's dropped first); the backward
+    rows, a chunk's logits with their gradient written in their place (``sweeps.stats_into``;
+    the previous chunk's dropped first); the backward
     rounds grad_hidden, its FP32 sum then freed, then grad_weight (NOTE [row-local loss
     memory]).  ``as_run``: the code of the 2026-12-04 run, which held the previous chunk's
-    gradient while the next chunk's were made and both sums while grad_weight was rounded."""
+    gradient while the next chunk's were made, each chunk's gradient beside its logits, and
+    both sums while grad_weight was rounded."""
     n = T if n is None else n
     r = piece(n, tiling.sweep_step(n, V, budget, torch.device("cpu")))
     tile = BF * r * V
     sums = (("grad_weight FP32 sum [V, H]", F4 * V * H), ("grad_hidden FP32 sum [n, H]", F4 * n * H))
-    chunk = (("chunk logits bf16 [r, V]", tile), ("chunk gradient bf16 [r, V]", tile))
-    chunk += (("the previous chunk's gradient, still bound", tile),) if as_run else ()
+    chunk = ((("chunk logits bf16 [r, V]", tile), ("chunk gradient bf16 [r, V]", tile),
+              ("the previous chunk's gradient, still bound", tile)) if as_run
+             else (("chunk logits bf16 [r, V], their gradient written in their place", tile),))
     teacher = (("the teacher's kept rows of the chunk bf16 [r, V]", tile),) if n < T else ()
     gw32, gh = ("grad_weight FP32 sum [V, H]", F4 * V * H), ("grad_hidden bf16 [T, H]", BF * T * H)
     gh32 = ("grad_hidden FP32 sum [T, H]", F4 * T * H)
@@ -160,14 +163,15 @@ def row_local_gpu(T: int, H: int, V: int, budget: int, n: Optional[int] = None, 
 def row_local_sweeps(T: int, H: int, V: int, budget: int) -> list[Phase]:
     """``row_local_sweeps`` (what a row-local loss keeps where ``tiling.holds_weight_sums``
     says no): the backward's row sweep (``grad_hidden``) then vocabulary blocks over all
-    rows (``grad_weight``); in either, a piece's logits and gradient (``sweeps.row_sweep``
-    / ``block_sweep`` drop the previous piece's before the next is made)."""
+    rows (``grad_weight``): a row chunk's logits with their gradient written in their place
+    (``sweeps.stats_into``), a block's logits and gradient (``sweeps.row_sweep`` /
+    ``block_sweep`` drop the previous piece's before the next is made)."""
     cpu = torch.device("cpu")
     r, c = piece(T, tiling.sweep_step(T, V, budget, cpu)), piece(V, tiling.sweep_step(V, T, budget, cpu))
     gh = ("grad_hidden bf16 [T, H]", BF * T * H)
     two = ("logits", "gradient")
-    return [Phase(f"backward row sweep: chunks of {r} rows", (gh,) + tuple(
-                (f"row chunk {w} bf16 [r, V]", BF * r * V) for w in two)),
+    return [Phase(f"backward row sweep: chunks of {r} rows", (gh, (
+                "row chunk logits bf16 [r, V], their gradient written in their place", BF * r * V))),
             Phase(f"backward block sweep: blocks of {c} columns", (gh, _gw(V, H)) + tuple(
                 (f"block {w} bf16 [T, c]", BF * T * c) for w in two))]
 

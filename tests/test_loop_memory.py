@@ -5,8 +5,8 @@ named, as ``benchmarks/cost_memory.py`` models them (docs/gpu.md, "Predicted pea
 * the loss in the graph's ``"gpu"`` loop (``log_softmax/loss.py``, W4L): the FP32 sums and
   one row chunk's logits, their gradient written in their place (not a second tile);
 * the row-local loss's ``"gpu"`` loop (``row_local/loss.py``, WD): the FP32 ``grad_weight``
-  and ``grad_hidden`` sums and one row chunk's logits and gradient, not the previous
-  chunk's gradient as well (NOTE [row-local loss memory]);
+  and ``grad_hidden`` sums and one row chunk's logits, their gradient written in their
+  place, not the previous chunk's gradient as well (NOTE [row-local loss memory]);
 * its backward, compiled: the ``grad_hidden`` sum freed before ``grad_weight`` is rounded;
 * the row-local sweeps (``row_local/sweeps.py``): a row chunk's or a vocabulary block's
   logits and gradient, not the previous one's as well;
@@ -154,9 +154,9 @@ def test_the_blocks_plan_holds_one_block():
 
 def test_the_row_local_loss_holds_one_chunk_and_frees_grad_hidden_first():
     """WD's step compiled, plan ``"gpu"`` (the test-only CPU kernels of ``mm(..., out_dtype=)``),
-    4 row chunks by the budget: the forward holds the FP32 sums and one chunk's bf16 logits
-    and gradient; the backward rounds ``grad_hidden`` and frees its FP32 sum before it
-    makes ``grad_weight``."""
+    4 row chunks by the budget: the forward holds the FP32 sums and one chunk's bf16 logits,
+    their gradient written in their place (not a second tile); the backward rounds
+    ``grad_hidden`` and frees its FP32 sum before it makes ``grad_weight``."""
     fn, inputs, _ = sweeps.case("forward_kl")
     T, V, H = sweeps.T, sweeps.V, sweeps.H
     rows = T // 4
@@ -175,7 +175,8 @@ def test_the_row_local_loss_holds_one_chunk_and_frees_grad_hidden_first():
             mode.peak = 0  # (the backward's peak, with what the forward left)
             torch.autograd.grad(loss, [h, w])
     sums = [((V, H), F32), ((T, H), F32)]
-    assert forward == (4 * V * H + 4 * T * H + 2 * (2 * rows * V), _named([*sums, *[((rows, V), BF16)] * 2]))
+    # (one chunk's logits, their gradient written in their place: sweeps.stats_into)
+    assert forward == (4 * V * H + 4 * T * H + 2 * rows * V, _named([*sums, ((rows, V), BF16)]))
     # the backward's end: grad_weight's FP32 sum, grad_hidden and grad_weight rounded (6 V H + 2 T H)
     assert mode.at_peak == _named([sums[0], ((T, H), BF16), ((V, H), BF16)]), mode.at_peak
     assert mode.peak == 4 * V * H + 2 * T * H + 2 * V * H

@@ -104,6 +104,49 @@ def test_the_split_rebuilds_the_whole_row_gradient_block_by_block():
         torch.testing.assert_close(split.block(*picked, *got[1:]), want[:, v0:v1], rtol=2**-7, atol=1e-7)
 
 
+def test_the_stats_graph_writes_the_gradient_over_the_logits():
+    """``sweeps.stats_into``, compiled by Inductor as the row sweeps compile it (WD's loop,
+    plan ``"gpu"``, and the sweeps' row sweep): the logits' gradient lands in the logits'
+    own buffer, bitwise the out-of-place graph's, with its other results the same.  The
+    generated wrapper makes no model-precision ``[r, V]`` buffer (the gradient is not made
+    beside the logits and copied over them): its one kernel takes the logits as its input
+    and its output.  Its one ``[r, V]`` allocation is the FP32 temporary the kernel keeps
+    between its passes over a row, which ``tiling.SWEEP_BYTES_PER_ELEMENT`` budgets."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from fx_passes.kernels.ops import body_compiler
+    from fx_passes.kernels.row_local.sweeps import compiled, stats_into
+    from fx_passes.testing.codegen import allocations
+    key = user_bodies.register(symbolic_trace(_kl_rows))
+    r = 96
+    x = rl.distinct_logits(r, V, torch.bfloat16, seed=1)
+    teacher = rl.distinct_logits(r, V, torch.bfloat16, seed=2)
+    g = torch.randn(r, generator=torch.Generator().manual_seed(3))
+    split = row_split.split_of(key, [0], [0], 0, [x, teacher], [])
+    assert isinstance(split, row_split.Split), split
+    inductor = lambda fn, options: body_compiler._inductor(fn, options)  # noqa: E731  (its own compiles)
+    with compiling_with(inductor):
+        want = compiled(split.stats, ("test_stats", key, id(split)))(x.clone(), teacher, g)
+        into = stats_into(split, ("test_stats", key, id(split)), 0)
+        storage = x.untyped_storage().data_ptr()
+        got, codes = run_and_get_code(into, x, teacher, g)
+    assert x.untyped_storage().data_ptr() == storage and got[0].untyped_storage().data_ptr() == storage
+    assert torch.equal(x, want[0]) and len(got) == len(want)
+    for a, b in zip(got[1:], want[1:]):
+        assert torch.equal(a, b)
+    [code] = codes
+    # ((rows, vocabulary) allocations; the split is traced with symbolic sizes)
+    wide = [(dims, dtype) for dims, dtype in allocations(code) if len(dims) == 2 and "1" not in dims]
+    assert [dtype for _, dtype in wide] == ["torch.float32"], wide
+    body = code[code.index("def call(self, args)"):]
+    calls = re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)(?:\.run)?\((.*)\)$", body, re.M)
+    in_place = [(name, a) for name, args in calls for a in {p.strip() for p in args.split(",")}
+                if a.startswith("arg") and [p.strip() for p in args.split(",")].count(a) == 2]
+    assert len(calls) == 1 and len(in_place) == 1, calls
+
+
 def test_the_traced_graphs_make_their_tensors_on_the_inputs_device():
     """The split is traced on the inputs' device (a GPU's at run time; meta here, the
     one other device a CPU has): the zeros of a gather's backward and every constant

@@ -302,17 +302,18 @@ def test_memory_terms_in_closed_form():
 
 
 def test_the_row_local_loss_as_built_and_as_the_run_ran():
-    """WD's loop (NOTE [row-local loss memory], tests/test_loop_memory.py): one chunk's logits
-    and gradient in the forward, grad_hidden's FP32 sum freed before grad_weight is rounded:
-    the backward's 6 V H + 2 T H, stock's 2 T V + 2 V H + 2 T H exactly at T = 2 H.  The
-    2026-12-04 run's code held a third tile and both sums (its rows: 3662 MiB, validated)."""
+    """WD's loop (NOTE [row-local loss memory], tests/test_loop_memory.py): one chunk's logits,
+    their gradient written in their place, in the forward; grad_hidden's FP32 sum freed
+    before grad_weight is rounded: the backward's 6 V H + 2 T H, stock's 2 T V + 2 V H + 2 T H
+    exactly at T = 2 H.  The 2026-12-04 run's code held the gradient beside the logits, a
+    third tile and both sums (its rows: 3662 MiB, validated)."""
     from benchmarks import cost_memory as mem
     T, V, H = mem.SHAPE
     budget = 2048 * roof.MIB
     now, then = mem.row_local_gpu(T, H, V, budget), mem.row_local_gpu(T, H, V, budget, as_run=True)
     r = 1664  # (tiling.sweep_step at the H200's budget: 5 chunks)
-    assert "1664 rows" in now[0].name and now[0].bytes == 4 * V * H + 4 * T * H + 2 * (2 * r * V)
-    assert then[0].bytes == now[0].bytes + 2 * r * V
+    assert "1664 rows" in now[0].name and now[0].bytes == 4 * V * H + 4 * T * H + 2 * r * V
+    assert then[0].bytes == now[0].bytes + 2 * (2 * r * V)
     assert mem.peak(now).bytes == 6 * V * H + 2 * T * H == mem.peak(mem.stock(T, H, V, "ce")).bytes
     assert mem.peak(then).bytes == max(then[0].bytes, 6 * V * H + 6 * T * H)
 

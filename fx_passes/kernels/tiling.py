@@ -240,7 +240,8 @@ BYTES_PER_ELEMENT = 32
 # Working set of a row chunk or a vocabulary block of a row-local sweep per logit: the logits
 # and their gradient in model precision and one FP32 temporary (a top-k's input), so that a
 # chunk of W-sized logits holds 128 rows at the CPU's 32 MiB: a GEMM that runs near its peak
-# (32-row GEMMs took 2.7x as long here).
+# (32-row GEMMs took 2.7x as long here).  (A row chunk writes its gradient over its logits,
+# sweeps.stats_into, so holds 6 of the 8; a block's gradient is a tile of its own.)
 SWEEP_BYTES_PER_ELEMENT = 8
 
 

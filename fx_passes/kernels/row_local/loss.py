@@ -26,7 +26,9 @@ the backward runs both sweeps with the scaled cotangents.  On plan ``"gpu"`` see
 
 # NOTE [row-local loss memory]
 # Plan "gpu" holds its FP32 sums (4 V H + 4 T H bytes) and only what the maths needs on top:
-# the loop drops a chunk's gradient before the next chunk's logits are made; the backward's
+# one row chunk's logits, their gradient written in their place by the stats graph's last
+# kernel (sweeps.stats_into: one [r, V] tile a chunk, not two), dropped before the next
+# chunk's logits are made; the backward's
 # grad_hidden call comes first, so the compiled backward frees the [T, H] sum before the
 # weight's call rounds grad_weight (6 V H + 2 T H at its end).  Same ops in the same order.
 
@@ -58,7 +60,7 @@ from ..ops.registry import CAPTURE_SAFE, emitted
 from ..tiling import even_splits, product_cols, resolve_budget
 from .engine import forward, with_logits
 from .split import Split, split_of
-from .sweeps import block_sweep, compiled, flat, row_local_sweeps_backward, row_sweep, run_sweeps
+from .sweeps import block_sweep, flat, row_local_sweeps_backward, row_sweep, run_sweeps, stats_into
 
 __all__ = ["row_local_loss", "row_bytes"]
 
@@ -168,7 +170,7 @@ def _forward(region: Region, lm: LogitsInput, loss: RowLossOptions, needs: list[
             s += o.sum(dtype=F64)
     else:
         weights = row_weights(loss.final_key, loss.kinds, final_whole, total, dev)
-        stats = compiled(split.stats, ("loss_stats", region.key, id(split)))
+        stats = stats_into(split, ("loss_stats", region.key, id(split)), lm.index)
         k = split.outputs  # (the stats graph: the logits' gradient, the results, the per-row values)
         cols = product_cols(resolve_budget(region.budget_bytes, dev), weight.shape[0], weight.shape[1])
 

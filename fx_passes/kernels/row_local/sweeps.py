@@ -58,7 +58,8 @@ from .engine import (
 )
 from .split import COLUMNS, Split, split_of
 
-__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled", "flat"]
+__all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled",
+           "stats_into", "flat"]
 
 
 def flat(hidden: torch.Tensor) -> torch.Tensor:
@@ -86,16 +87,36 @@ def compiled(gm, key: tuple):
     return compile_body(key, graph, f"{key[0]}_{key[1]}", COUNTER)
 
 
+def stats_into(split, key: tuple, index: int):
+    """The split's ``stats`` graph compiled once per ``key`` with its first result, the
+    gradient of the logits (argument ``index``, a chunk the loop owns), written over those
+    logits and returned in their place: Inductor's last kernel reads each logit and writes
+    its gradient into the same buffer, so a chunk holds one ``[r, V]`` tile, not two
+    (tests/test_loop_memory.py, tests/test_row_local_memory_code.py).  A gradient of
+    another dtype or shape than the logits (not expected) is returned as it is."""
+    gm = split.stats
+
+    def graph(*args):
+        g, *rest = gm(*args)
+        x = args[index]
+        if g.dtype != x.dtype or g.shape != x.shape:
+            return (g, *rest)
+        x.copy_(g)
+        return (x, *rest)
+    return compile_body((*key, "into", index), graph, f"{key[0]}_{key[1]}_into", COUNTER)
+
+
 def _say_whole(key: str, why: str) -> None:
     say_once(logging.WARNING, "chunked_logits: the row-local body %s did not split at run time (%s): its "
              "backward recomputes the logits whole (same results, stock's memory)", key, why)
 
 
 def row_sweep(stats, region: Region, lm: LogitsInput, cotangents, reorder: bool) -> Iterator[tuple]:
-    """Sweep 1's loop, for each row chunk ``(a, b)``: the chunk's logits (freed before the
-    chunk is yielded), the split's compiled ``stats`` graph on them, the region's inputs
-    and ``cotangents(a, b)``; yields ``(a, b, its results)``, which the caller drops before
-    it asks for the next chunk (one chunk's gradient alive at a time).  ``reorder``: lay
+    """Sweep 1's loop, for each row chunk ``(a, b)``: the chunk's logits, the split's
+    compiled ``stats`` graph on them (:func:`stats_into`: their gradient written in their
+    place), the region's inputs and ``cotangents(a, b)``; yields ``(a, b, its results)``,
+    which the caller drops before it asks for the next chunk (one chunk's logits-sized
+    tile alive at a time).  ``reorder``: lay
     the weight out once for the loop (when ``grad_weight``, made after it, takes as much)."""
     n = lm.h.shape[0]
     pieces = even_splits(n, sweep_step(n, lm.weight.shape[0], region.budget_bytes, lm.h.device))
@@ -115,7 +136,7 @@ def run_sweeps(split: Split, region: Region, lm: LogitsInput, wanted: list[int],
     gradients, written in sweep 1."""
     n = lm.h.shape[0]
     # (a split per body, dtypes, wanted)
-    stats = compiled(split.stats, ("sweep_stats", region.key, id(split)))
+    stats = stats_into(split, ("sweep_stats", region.key, id(split)), lm.index)
     grad_h = torch.empty_like(lm.h) if needs[0] else None
     values: list[Optional[torch.Tensor]] = [None] * split.values
     for a, b, got in row_sweep(stats, region, lm, lambda a, b: (g[a:b] for g in grads), needs[1]):
