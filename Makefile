@@ -9,10 +9,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # The CPU build of torch is pinned here (not in pyproject): an unpinned torch pulls a CUDA build.
-# --no-compile: pip byte-compiles every module it installs (two thirds of installing torch);
-# Python compiles the ones a run imports when it first imports them.
+# pip byte-compiles what it installs (two thirds of installing torch, but not to skip:
+# where PYTHONDONTWRITEBYTECODE is set, as on some CI machines, Python would then compile
+# torch's modules from source in every process, 5 CPU-seconds each for Inductor's imports).
 # (A stamp: a second `make test` does not run pip again; editing pyproject.toml does.)
-PIP := pip install -q --disable-pip-version-check --no-compile
+PIP := pip install -q --disable-pip-version-check
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/$(PIP) torch==2.13.0 -e '.[test]'
