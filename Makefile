@@ -10,7 +10,7 @@ $(BIN)/python:
 
 # The CPU build of torch is pinned here (not in pyproject): an unpinned torch pulls a CUDA build.
 # pip byte-compiles what it installs (two thirds of installing torch, but not to skip:
-# where PYTHONDONTWRITEBYTECODE is set, as on some CI machines, Python would then compile
+# where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, Python would then compile
 # torch's modules from source in every process, 5 CPU-seconds each for Inductor's imports).
 # (A stamp: a second `make test` does not run pip again; editing pyproject.toml does.)
 PIP := pip install -q --disable-pip-version-check
