@@ -1,4 +1,10 @@
+# ruff: noqa: E402 (the toolchain is chosen before torch is imported)
 import importlib.util
+
+from tests import toolchain
+
+# Before torch: Inductor reads CXX once, when its config loads (tests/toolchain.py).
+toolchain.link_kernels_with_gold()
 
 import pytest
 import torch
