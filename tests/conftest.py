@@ -1,10 +1,10 @@
-# ruff: noqa: E402 (the toolchain is chosen before torch is imported)
+# ruff: noqa: E402 (the C++ compiler is chosen before torch is imported)
 import importlib.util
 
-from tests import toolchain
+from tests import harness
 
-# Before torch: Inductor reads CXX once, when its config loads (tests/toolchain.py).
-toolchain.link_kernels_with_gold()
+# Before torch: Inductor reads CXX once, when its config loads (tests/harness.py).
+harness.link_kernels_with_gold()
 
 import pytest
 import torch
@@ -13,6 +13,9 @@ from torch._dynamo.utils import counters
 
 from fx_passes.reporting.session import session
 from tests.numerics import FULL_MATRIX
+
+harness.skip_guard_latency_probe()
+harness.collect_garbage_less_often()
 
 # Without hypothesis (``make test-bare``'s venv: torch, pytest, expecttest) the modules that
 # import it are not collected; every other module imports with torch alone.
