@@ -191,8 +191,23 @@ def gif_two_sweeps(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_d
     return ks + [elementwise("backward: grad_hidden clone", 2 * T * H, 2 * T * H, new=2 * T * H)]
 
 
+def kept_logits(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+    """``lm_head_kept.kept_grads``: per row chunk of the forward's kept logits
+    (``tiling.gpu_loss_rows``) one row kernel reads them and writes the gradient tile,
+    ``grad_hidden[chunk]`` one GEMM, ``grad_weight``'s GEMM writing (first chunk) or adding
+    into the FP32 ``[V, H]`` sum; the sum rounded once.  No logits GEMM: 3 GEMMs a step
+    with the forward's."""
+    ks = []
+    for i, r in enumerate(splits(T, tiling.gpu_loss_rows(budget, T, V))):
+        ks += [elementwise("gradient tile from the kept logits", 2 * r * V, 2 * r * V, exps=r * V),
+               gemm("grad_hidden", (r, V, H)),
+               gemm("grad_weight (out_dtype FP32)", (V, r, H), out=FP32, acc=i > 0)]
+    return ks + [elementwise("grad_weight FP32 -> bf16", 4 * V * H, 2 * V * H)]
+
+
 BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,
-                                  "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True)}
+                                  "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True),
+                                  "kept_logits": kept_logits}
 GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
 GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": gif_two_sweeps}  # as measured
 BACKWARDS_2026_12_04: dict[str, Callable] = {**BACKWARDS, "gpu": gpu_2026_12_04}  # as measured

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 __all__ = ["Config", "LM_HEAD_PLANS"]
 
 # The lm_head backward's plans (kernels/tiling.py says what each does); "auto" picks by device.
-LM_HEAD_PLANS = ("auto", "two_sweeps", "fp32_tiles", "blocks", "gpu")
+LM_HEAD_PLANS = ("auto", "two_sweeps", "fp32_tiles", "blocks", "gpu", "kept_logits")
 # The chunk budget of every loop on a CPU, and of all but the lm_head's on a GPU.
 DEFAULT_BUDGET_MIB = 32
 
@@ -48,6 +48,9 @@ class Config:
             numbers a row) for its backward (``rewrite/saved.py``); False recomputes.
         lm_head_plan: the fused lm_head's backward plan: "auto" (by device) or one of
             ``LM_HEAD_PLANS`` to force it on any device (docs/gemms.md: each plan's GEMMs).
+            "kept_logits" (GPUs) trades memory for time: the per-token forward keeps its
+            model-precision logits (``2 T V`` bytes, as stock's) and the backward reads them,
+            three GEMMs a step instead of four (NOTE [kept logits]).
         gradients_in_forward: when a fused region's results reach the scalar loss only
             through row-local ops and sums / means (``match/loss_tail.py``), compute
             gradients in the forward's chunk loop (docs/how-it-works.md section 5b).

@@ -92,7 +92,8 @@ def test_bad_lm_head_plan_names_the_plans(value):
     with pytest.raises(ValueError) as info:
         Config.from_options({"lm_head_plan": value})
     assert str(info.value) == ("chunked_logits option 'lm_head_plan' must be one of 'auto', 'two_sweeps', "
-                               f"'fp32_tiles', 'blocks', 'gpu', got {value!r}; e.g. lm_head_plan='auto'")
+                               f"'fp32_tiles', 'blocks', 'gpu', 'kept_logits', got {value!r}; e.g. "
+                               "lm_head_plan='auto'")
 
 
 def test_chunk_budget_unset_is_the_devices() -> None:
@@ -193,7 +194,7 @@ def test_kill_switch_makes_the_backend_stock_inductor(monkeypatch) -> None:
     ("bogus", unknown("bogus")),
     ('{"strict": 1}', "chunked_logits option 'strict' must be True or False, got 1"),
     ("report_only,lm_head_plan=fast", "chunked_logits option 'lm_head_plan' must be one of 'auto', "
-     "'two_sweeps', 'fp32_tiles', 'blocks', 'gpu', got 'fast'; e.g. lm_head_plan='auto'"),
+     "'two_sweeps', 'fp32_tiles', 'blocks', 'gpu', 'kept_logits', got 'fast'; e.g. lm_head_plan='auto'"),
 ])
 def test_bad_env_options_stop_the_process_at_start(value, error) -> None:
     """The switch asked for the pass: a process whose options are wrong does not start

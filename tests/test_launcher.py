@@ -179,7 +179,7 @@ def test_help_is_plain_text_with_the_documented_types():
     text = cli.build_parser().run_parser.format_help()
     assert "``" not in text and ":mod:" not in text and ":func:" not in text and "`" not in text
     assert "--chunk-budget-mib FLOAT" in text and "STR" not in text  # docs/enabling.md
-    assert "--lm-head-plan {auto,two_sweeps,fp32_tiles,blocks,gpu}" in text
+    assert "--lm-head-plan {auto,two_sweeps,fp32_tiles,blocks,gpu,kept_logits}" in text
     assert "drop x / 1 and x * 1 everywhere in the graph. [on]" in " ".join(text.split())
     assert cli.plain("see :mod:`fx_passes.kernels` and ``x / 1``, :func:`~a.b`") == (
         "see fx_passes.kernels and x / 1, a.b")

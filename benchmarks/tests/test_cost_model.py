@@ -183,19 +183,24 @@ def test_what_ifs_name_both_lm_head_workloads():
     assert "* W4: loss in graph as built" in text and "at 32 MiB" in text
 
 
-def test_kept_logits_what_if_trades_the_fourth_gemm_for_the_logits():
-    """The per-token what-if that keeps the bf16 logits: the loss loop's 3 GEMMs, so its
-    time is the loss in the graph's and under the per-token plan's; its peak holds the
-    [T, V] logits with the FP32 sums: under stock's for the log-probs (whose stock keeps an
-    FP32 [T, V] more), over it for a cross-entropy alone, and said so."""
+def test_kept_logits_trades_the_fourth_gemm_for_the_logits():
+    """``lm_head_plan="kept_logits"`` (built: NOTE [kept logits]): 3 GEMMs, so its time is
+    under the recomputing plan's; its peak holds the [T, V] logits with the FP32 [V, H] sum:
+    under stock's for the log-probs (whose stock keeps an FP32 [T, V] more), over it for a
+    cross-entropy alone, where the call runs "gpu" and the table says so."""
     dev = roof.DEVICES[-1]
     lines = {name: cm.kept_logits(name, dev) for name in ("W4L-8k", "WV-8k")}
     for name, line in lines.items():
-        as_built, kept = (float(x) for x in re.findall(r"([0-9.]+)x time", line))
-        assert kept < as_built, line
+        recompute, kept = (float(x) for x in re.findall(r"([0-9.]+)x time", line))
+        assert kept < recompute <= 1.5, line
     peaks = {name: [float(x) for x in re.findall(r"([0-9.]+)x peak", line)] for name, line in lines.items()}
     assert peaks["W4L-8k"][1] < 1.0 < peaks["WV-8k"][1], peaks
-    assert "not allowed" in lines["WV-8k"] and "not allowed" not in lines["W4L-8k"]
+    assert "the call runs gpu" in lines["WV-8k"] and "runs gpu" not in lines["W4L-8k"]
+    rows = {(r["workload"], r["path"]): r for r in cm.predict(roof.DEVICES, ["gpu", "kept_logits"])}
+    kept_row = rows[("W4L-8k", "per-token: kept logits")]
+    assert kept_row["gemms"] == (3.0, 0.0) and kept_row["met"]  # <= 1.15x: issue 54's per-token target
+    fallback = rows[("WV-8k", "per-token: recompute (kept over stock's peak: gpu)")]
+    assert fallback["gemms"] == (4.0, 0.0) and not fallback["met"]
 
 
 def test_masked_rows_scale_the_gemms_and_meet_the_target():

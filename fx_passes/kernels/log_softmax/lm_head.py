@@ -48,21 +48,22 @@ from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, emitted
 from ..tiling import backward_plan, forward_rows, resolve_budget
 from .bodies import compiled, forward_chunk, forward_chunk_logits
-from .given import softmax_lse
+from .lm_head_kept import keeps_logits, lm_head_stats_kept, per_row_inputs
 from .lm_head_sweeps import lm_head_grads
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward"]
 
 
-def _forward_loop(head: Head, opts: HeadOptions, logits: Optional[torch.Tensor] = None):
+def _forward_loop(head: Head, opts: HeadOptions, logits: Optional[torch.Tensor] = None, body=None):
     """The forward's loop over row chunks: per-row (lse, logprob, entropy); with
     ``logits`` given (a model-precision ``[N, V]`` buffer) each chunk's logits are
-    written there too, the same values the chunk's reductions read."""
+    written there too, the same values the chunk's reductions read (``body``, compiled:
+    the chunk's function, by default ``forward_chunk`` or ``forward_chunk_logits``)."""
     hidden = head.hidden
     n, vocab = hidden.shape[0], head.weight.shape[0]
     lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
     rows = forward_rows(resolve_budget(opts.budget_bytes, hidden.device), n, vocab)
-    body = compiled(forward_chunk if logits is None else forward_chunk_logits)
+    body = compiled(body or (forward_chunk if logits is None else forward_chunk_logits))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         chunk = head.rows(r0, r1)
@@ -152,19 +153,12 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
     gradient the autograd engine passes zeros (``[T, V]``, allocated before the compiled
     backward runs), and adding them changes no bit of the result."""
     args, (lse, entropy) = saved_inputs(ctx)
-    hidden, weight, bias, tokens = args["hidden"], args["weight"], args["bias"], args["tokens"]
-    zeros = lse.new_zeros(lse.shape)
-    g_lse = g_lse if g_lse is not None else zeros
-    g_logprob = g_logprob if (g_logprob is not None and tokens is not None) else zeros
-    g_entropy = g_entropy if (g_entropy is not None and entropy is not None) else zeros
-    lse = softmax_lse(lse, log_softmax=tokens is not None or entropy is not None)
-    if tokens is None:
-        tokens = torch.zeros(lse.shape, dtype=torch.long, device=lse.device)
+    hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
         g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    gh, gw, gb = call_by_name(lm_head_stats_backward, args, tokens=tokens, lse=lse, entropy=entropy,
-                              g_lse=g_lse, g_logprob=g_logprob, g_entropy=g_entropy, g_logits=g_logits,
+    gh, gw, gb = call_by_name(lm_head_stats_backward, args, entropy=entropy, g_logits=g_logits,
+                              **per_row_inputs(args["tokens"], lse, entropy, g_lse, g_logprob, g_entropy),
                               need_hidden=need_hidden, need_weight=need_weight or need_bias)
     return grads_by_name(lm_head_stats, {}, hidden=gh if need_hidden else None,
                          weight=gw if need_weight else None,
@@ -175,7 +169,8 @@ lm_head_stats.register_autograd(_backward, setup_context=_setup)
 lm_head_stats_logits.register_autograd(_backward, setup_context=_setup)
 
 
-@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward"), CAPTURE_SAFE)
+@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward", "lm_head_stats_kept",
+          "lm_head_kept_backward"), CAPTURE_SAFE)
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
                       budget_bytes: int, transforms: str = "", plan: str = "auto", returned_like=None):
     """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after
@@ -189,6 +184,9 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
     """
     flat = (*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
             transforms, plan)
+    if returned_like is None and keeps_logits(hidden, plan):  # (NOTE [kept logits])
+        stats = lm_head_stats_kept(*flat)[:3]
+        return _shaped(stats, hidden.shape[:-1], tokens is not None, want_entropy, None)
     op = lm_head_stats_logits if returned_like is not None else lm_head_stats
     results = op(*flat)
     return _shaped(results, hidden.shape[:-1], tokens is not None, want_entropy, returned_like)
