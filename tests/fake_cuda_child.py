@@ -212,7 +212,7 @@ def cuda_out_dtype_kernels():
 def plans() -> dict:
     cuda = torch.device("cuda", 0)
     return {plan: tiling.backward_plan(cuda, torch.bfloat16, plan)
-            for plan in ("auto", "gpu", "blocks")}
+            for plan in ("auto", "gpu", "blocks", "kept_logits")}
 
 
 def main() -> None:

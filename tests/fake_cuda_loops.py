@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from fx_passes import Config, compat
 from fx_passes.kernels import tiling
 from fx_passes.kernels.log_softmax import loss
+from fx_passes.kernels.log_softmax.lm_head_kept import kept_grads
 from fx_passes.kernels.log_softmax.lm_head_sweeps import lm_head_grads
 from fx_passes.kernels.ops import body_compiler, registry
 from fx_passes.kernels.ops.args import Cotangents, Head, HeadOptions, RowValues
@@ -247,9 +248,28 @@ def per_token_blocks(mode, total_bytes: int) -> dict:
     return {"budget": tiling.device_budget("cuda", total_bytes), "ops": rec.ops, "grads": grads}
 
 
+def kept_backward(mode, total_bytes: int) -> dict:
+    """The ``"kept_logits"`` backward (``lm_head_kept.kept_grads``) on the forward's kept
+    logits, recorded."""
+    with cuda_device(total_bytes, True), torch.no_grad(), mode, WithoutDeviceGuards():
+        hidden = torch.empty(T, H, dtype=BF16, device="cuda")
+        weight = torch.empty(V, H, dtype=BF16, device="cuda")
+        logits = torch.empty(T, V, dtype=BF16, device="cuda")
+        tokens = torch.empty(T, dtype=torch.int64, device="cuda")
+        rows = [torch.empty(T, dtype=F32, device="cuda") for _ in range(3)]
+        opts = HeadOptions(True, False, tiling.BY_DEVICE, "", "kept_logits")
+        with Recorder() as rec:
+            got = kept_grads(Head(hidden, weight, None, tokens, None), logits, RowValues(rows[0]),
+                             Cotangents(*rows), opts)
+    grads = {"grad_hidden": rec.storage(got[0]), "grad_weight": rec.storage(got[1])}
+    return {"budget": tiling.device_budget("cuda", total_bytes), "ops": rec.ops, "grads": grads,
+            "logits": rec.storage(logits)}
+
+
 def run(mode) -> dict:
     """Each loop on each device (and the loss loop with torch 2.8's ``addmm`` answer)."""
     call = _emitted_loss_call()
     return {"loss": {name: loss_loop(mode, call, total, True) for name, total in DEVICES.items()},
             "loss_addmm_2_8": loss_loop(mode, call, DEVICES["h200"], False),
-            "per_token": {name: per_token_blocks(mode, total) for name, total in DEVICES.items()}}
+            "per_token": {name: per_token_blocks(mode, total) for name, total in DEVICES.items()},
+            "kept": {name: kept_backward(mode, total) for name, total in DEVICES.items()}}

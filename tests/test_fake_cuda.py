@@ -29,7 +29,7 @@ No CUDA wheel is installed for this (several GB in ``make test``); the GPU check
 
 The ``"gpu"`` plan's chunk loops themselves (issue 54, item 2; tests/fake_cuda_loops.py,
 in the same process): the loss in the graph (``lm_head_loss``'s own function, then its
-backward) and the per-token backward, on fake CUDA tensors at the recorded H200 run's
+backward), the per-token backward and ``"kept_logits"``' backward, on fake CUDA tensors at the recorded H200 run's
 sizes (T 8192, V 151936, H 4096, bf16) with an 80 GB and a 141 GB device's budget, every
 ATen call recorded in order: the chunk count, each chunk's GEMMs, every call that touches
 an FP32 sum, the one downcast.  What runs otherwise than on a GPU there, and why:
@@ -96,8 +96,10 @@ def result() -> dict:
 def test_the_plan_a_cuda_device_gets(result):
     """Without ``mm.dtype`` for CUDA (this build), "auto" and a forced "gpu" run
     "blocks"; with it, "auto" is "gpu" (never a CPU plan on a GPU)."""
-    assert result["as_built"]["plans"] == {"auto": "blocks", "gpu": "blocks", "blocks": "blocks"}
-    assert result["gpu_kernels"]["plans"] == {"auto": "gpu", "gpu": "gpu", "blocks": "blocks"}
+    assert result["as_built"]["plans"] == {"auto": "blocks", "gpu": "blocks", "blocks": "blocks",
+                                           "kept_logits": "blocks"}  # (the device's own plan, logged)
+    assert result["gpu_kernels"]["plans"] == {"auto": "gpu", "gpu": "gpu", "blocks": "blocks",
+                                              "kept_logits": "kept_logits"}
 
 
 @pytest.mark.parametrize("kind", ["as_built", "gpu_kernels"])
@@ -295,3 +297,26 @@ def test_per_token_blocks_write_then_add_the_fp32_grad_hidden(result, device):
         ["aten.mm.out", "aten.addmm.dtype_out" if k else "aten.mm.dtype_out"] for k in range(len(cols))]
     assert _on([got["grads"]["grad_hidden"]], ops) == [("aten.empty_like.default", (T, H), BF16),
                                                         ("aten.copy_.default", (T, H), BF16)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_kept_logits_backward_reads_them_in_two_chunks(result, device):
+    """``lm_head_plan="kept_logits"`` (``lm_head_kept.kept_grads``, NOTE [kept logits]): no
+    logits GEMM (the forward's are read, never written); per chunk of ``gpu_loss_rows``
+    ``grad_hidden[chunk]`` one model-precision GEMM into its rows and ``grad_weight``'s FP32
+    sum written by the first chunk's ``out_dtype`` GEMM and added to inside the second's;
+    the sum allocated (no zero-fill) and rounded once."""
+    got = result["loops"]["kept"][device]
+    ops = got["ops"]
+    rows = [b - a for a, b in tiling.even_splits(T, tiling.gpu_loss_rows(got["budget"], T, V))]
+    assert rows == [T // 2] * tiling.MAX_LOSS_CHUNKS
+    assert _gemms(ops) == sum(([("aten.mm.out", (r, H), BF16),
+                                ("aten.addmm.dtype_out" if i else "aten.mm.dtype_out", (V, H), F32)]
+                               for i, r in enumerate(rows)), [])
+    assert [o["writes"] for o in ops if o["op"] == "aten.mm.out"] == [got["grads"]["grad_hidden"]] * len(rows)
+    (acc,) = {o["writes"] for o in ops if o["op"] in OUT_DTYPE_GEMMS}
+    assert _on([acc], ops) == [("aten.new_empty.default", (V, H), F32), ("aten.mm.dtype_out", (V, H), F32),
+                               *[("aten.addmm.dtype_out", (V, H), F32)] * (len(rows) - 1),
+                               ("aten._to_copy.default", (V, H), BF16)]  # (rounded into grad_weight)
+    assert got["logits"] not in {o["writes"] for o in ops}  # (a retained graph reads them again)
+    assert got["logits"] in {s for o in ops for s in o["storages"]}

@@ -108,6 +108,21 @@ def test_logits_the_graph_returns_are_not_kept():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+def test_a_graph_without_a_backward_keeps_nothing():
+    """Scoring under ``no_grad`` (a reference model's log-probs): no backward reads the
+    logits, so the loop keeps none (the recomputing plan's forward)."""
+    h, w, tokens, _ = _inputs()
+    torch._dynamo.reset()
+    fn = torch.compile(per_token, backend="chunked_logits", options={"lm_head_plan": "kept_logits"})
+    with cpu_out_dtype_kernels(), torch.no_grad(), tracing() as ops:
+        got = fn(h, w, tokens)
+    names = {o.op for o in ops}
+    assert "chunked_logits.lm_head_stats.default" in names
+    assert "chunked_logits.lm_head_stats_kept.default" not in names
+    assert not [o for o in ops if o.dtype == BF16 and torch.Size(o.shape).numel() >= T * V]  # no [T, V]
+    torch.testing.assert_close(got[0], per_token(h, w, tokens)[0], atol=2e-2, rtol=2e-2)
+
+
 def test_without_out_dtype_gemms_the_devices_own_plan_runs_and_says_so(caplog):
     say_once.cache_clear()  # (said once a process)
     with caplog.at_level(logging.INFO, logger="fx_passes"):

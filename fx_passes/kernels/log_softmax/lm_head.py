@@ -184,7 +184,7 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
     """
     flat = (*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
             transforms, plan)
-    if returned_like is None and keeps_logits(hidden, plan):  # (NOTE [kept logits])
+    if returned_like is None and keeps_logits(hidden, weight, plan):  # (NOTE [kept logits])
         stats = lm_head_stats_kept(*flat)[:3]
         return _shaped(stats, hidden.shape[:-1], tokens is not None, want_entropy, None)
     op = lm_head_stats_logits if returned_like is not None else lm_head_stats

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from ... import compat
 from ..ops.args import Cotangents, Head, HeadOptions, RowValues, args_by_name, grads_by_name
 from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..tiling import BY_DEVICE, backward_plan, even_splits, gpu_loss_rows, resolve_budget
@@ -70,6 +71,7 @@ def lm_head_stats_kept(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 @lm_head_stats_kept.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
+    backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     n = hidden.shape[0]
     return (*(hidden.new_empty(n, dtype=F32) for _ in range(3)), hidden.new_empty(n, weight.shape[0]))
 
@@ -164,7 +166,10 @@ def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
 lm_head_stats_kept.register_autograd(_backward, setup_context=_setup)
 
 
-def keeps_logits(hidden: torch.Tensor, plan: str) -> bool:
-    """Does the per-token loop keep its logits (``plan`` resolves to ``"kept_logits"`` on
-    ``hidden``'s device)?"""
-    return plan == KEPT and backward_plan(hidden.device, hidden.dtype, plan) == KEPT
+def keeps_logits(hidden: torch.Tensor, weight: torch.Tensor, plan: str) -> bool:
+    """Does the per-token loop keep its logits: ``plan`` resolves to ``"kept_logits"`` on
+    ``hidden``'s device (``tiling.backward_plan``) and a backward may read them (a graph
+    without one keeps nothing)?  Asked while the graph is traced: reads the dispatch table
+    only (the op's fake kernel runs the device's one-time probe)."""
+    wanted = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return plan == KEPT and wanted and compat.gemm_out_dtype(hidden.device.type)
