@@ -29,8 +29,9 @@ No CUDA wheel is installed for this (several GB in ``make test``); the GPU check
 
 The ``"gpu"`` plan's chunk loops themselves (issue 54, item 2; tests/fake_cuda_loops.py,
 in the same process): the loss in the graph (``lm_head_loss``'s own function, then its
-backward), the per-token backward and ``"kept_logits"``' backward, on fake CUDA tensors at the recorded H200 run's
-sizes (T 8192, V 151936, H 4096, bf16) with an 80 GB and a 141 GB device's budget, every
+backward), the per-token backward and ``"kept_logits"``' backward, on fake CUDA tensors
+at the recorded H200 run's sizes (T 8192, V 151936, H 4096, bf16) with an 80 GB and a 141
+GB device's budget, every
 ATen call recorded in order: the chunk count, each chunk's GEMMs, every call that touches
 an FP32 sum, the one downcast.  What runs otherwise than on a GPU there, and why:
 * the chunk bodies run eagerly (Inductor makes no CUDA kernels without a CUDA build): their
