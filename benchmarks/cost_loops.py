@@ -193,16 +193,12 @@ def gif_two_sweeps(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_d
 
 def kept_logits(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     """``lm_head_kept.kept_grads``: per row chunk of the forward's kept logits
-    (``tiling.gpu_loss_rows``) one row kernel reads them and writes the gradient tile,
-    ``grad_hidden[chunk]`` one GEMM, ``grad_weight``'s GEMM writing (first chunk) or adding
-    into the FP32 ``[V, H]`` sum; the sum rounded once.  No logits GEMM: 3 GEMMs a step
-    with the forward's."""
-    ks = []
-    for i, r in enumerate(splits(T, tiling.gpu_loss_rows(budget, T, V))):
-        ks += [elementwise("gradient tile from the kept logits", 2 * r * V, 2 * r * V, exps=r * V),
-               gemm("grad_hidden", (r, V, H)),
-               gemm("grad_weight (out_dtype FP32)", (V, r, H), out=FP32, acc=i > 0)]
-    return ks + [elementwise("grad_weight FP32 -> bf16", 4 * V * H, 2 * V * H)]
+    (``forward_rows``) one row kernel reads them and writes their gradient in their place;
+    then ``grad_hidden`` and ``grad_weight`` one GEMM each over all rows (stock's).  No
+    logits GEMM, no FP32 sum: 3 GEMMs a step with the forward's."""
+    ks = [elementwise("gradient over the kept logits", 2 * r * V, 2 * r * V, exps=r * V)
+          for r in splits(T, tiling.forward_rows(budget, T, V))]
+    return ks + [gemm("grad_hidden", (T, V, H)), gemm("grad_weight", (V, T, H))]
 
 
 BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,

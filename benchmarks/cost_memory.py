@@ -201,7 +201,7 @@ def per_token(T: int, H: int, V: int, plan: str, budget: int, n: Optional[int] =
     if plan == "two_sweeps":
         return [fwd] + _two_sweeps(T, n, H, V, budget)
     if plan == "kept_logits" and n == T:  # lm_head_kept: the logits from the forward to the backward
-        return kept_logits(T, H, V, budget)
+        return kept_logits(T, H, V)
     grads = _kept(T, n, H) + (("grad_hidden bf16 [n, H]", BF * n * H), _gw(V, H))
     acc = ("grad_hidden FP32 sum [S, H]", F4 * min(n, tiling.accumulator_rows(budget, n, H)) * H)
     if plan == "gpu":  # gpu_plan.out_dtype_blocks: Inductor writes the gradient over the recomputed logits
@@ -215,18 +215,14 @@ def per_token(T: int, H: int, V: int, plan: str, budget: int, n: Optional[int] =
         ("block gradient FP32 copy [n, c]", F4 * n * c)) + held)]
 
 
-def kept_logits(T: int, H: int, V: int, budget: int) -> list[Phase]:
+def kept_logits(T: int, H: int, V: int) -> list[Phase]:
     """``lm_head_stats_kept`` and ``lm_head_kept.kept_grads``: the forward's chunks write the
-    bf16 logits it keeps; the backward reads them a chunk of ``gpu_loss_rows`` at a time
-    into a gradient tile, ``grad_weight`` summed in FP32 and rounded at the end."""
-    logits = ("the kept bf16 logits [T, V]", BF * T * V)
-    r = piece(T, tiling.gpu_loss_rows(budget, T, V))
-    sum_w = ("grad_weight FP32 sum [V, H]", F4 * V * H)
+    bf16 logits it keeps; the backward writes their gradient in their place and stock's two
+    GEMMs read it: stock's cross-entropy's buffers."""
+    logits = ("the kept bf16 logits [T, V], their gradient in their place", BF * T * V)
     return [Phase("forward: the kept logits", (logits,)),
-            Phase(f"backward: a chunk of {r} rows", (logits, ("gradient tile bf16 [r, V]", BF * r * V), sum_w,
-                                                     ("grad_hidden bf16 [T, H]", BF * T * H))),
-            Phase("backward: the sum rounded", (logits, sum_w, ("grad_hidden bf16 [T, H]", BF * T * H),
-                                                _gw(V, H)))]
+            Phase("backward: grad_hidden, grad_weight", (logits, ("grad_hidden bf16 [T, H]", BF * T * H),
+                                                         _gw(V, H)))]
 
 
 # --- the plans a step runs -----------------------------------------------------------------

@@ -167,12 +167,11 @@ def predict(devices, plans: list[str]) -> list[dict]:
     rows = []
     for name, plan, in_forward in cases(plans):
         T, H, V, loss = WORKLOADS[name]
-        runs = plan if plan != "kept_logits" or holds_kept_logits(T, V, H, loss) else "gpu"
-        row = {"workload": name, "plan": plan or "-", "path": _path(H, in_forward, plan, runs)}
+        row = {"workload": name, "plan": plan or "-", "path": _path(H, in_forward, plan)}
         base = stock(T, H, V, loss)
         try:
             for dev in devices:
-                ks = ours(T, H, V, runs, in_forward, device_budget(dev))
+                ks = ours(T, H, V, plan, in_forward, device_budget(dev))
                 row[dev.name] = {"stock_ms": 1e3 * step_time(base, dev), "ours_ms": 1e3 * step_time(ks, dev)}
                 row[dev.name]["ratio"] = row[dev.name]["ours_ms"] / row[dev.name]["stock_ms"]
         except (AttributeError, TypeError, ValueError) as e:  # e.g. a tiling function this checkout lacks
@@ -187,22 +186,12 @@ def predict(devices, plans: list[str]) -> list[dict]:
     return rows
 
 
-def _path(H: int, in_forward: bool, plan: Optional[str] = None, runs: Optional[str] = None) -> str:
+def _path(H: int, in_forward: bool, plan: Optional[str] = None) -> str:
     if not H:
         return "row_stats"
     if in_forward:
         return "loss in graph: grads in forward"
-    if plan == "kept_logits":
-        return ("per-token: kept logits" if runs == plan
-                else "per-token: recompute (kept over stock's peak: gpu)")
-    return "per-token: recompute"
-
-
-def holds_kept_logits(T: int, V: int, H: int, loss: str) -> bool:
-    """Does ``"kept_logits"`` keep the logits here (``tiling.holds_kept_logits``: its peak at
-    most stock's, whose log-prob keeps an FP32 ``[T, V]``)?  Else the call runs ``"gpu"``."""
-    fn = getattr(tiling, "holds_kept_logits", None)
-    return bool(fn and fn(T, V, H, loss == "logprob"))
+    return "per-token: kept logits" if plan == "kept_logits" else "per-token: recompute"
 
 
 def table(rows: list[dict], devices) -> str:
@@ -275,9 +264,8 @@ def floors(dev: Device) -> str:
 
 def kept_logits(name: str, dev: Device) -> str:
     """The per-token plans at ``name``'s size: ``"gpu"`` (the logits recomputed, 4 GEMMs)
-    and ``"kept_logits"`` (the forward's bf16 logits read by the backward, 3 GEMMs), time
-    and peak against stock's (``cost_memory``), and whether the kept plan holds the logits
-    there (``holds_kept_logits``: else the call runs ``"gpu"``)."""
+    and ``"kept_logits"`` (the forward's bf16 logits, their gradient written in their
+    place, 3 GEMMs), time and peak against stock's (``cost_memory``)."""
     from benchmarks import cost_memory as mem  # (imports torch: only for the what-ifs)
 
     T, H, V, loss = WORKLOADS[name]
@@ -286,10 +274,8 @@ def kept_logits(name: str, dev: Device) -> str:
     recompute, kept = (ours(T, H, V, plan, False, budget) for plan in ("gpu", "kept_logits"))
     peaks = [mem.peak(mem.per_token(T, H, V, plan, budget)).bytes / stock_peak
              for plan in ("gpu", "kept_logits")]
-    held = holds_kept_logits(T, V, H, loss)
     return (f"* {name} per token: gpu {step_time(recompute, dev) / base:.2f}x time, {peaks[0]:.2f}x peak; "
-            f"kept_logits {step_time(kept, dev) / base:.2f}x time, {peaks[1]:.2f}x peak"
-            + ("" if held else " (over stock's: the call runs gpu)"))
+            f"kept_logits {step_time(kept, dev) / base:.2f}x time, {peaks[1]:.2f}x peak")
 
 
 def main(argv=None) -> int:

@@ -142,8 +142,7 @@ LM_MODES = (STOCK, *(f"ours:{p}" for p in GPU_PLANS))
 CASES = {
     "W4L": CaseDef(_W4L, LM_MODES, model=("logprob", True)),
     "WV": CaseDef(_WV, LM_MODES, model=("ce", True)),
-    # per token, also with the forward's logits kept for the backward (3 GEMMs: NOTE [kept logits];
-    # WV-tok's cross-entropy alone would run "gpu": its peak would be over stock's)
+    # per token, also with the forward's logits kept for the backward (3 GEMMs: NOTE [kept logits])
     "W4L-tok": CaseDef(Workload("W4L-tok", policy_loss_outside, True, _make_lm_head, _W4L.full_size, (0, 1)),
                        (*LM_MODES, "ours:kept_logits"), inner=lm_head_logprob, model=("logprob", False)),
     "WV-tok": CaseDef(Workload("WV-tok", ce_outside, True, _make_lm_head_ce, _WV.full_size, (0, 1)),

@@ -48,9 +48,9 @@ class Config:
             numbers a row) for its backward (``rewrite/saved.py``); False recomputes.
         lm_head_plan: the fused lm_head's backward plan: "auto" (by device) or one of
             ``LM_HEAD_PLANS`` to force it on any device (docs/gemms.md: each plan's GEMMs).
-            "kept_logits" (GPUs) trades memory for time: the per-token forward keeps its
-            model-precision logits (``2 T V`` bytes, as stock's) and the backward reads them,
-            three GEMMs a step instead of four (NOTE [kept logits]).
+            "kept_logits" trades memory for time: a per-token call keeps its model-precision
+            logits (``2 T V`` bytes, as stock's) and the backward writes their gradient in
+            their place, three GEMMs a step instead of four (NOTE [kept logits]).
         gradients_in_forward: when a fused region's results reach the scalar loss only
             through row-local ops and sums / means (``match/loss_tail.py``), compute
             gradients in the forward's chunk loop (docs/how-it-works.md section 5b).

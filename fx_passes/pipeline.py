@@ -53,7 +53,7 @@ from .reporting.report import (
 )
 from .reporting.session import session
 from .rewrite.in_place import out_of_place
-from .rewrite.loss_tail import fused_calls, kept_logits_fit, rewrite_loss_tail
+from .rewrite.loss_tail import fused_calls, keep_logits, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.row_slices import merge_row_slices
 from .rewrite.skip_rows import skip_unread_rows
@@ -224,10 +224,12 @@ def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
     losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config, nbytes[0] > 0)  # (in the forward)
                                  for call in new)))
     kept = [call for call in new if call in fused_calls(graph)]  # (those keeping per-token results)
-    for call in kept:  # (lm_head_plan="kept_logits": only where it stays under stock's peak)
-        kept_logits_fit(call, nbytes[0] > 0)
     why: list[str] = []  # (per-token results a mask leaves unread that every row computes: why)
     masked = sum(skip_unread_rows(graph, call, config, why) for call in kept)
+    # (lm_head_plan="kept_logits": the per-token calls still whole keep their logits, NOTE [kept logits])
+    kept_logits = sum(keep_logits(call) for call in kept if call in fused_calls(graph))
+    if kept_logits:
+        counters[COUNTER]["kept_logits"] += kept_logits
     outcome = dataclasses.replace(outcome, losses=outcome.losses + losses, masked_per_token=masked,
                                   rows_why=tuple(why))
     record_rewrite(where, counted(outcome, what, "lm_head_fused"), _with_lm_head(nbytes, outcome),

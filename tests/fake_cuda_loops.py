@@ -250,7 +250,7 @@ def per_token_blocks(mode, total_bytes: int) -> dict:
 
 def kept_backward(mode, total_bytes: int) -> dict:
     """The ``"kept_logits"`` backward (``lm_head_kept.kept_grads``) on the forward's kept
-    logits, recorded."""
+    logits, recorded (the chunk body runs eagerly: ``cuda_device``)."""
     with cuda_device(total_bytes, True), torch.no_grad(), mode, WithoutDeviceGuards():
         hidden = torch.empty(T, H, dtype=BF16, device="cuda")
         weight = torch.empty(V, H, dtype=BF16, device="cuda")

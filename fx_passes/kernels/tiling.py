@@ -25,7 +25,6 @@ __all__ = ["forward_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "holds_weight_sum
            "backward_tiles", "gpu_block_cols",
            "sweep_sizes", "accumulator_rows",
            "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
-           "kept_logits_peaks", "holds_kept_logits",
            "resolve_budget", "ALIGN", "chunk_rows", "sweep_step", "product_cols", "spans",
            "BYTES_PER_ELEMENT", "SWEEP_BYTES_PER_ELEMENT"]
 
@@ -170,28 +169,6 @@ def holds_weight_sums(rows, vocab: int, width: int, device_type: str, stock_fp32
     return ours <= stock
 
 
-def kept_logits_peaks(rows: int, vocab: int, width: int, stock_fp32: bool = False) -> tuple[int, int]:
-    """(ours, stock): the peak bytes of the ``"kept_logits"`` plan (NOTE [kept logits]: the
-    kept 16-bit logits, in the backward a gradient tile of ``gpu_loss_rows`` rows beside
-    the FP32 ``[V, H]`` sum and ``grad_hidden``, then the sum rounded into ``grad_weight``)
-    and stock's (``weight_sums_peaks``)."""
-    grads = 2 * vocab * width + 2 * rows * width
-    tile = 2 * gpu_loss_rows(0, rows, vocab) * vocab
-    ours = 2 * rows * vocab + 4 * vocab * width + 2 * rows * width + max(tile, 2 * vocab * width)
-    return ours, 2 * rows * vocab + max(4 * rows * vocab if stock_fp32 else 0, grads)
-
-
-def holds_kept_logits(rows, vocab: int, width: int, stock_fp32: bool = False) -> bool:
-    """May the per-token loop keep its logits (``"kept_logits"``)?  Only where its peak is
-    provably at most stock's: ``rows`` known at compile time, and stock keeping the FP32
-    ``[T, V]`` a log-prob's gather reads (a cross-entropy alone keeps none, and the FP32
-    ``[V, H]`` sum alone is more than stock's bf16 gradient)."""
-    if not isinstance(rows, int):
-        return False
-    ours, stock = kept_logits_peaks(rows, vocab, width, stock_fp32)
-    return ours <= stock
-
-
 def weight_sums_why(rows: int, vocab: int, width: int, stock_fp32: bool = False, row_local: bool = False
                     ) -> str:
     """The summary's line for a region that keeps the per-token plan (``holds_weight_sums``)."""
@@ -312,11 +289,10 @@ def even_splits(total: int, most: int) -> list[tuple[int, int]]:
     return [(a, min(total, a + size)) for a in range(0, total, size)]
 
 
-def _say_no_out_dtype(device_type: str, plan: str = "gpu") -> None:
-    """(once per device type and plan)"""
-    say_once(logging.INFO, "chunked_logits: lm_head_plan %r needs aten::mm.dtype on %s, which this torch "
-             "%s lacks: the backward runs %s", plan, device_type, torch.__version__,
-             "'blocks'" if plan == "gpu" else "the device's own plan (as lm_head_plan='auto')")
+def _say_no_out_dtype(device_type: str) -> None:
+    """(once per device type)"""
+    say_once(logging.INFO, "chunked_logits: lm_head_plan 'gpu' needs aten::mm.dtype on %s, which this torch "
+             "%s lacks: the backward runs 'blocks'", device_type, torch.__version__)
 
 
 # NOTE [lm_head backward plans]
@@ -345,32 +321,31 @@ def _say_no_out_dtype(device_type: str, plan: str = "gpu") -> None:
 # * ``"blocks"`` (GPUs whose torch has no ``mm.dtype``): as ``"gpu"``, but the FP32
 #   accumulation of ``grad_hidden`` runs on FP32 copies of the gradient and the
 #   weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).
-# * ``"kept_logits"`` (a user's choice, never ``auto``'s; where ``"gpu"`` runs): the
-#   per-token forward keeps its model-precision logits for the backward, which reads them
-#   instead of recomputing: three GEMMs a step, at the logits' ``2 T V`` bytes held from
-#   the forward to the backward (NOTE [kept logits], ``log_softmax/lm_head_kept.py``).
-#   The loops that have no such logits (masked rows, the loss in the graph, row-local,
-#   vocab-parallel) run ``"gpu"``.  Without ``mm.dtype``: the device's own plan, logged.
+# * ``"kept_logits"`` (a user's choice, never ``auto``'s; any device): a per-token call
+#   that returns no logits keeps its model-precision logits from the forward, and the
+#   backward writes their gradient in their place and runs stock's two GEMMs: three a
+#   step, at stock's cross-entropy memory (NOTE [kept logits], ``log_softmax/lm_head_kept.py``).
+#   The loops that keep no logits (masked rows, the loss in the graph, row-local,
+#   vocab-parallel, no backward) run the device's ``"auto"`` plan.
 
 
 def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") -> str:
     """The lm_head backward's plan for ``device`` and ``dtype``: one of ``config.LM_HEAD_PLANS``
     but "auto" (``plan`` forces one).  Every plan rounds each gradient element once, from
-    one FP32 sum.  "gpu" where the device lacks ``mm.dtype`` runs "blocks", "kept_logits"
-    the device's "auto" plan (logged); choosing "gpu" or "kept_logits" runs the device's
-    one-time ``addmm`` probe (``compat.probe_addmm_into``).
+    one FP32 sum.  "gpu" where the device lacks ``mm.dtype`` runs "blocks" (logged);
+    "kept_logits" is "auto" here (the loops that keep no logits); choosing "gpu" runs the
+    device's one-time ``addmm`` probe (``compat.probe_addmm_into``).
     See NOTE [lm_head backward plans].
     """
     if plan == "gpu" and not compat.gemm_out_dtype(device.type):
         _say_no_out_dtype(device.type)
         return "blocks"
-    if plan == "kept_logits" and not compat.gemm_out_dtype(device.type):
-        _say_no_out_dtype(device.type, plan)
+    if plan == "kept_logits":  # (where no logits are kept: NOTE [kept logits])
         plan = "auto"
     if plan == "auto" and device.type != "cpu":
         plan = "gpu" if compat.gemm_out_dtype(device.type) else "blocks"
     if plan == "auto":
         return "two_sweeps" if compat.cpu_matmul_in_hardware(dtype) else "fp32_tiles"
-    if plan in ("gpu", "kept_logits"):  # (the fake kernels and the rewrites call this at compile time)
+    if plan == "gpu":  # (the fake kernels and the rewrites call this at compile time: no probe in a step)
         compat.probe_addmm_into(device, dtype)
     return plan

@@ -33,19 +33,13 @@ from ..fx.emitter import Emitter
 from ..fx.graph_ops import bound_args, is_scalar, keep_meta, meta, requires_grad, same, scalar_tensor
 from ..fx.placement import check_placement
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
+from ..kernels.log_softmax.lm_head_kept import KEPT, lm_head_row_stats_kept
 from ..kernels.log_softmax.loss import PLANS, lm_head_loss
 from ..kernels.ops import user_bodies
 from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local.loss import row_bytes, row_local_loss
 from ..kernels.row_local.split import Split, spec_of, split_of_spec
-from ..kernels.tiling import (
-    MIB,
-    backward_plan,
-    holds_kept_logits,
-    holds_weight_sums,
-    kept_logits_peaks,
-    weight_sums_why,
-)
+from ..kernels.tiling import backward_plan, holds_weight_sums, weight_sums_why
 from ..match.body_mask import skip_rows_of_body
 from ..match.loss_tail import LossTail, NoTail, match_loss_tail, match_tail
 from ..match.masks import masks_among
@@ -54,7 +48,7 @@ from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log, say_once
 from .tail_graphs import _bodies, _final, _joined, _kinds
 
-__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS", "kept_logits_fit"]
+__all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS", "keep_logits"]
 
 # model-precision-input GEMMs of one step, in units of [T, H] x [H, V], per plan (unit incoming gradient)
 GEMMS = {"gpu": 3, "two_sweeps": 4}
@@ -76,30 +70,15 @@ def _plan(tail: LossTail, stock_fp32: bool) -> str:
     return plan
 
 
-PLAN_ARG = 9  # lm_head_row_stats's ``plan``
-
-
-def kept_logits_fit(call: Node, stock_fp32: bool) -> bool:
-    """For a per-token ``lm_head_row_stats`` call of plan ``"kept_logits"``: keep the plan
-    where its peak is provably at most stock's (``tiling.holds_kept_logits``); else the call
-    runs ``"gpu"``, said once in the log and counted (``kept_logits_over_stock``).  True
-    where the call keeps its logits."""
-    if bound_args(call).get("plan") != "kept_logits":
+def keep_logits(call: Node) -> bool:
+    """A per-token ``lm_head_row_stats`` call of plan ``"kept_logits"`` that returns no
+    logits runs ``lm_head_row_stats_kept`` (NOTE [kept logits]; the same arguments).  True
+    where it now does."""
+    if call.target is not lm_head_row_stats or bound_args(call).get("plan") != KEPT or \
+            bound_args(call).get("returned_like") is not None:
         return False
-    hidden, weight = meta(call.args[0]), meta(call.args[1])
-    rows = math.prod(hidden.shape[:-1])
-    rows = rows if isinstance(rows, int) else None
-    vocab, width = (int(d) for d in weight.shape[-2:])
-    if holds_kept_logits(rows, vocab, width, stock_fp32):
-        return True
-    peaks = kept_logits_peaks(rows, vocab, width, stock_fp32) if rows is not None else None
-    say_once(logging.INFO, "chunked_logits: lm_head_plan 'kept_logits' would keep the logits at a peak of %s "
-             "above stock's %s (T %s, V %s, H %s): plan 'gpu' instead (the logits recomputed, one GEMM more)",
-             f"{peaks[0] // MIB} MiB" if peaks else "(T not known at compile time: not proven)",
-             f"{peaks[1] // MIB} MiB" if peaks else "", rows, vocab, width)
-    counters["chunked_logits"]["kept_logits_over_stock"] += 1
-    call.update_arg(PLAN_ARG, "gpu")
-    return False
+    call.target = lm_head_row_stats_kept
+    return True
 
 
 def _weight_sums_fit(plan: str, hidden, weight, stock_fp32: bool = False, row_local: bool = False) -> None:
@@ -203,8 +182,8 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
         final = _final(tail)  # (before the graph changes: it may still say no)
         mask_key = _body_mask(joined, index, n, rows, whole, inputs, tail, why) \
             if config.skip_masked_rows else ""
-        plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) in (
-            "gpu", "kept_logits") else "two_sweeps"  # (the others: bf16 GEMMs, as without the loss)
+        plan = "gpu" if backward_plan(meta(hidden).device, meta(hidden).dtype, config.lm_head_plan) == "gpu" \
+            else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
         _weight_sums_fit(plan, meta(hidden), meta(weight), row_local=True)
     except (NoTail, Decline) as why:
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)

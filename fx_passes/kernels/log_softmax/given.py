@@ -21,7 +21,7 @@ from ..ops.registry import emitted
 
 Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
 
-__all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits", "softmax_lse"]
+__all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits", "softmax_lse", "per_row_inputs"]
 
 
 def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
@@ -157,3 +157,17 @@ def row_stats(
 ):
     """Entry point called from rewritten graphs; see :class:`RowStats`."""
     return RowStats.apply(x, tokens, scale, scale_is_div, want_entropy)
+
+
+def per_row_inputs(tokens: Optional[torch.Tensor], lse: torch.Tensor, entropy: Optional[torch.Tensor],
+                   g_lse, g_logprob, g_entropy) -> dict[str, torch.Tensor]:
+    """A per-token backward op's per-row arguments: ``tokens`` (zeros where the forward had
+    none), the softmax's lse and each incoming gradient (zeros for one that does not flow
+    or whose result the forward did not compute)."""
+    zeros = lse.new_zeros(lse.shape)
+    return {"tokens": tokens if tokens is not None else torch.zeros(lse.shape, dtype=torch.long,
+                                                                     device=lse.device),
+            "lse": softmax_lse(lse, log_softmax=tokens is not None or entropy is not None),
+            "g_lse": g_lse if g_lse is not None else zeros,
+            "g_logprob": g_logprob if (g_logprob is not None and tokens is not None) else zeros,
+            "g_entropy": g_entropy if (g_entropy is not None and entropy is not None) else zeros}

@@ -48,7 +48,7 @@ from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, emitted
 from ..tiling import backward_plan, forward_rows, resolve_budget
 from .bodies import compiled, forward_chunk, forward_chunk_logits
-from .lm_head_kept import keeps_logits, lm_head_stats_kept, per_row_inputs
+from .given import per_row_inputs
 from .lm_head_sweeps import lm_head_grads
 
 __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward"]
@@ -169,8 +169,7 @@ lm_head_stats.register_autograd(_backward, setup_context=_setup)
 lm_head_stats_logits.register_autograd(_backward, setup_context=_setup)
 
 
-@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward", "lm_head_stats_kept",
-          "lm_head_kept_backward"), CAPTURE_SAFE)
+@emitted(("lm_head_stats", "lm_head_stats_logits", "lm_head_stats_backward"), CAPTURE_SAFE)
 def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, want_entropy: bool,
                       budget_bytes: int, transforms: str = "", plan: str = "auto", returned_like=None):
     """Called from rewritten graphs: ``row_stats`` of ``hidden @ weight.T + bias``, after
@@ -184,9 +183,6 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
     """
     flat = (*Head.flat(hidden, weight, bias, tokens, scale), scale_is_div, want_entropy, budget_bytes,
             transforms, plan)
-    if returned_like is None and keeps_logits(hidden, weight, plan):  # (NOTE [kept logits])
-        stats = lm_head_stats_kept(*flat)[:3]
-        return _shaped(stats, hidden.shape[:-1], tokens is not None, want_entropy, None)
     op = lm_head_stats_logits if returned_like is not None else lm_head_stats
     results = op(*flat)
     return _shaped(results, hidden.shape[:-1], tokens is not None, want_entropy, returned_like)

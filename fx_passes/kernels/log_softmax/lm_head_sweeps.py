@@ -157,7 +157,6 @@ def lm_head_grads(head: Head, saved: RowValues, grads: Cotangents, opts: HeadOpt
                             device=weight.device)
     with_bias = grad_bias if bias is not None and need_weight else None
     plan = backward_plan(hidden.device, hidden.dtype, opts.plan)
-    plan = "gpu" if plan == "kept_logits" else plan  # (no kept logits here: NOTE [kept logits])
     budget_bytes = resolve_budget(opts.budget_bytes, hidden.device)
     bwd = _Backward(head, saved, grads, budget_bytes, opts.transforms, plan, g_logits, opts.scale_is_div)
     if plan in ("two_sweeps", "gpu"):
