@@ -44,6 +44,7 @@ MODES = {
     "chunked_logits": 'torch.compile(backend="chunked_logits")',
     "chunked_logits_dyn": 'torch.compile(backend="chunked_logits", dynamic=True)',
     "chunked_logits_all_rows": 'torch.compile(backend="chunked_logits", options={"skip_masked_rows": False})',
+    "chunked_logits_kept": 'torch.compile(backend="chunked_logits", options={"lm_head_plan": "kept_logits"})',
     "chunked_logits_up": 'torch.compile(backend="chunked_logits", options={"upgrade_low_precision": True})',
     "chunked_logits_up_dyn": "the same with dynamic=True",
     **baselines.PEERS,  # torch_lce, torch_lce_compiled: WV only
@@ -60,7 +61,7 @@ def default_modes(name: str) -> list[str]:
     if ALL_WORKLOADS[name].upgrade:
         return ["eager", "inductor", "chunked_logits", "chunked_logits_up", "chunked_logits_up_dyn"]
     ours = [m for m in MODES if not m.startswith("chunked_logits_up") and m not in baselines.PEERS
-            and m != "chunked_logits_all_rows"]
+            and m not in ("chunked_logits_all_rows", "chunked_logits_kept")]
     return ours + baselines.peers_for(name)
 
 
@@ -122,6 +123,8 @@ def compile_mode(fn: Callable, mode: str) -> Callable:
         return torch.compile(f, backend="chunked_logits", dynamic=True)
     if mode == "chunked_logits_all_rows":  # (every row computed, as before rows that count: issue 36)
         return torch.compile(f, backend="chunked_logits", options={"skip_masked_rows": False})
+    if mode == "chunked_logits_kept":  # (three GEMMs, the logits kept: NOTE [kept logits])
+        return torch.compile(f, backend="chunked_logits", options={"lm_head_plan": "kept_logits"})
     if mode == "chunked_logits_up":
         return torch.compile(f, backend="chunked_logits", options=UPGRADE_OPTIONS)
     if mode == "chunked_logits_up_dyn":

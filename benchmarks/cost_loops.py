@@ -139,15 +139,17 @@ def _gif_chunks(budget: int, T: int, H: int, V: int, out: str) -> list[Kernel]:
 
 def gif_gpu(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True) -> list[Kernel]:
     """``lm_head_loss``, ``gpu`` (``gpu_plan.fp32_chunk_grads``): 3 GEMMs over at most
-    ``tiling.MAX_LOSS_CHUNKS`` row chunks; per chunk the gradient written over the
-    logits (one row kernel, ``loss.logits_grad_into``), ``grad_hidden`` written in FP32 by its
-    GEMM, the FP32 ``[V, H]`` ``grad_weight`` written by the first chunk's GEMM and added to
-    inside every later one; the backward scales both FP32 gradients and rounds them
+    ``tiling.MAX_LOSS_CHUNKS`` row chunks; per chunk the logits GEMM, one kernel for the
+    stats, the tail and the gradient written over the logits (``loss.chunk_body``: its
+    reduction loops and its gradient loop each read the logits, here from device memory, as
+    the rows in flight outgrow the L2; one launch, not two), ``grad_hidden`` written in FP32
+    by its GEMM, the FP32 ``[V, H]`` ``grad_weight`` written by the first chunk's GEMM and
+    added to inside every later one; the backward scales both FP32 gradients and rounds them
     (``by_device``: the device's budget, else one the user set)."""
     ks = []
     for i, r in enumerate(splits(T, tiling.gpu_loss_rows(budget, T, V, by_device))):
-        ks += tile("forward", r, V, H, backward=False)
-        ks += [elementwise("gradient body", 2 * r * V, 2 * r * V, exps=r * V),
+        ks += [gemm("forward logits", (r, H, V)),
+               elementwise("chunk body: stats, tail, gradient", 4 * r * V, 2 * r * V, exps=2 * r * V),
                gemm("grad_hidden (out_dtype FP32)", (r, V, H), out=FP32),
                gemm("grad_weight (out_dtype FP32)", (V, r, H), out=FP32, acc=i > 0)]
     return ks + _scaled(T, H, V)
@@ -201,10 +203,19 @@ def kept_logits(budget: int, T: int, H: int, V: int) -> list[Kernel]:
     return ks + [gemm("grad_hidden", (T, V, H)), gemm("grad_weight", (V, T, H))]
 
 
+def gif_kept_logits(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                    ) -> list[Kernel]:
+    """``lm_head_plan="kept_logits"`` with the loss in the graph: no loss loop, the loss stays
+    in the graph on the per-token call that keeps its logits (``rewrite/loss_tail._plan``;
+    the tail's per-row ops, a few ``[T]`` vectors, left out): ``forward_loop`` and
+    ``kept_logits``."""
+    return forward_loop(budget, T, H, V) + kept_logits(budget, T, H, V)
+
+
 BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,
                                   "fp32_tiles": lambda b, T, H, V: blocks(b, T, H, V, fp32=True),
                                   "kept_logits": kept_logits}
-GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps}
+GIF: dict[str, Callable] = {"gpu": gif_gpu, "two_sweeps": gif_two_sweeps, "kept_logits": gif_kept_logits}
 GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": gif_two_sweeps}  # as measured
 BACKWARDS_2026_12_04: dict[str, Callable] = {**BACKWARDS, "gpu": gpu_2026_12_04}  # as measured
 

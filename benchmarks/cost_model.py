@@ -190,7 +190,7 @@ def _path(H: int, in_forward: bool, plan: Optional[str] = None) -> str:
     if not H:
         return "row_stats"
     if in_forward:
-        return "loss in graph: grads in forward"
+        return "loss in graph: kept logits" if plan == "kept_logits" else "loss in graph: grads in forward"
     return "per-token: kept logits" if plan == "kept_logits" else "per-token: recompute"
 
 

@@ -50,7 +50,8 @@ class Config:
             ``LM_HEAD_PLANS`` to force it on any device (docs/gemms.md: each plan's GEMMs).
             "kept_logits" trades memory for time: a per-token call keeps its model-precision
             logits (``2 T V`` bytes, as stock's) and the backward writes their gradient in
-            their place, three GEMMs a step instead of four (NOTE [kept logits]).
+            their place, three GEMMs a step instead of four (NOTE [kept logits]); a loss in
+            the graph stays there, on that call (no gradients in the forward).
         gradients_in_forward: when a fused region's results reach the scalar loss only
             through row-local ops and sums / means (``match/loss_tail.py``), compute
             gradients in the forward's chunk loop (docs/how-it-works.md section 5b).

@@ -159,8 +159,8 @@ def test_traced_on_the_device_leaves_the_graph(result, kind):
 # ---- the "gpu" plan's chunk loops at the recorded run's sizes (issue 54, item 2) ----------------
 # tests/fake_cuda_loops.py runs them on fake CUDA tensors (T 8192, V 151936, H 4096, bf16) with
 # the budget of an 80 GB and a 141 GB device and records every ATen call in order; its
-# docstring says what differs from a GPU (the chunk bodies run eagerly: the logits GEMM is
-# ``aten.linear``, Inductor's extern ``mm`` on a GPU).
+# docstring says what differs from a GPU (the chunk bodies run eagerly: a body's logits GEMM
+# is ``aten.linear``, Inductor's extern ``mm`` on a GPU; the loss loop calls ``mm`` itself).
 T, V, H = 8192, 151936, 4096
 BF16, F32 = "bfloat16", "float32"
 DEVICES = ("h100", "h200")
@@ -198,7 +198,7 @@ def _from_the_gradient(ops, first: int, last: int) -> list[str]:
 def _loss_chunks(result, device) -> list[int]:
     """Rows of each chunk: the logits GEMMs' (``[rows, V]`` in model precision)."""
     fwd = result["loops"]["loss"][device]["forward"]
-    return [s[0] for op, s, dt in _gemms(fwd) if op == "aten.linear.default" and s[1] == V and dt == BF16]
+    return [s[0] for op, s, dt in _gemms(fwd) if op == "aten.mm.default" and s[1] == V and dt == BF16]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -212,7 +212,7 @@ def test_the_loss_loop_runs_few_large_chunks(result, device):
 
 def _loss_gemms(rows: list[int]) -> list[list[tuple]]:
     """Per chunk: the logits GEMM, ``grad_hidden[chunk]``'s and ``grad_weight``'s."""
-    return [[("aten.linear.default", (r, V), BF16), ("aten.mm.dtype_out", (r, H), F32),
+    return [[("aten.mm.default", (r, V), BF16), ("aten.mm.dtype_out", (r, H), F32),
              ("aten.addmm.dtype_out" if i else "aten.mm.dtype_out", (V, H), F32)] for i, r in enumerate(rows)]
 
 

@@ -72,7 +72,7 @@ def test_each_chunk_runs_its_gemms_and_nothing_between_them():
     ops = _traced_step()
     rows = T // tiling.MAX_LOSS_CHUNKS  # 2 chunks of 128 rows (the device's budget)
     gemms = [(o.op, o.shape, o.dtype) for o in ops if o.op.startswith(("aten.mm", "aten.addmm"))]
-    first = [("aten.mm.out", (rows, V), BF16),              # the logits chunk (the compiled body's GEMM)
+    first = [("aten.mm.default", (rows, V), BF16),          # the logits chunk
              ("aten.mm.dtype_out", (rows, H), F32),         # grad_hidden[chunk] = g @ W, into its FP32 rows
              ("aten.mm.dtype_out", (V, H), F32)]            # grad_weight written: beta 0, no zero-fill
     later = [first[0], first[1], ("aten.addmm.dtype_out", (V, H), F32)]  # added to inside the GEMM
@@ -221,3 +221,63 @@ def test_the_gradient_is_written_over_the_logits_by_one_kernel(transforms, scale
     [(kernel, args)] = _kernel_calls(code)
     assert args.count(name) == 2 or "in_out_ptr" in code, (kernel, args)
     assert allocations(code) == []
+
+
+def _policy_tail() -> str:
+    """A registered loss tail as ``rewrite.tail_graphs`` makes one: a masked policy term and an
+    entropy bonus, summed (``(lse, logprob, entropy, mask, coef, *weights) -> (cotangents,
+    sums)``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fx_passes.kernels.log_softmax.loss_parts import trace_tail
+    from fx_passes.kernels.ops import user_bodies
+
+    def rows(lse, logprob, entropy, mask, coef):
+        return -(logprob * mask), coef * entropy * mask
+    key = user_bodies.register(make_fx(rows)(*torch.zeros(5, 3).unbind()[:4], torch.zeros(())))
+    return trace_tail(key, 2, [*torch.zeros(4, 3).unbind(), *[torch.zeros(())] * 3])
+
+
+@pytest.mark.parametrize("transforms, scale", [
+    ("", None), (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7))], ids=["plain", "softcap"])
+def test_a_chunk_reads_its_logits_in_one_kernel(transforms, scale):
+    """``loss._loop``'s work on a chunk after its GEMM (``loss.chunk_body``: the stats, the
+    loss tail's cotangents and sums, the gradient written over the logits) is one compiled
+    function, so Inductor makes one kernel of it: the chunk's logits are read in that kernel
+    only, which writes their gradient in their place, and nothing of the chunk's size is
+    allocated but a soft cap's tile on a CPU.  Its results are those of the three separate
+    bodies it replaces."""
+    from fx_passes.kernels.log_softmax import bodies, given, loss
+    from fx_passes.kernels.ops import body_compiler, user_bodies
+    from fx_passes.kernels.ops.args import Cotangents, LogitMap, RowValues
+    g = torch.Generator().manual_seed(0)
+    r = 96
+    x = (torch.randn(r, V, generator=g) * 4).to(BF16)
+    tok = torch.randint(0, V, (r,), generator=g)
+    mask, coef = (torch.rand(r, generator=g) > 0.3).float(), torch.tensor(0.01)
+    weights = [torch.tensor(0.5)] * 2
+    logit_map, tail_key = LogitMap(BF16, transforms, scale, True), _policy_tail()
+    args = (logit_map, True, True, mask, coef, *weights)
+
+    # the three bodies the loop ran before (stats; the tail; the gradient over the logits)
+    z = bodies.transformed(x, transforms)[0]
+    lse, lp, ent = bodies.compiled(given.stats_of_logits)(z, tok, scale, True, True)
+    c_lse, c_lp, c_ent, *sums = user_bodies.body(tail_key)(lse, lp, ent, mask, coef, *weights)
+    lse = given.softmax_lse(lse, True)
+    expected = bodies.compiled(loss.logits_grad)(x, tok, RowValues(lse, ent), Cotangents(c_lse, c_lp, c_ent),
+                                                 logit_map)
+    with body_compiler.compiling_with(lambda fn, options: body_compiler._inductor(fn, options)):
+        storage = x.untyped_storage().data_ptr()
+        got, codes = run_and_get_code(loss.chunk_body(tail_key), x, tok, *args)
+    assert x.untyped_storage().data_ptr() == storage
+    for a, b in zip(got, (lse, ent, c_lse, c_lp, c_ent, *sums)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x, expected)
+    [code] = codes
+    name = re.search(r"assert_size_stride\((\w+), \((\w+), (\w+)\)", code)[1]  # the logits: the one 2-D input
+    [(kernel, kernel_args)] = _kernel_calls(code)
+    assert kernel_args.count(name) == 2 or "in_out_ptr" in code, (kernel, kernel_args)
+    tiles = [(dims, dtype) for dims, dtype in allocations(code) if len([d for d in dims if d != "1"]) > 1]
+    # (per-row values and sums only; on a CPU Inductor keeps a reused tanh in a buffer, a soft
+    # cap's FP32 tile, as the separate stats body did: ir.StorageBox.should_realize_on_reuse)
+    assert tiles == ([] if not transforms else [(tiles[0][0], "torch.float32")]), tiles

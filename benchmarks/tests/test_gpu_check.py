@@ -102,7 +102,8 @@ def test_a_killed_test_run_still_counts_what_finished():
 
 def test_the_gpu_plan_order():
     """Stock first (the ratios' base), then the lm_head plans a GPU runs; the GPU's sizes."""
-    assert gpu_case.CASES["W4L"].modes == ("inductor", "ours:gpu", "ours:blocks", "ours:two_sweeps")
+    assert gpu_case.CASES["W4L"].modes == ("inductor", "ours:gpu", "ours:blocks", "ours:two_sweeps",
+                                           "ours:kept_logits")
     assert [c[:4] for c in gpu_check.PLAN[:2]] == [("W4L", 8192, 151936, 4096), ("WV", 8192, 151936, 4096)]
 
 

@@ -324,7 +324,8 @@ def _say_no_out_dtype(device_type: str) -> None:
 # * ``"kept_logits"`` (a user's choice, never ``auto``'s; any device): a per-token call
 #   that returns no logits keeps its model-precision logits from the forward, and the
 #   backward writes their gradient in their place and runs stock's two GEMMs: three a
-#   step, at stock's cross-entropy memory (NOTE [kept logits], ``log_softmax/lm_head_kept.py``).
+#   step, at stock's cross-entropy memory (NOTE [kept logits], ``log_softmax/lm_head_kept.py``);
+#   a loss in the graph stays there, on that call.
 #   The loops that keep no logits (masked rows, the loss in the graph, row-local,
 #   vocab-parallel, no backward) run the device's ``"auto"`` plan.
 

@@ -62,8 +62,10 @@ def fused_calls(graph: Graph) -> set[Node]:
 def _plan(tail: LossTail, stock_fp32: bool) -> str:
     """The plan the op runs (``tiling.backward_plan`` of the region's device and dtype);
     ``stock_fp32``: stock keeps the region's FP32 ``[T, V]`` (``_weight_sums_fit``)."""
-    hidden = meta(head_of_node(tail.stats).hidden)
-    plan = backward_plan(hidden.device, hidden.dtype, HeadOptions.from_node(tail.stats).plan)
+    hidden, chosen = meta(head_of_node(tail.stats).hidden), HeadOptions.from_node(tail.stats).plan
+    if chosen == KEPT:  # (the user's three GEMMs on stock's structure: NOTE [kept logits])
+        raise NoTail("lm_head_plan='kept_logits': the per-token call keeps its logits for the backward")
+    plan = backward_plan(hidden.device, hidden.dtype, chosen)
     if plan not in PLANS:
         raise NoTail(f"the {plan!r} plan computes no gradient in the forward")
     _weight_sums_fit(plan, hidden, meta(head_of_node(tail.stats).weight), stock_fp32)

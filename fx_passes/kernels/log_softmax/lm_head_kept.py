@@ -9,7 +9,9 @@ gradient GEMMs: three GEMMs a step, not four.  See NOTE [kept logits].
 # H200 run of 2026-12-04: 1.36x stock's step for per-token log-probs, docs/gpu.md).  With
 # ``lm_head_plan="kept_logits"`` (a user's choice; ``auto`` never picks it) a per-token call
 # that returns no logits runs :func:`lm_head_row_stats_kept` instead (``pipeline``: after
-# the loss-in-graph and masked-row rewrites, which keep their own loops):
+# the masked-row rewrite, which keeps its own loop; a loss in the graph is not rewritten
+# into the gradients-in-the-forward loop, ``rewrite/loss_tail._plan``, but stays in the
+# graph on this call: three GEMMs there too, no FP32 ``[V, H]`` sum):
 #
 # * forward (op ``chunked_logits::lm_head_stats_kept``): per row chunk the logits GEMM
 #   writes into one model-precision ``[N, V]`` buffer, as stock's GEMM writes its logits,

@@ -62,10 +62,11 @@ from ..ops.args import (
     RowValues,
     grads_by_name,
 )
+from ..ops.body_compiler import compile_body
 from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, emitted
 from ..tiling import BY_DEVICE, even_splits, forward_rows, gpu_loss_rows, resolve_budget
-from .bodies import compiled, grad_through_transforms, transformed
+from .bodies import grad_through_transforms, transformed
 from .given import grad_of_logits, softmax_lse, stats_of_logits
 from .gpu_plan import fp32_chunk_grads
 from .lm_head_sweeps import lm_head_grads
@@ -99,6 +100,32 @@ def logits_grad_into(x, tokens, saved: RowValues, grads: Cotangents, logit_map: 
     compiled, one kernel that reads each element of ``x`` once and writes its gradient in
     its place, no ``[r, V]`` temporary (tests/test_gpu_loss_chunks.py reads the code)."""
     x.copy_(logits_grad(x, tokens, saved, grads, logit_map))
+
+
+def chunk_body(tail_key: str):
+    """One row chunk's work after its logits' GEMM, compiled by Inductor once per loss tail
+    (``tail_key``): ``(x, tokens, logit_map, want_entropy, log_softmax, *rows, *whole,
+    *weights) -> (lse, entropy, g_lse, g_logprob, g_entropy, *sums)``, the stats, the
+    tail's cotangents for a unit loss and its sums over the chunk, the logits gradient
+    written over ``x``.  One compiled function, so Inductor fuses the row reductions with the
+    gradient's pointwise loop: the logits are read in one kernel that also writes their
+    gradient (on a CPU the tail's sums too; tests/test_gpu_loss_chunks.py reads the code).
+    The backward's values: ``lse`` as it reads it (``given.softmax_lse``), None where the
+    region has no such result."""
+    tail = user_bodies.function(tail_key)
+
+    def loss_chunk(x, tokens, logit_map: LogitMap, want_entropy: bool, log_softmax: bool, *rest):
+        z = transformed(x, logit_map.transforms)[0]
+        lse, lp, ent = stats_of_logits(z, tokens, logit_map.scale, logit_map.is_div, want_entropy)
+        zeros = lse.new_zeros(lse.shape)
+        lp_, ent_ = (v if v is not None else zeros for v in (lp, ent))
+        c_lse, c_lp, c_ent, *part = tail(lse, lp_, ent_, *rest)
+        lse = softmax_lse(lse, log_softmax)
+        cot = Cotangents(c_lse, c_lp if tokens is not None else None, c_ent if want_entropy else None)
+        logits_grad_into(x, tokens, RowValues(lse, ent), cot, logit_map)
+        return (lse, ent, *cot, *part)
+    return compile_body(("lm_head_loss_chunk", tail_key), loss_chunk, f"loss_chunk_{tail_key}", COUNTER,
+                        {"emulate_precision_casts": True})
 
 
 def _empty(like: torch.Tensor, dtype=F32) -> torch.Tensor:
@@ -162,8 +189,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
     keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
     log_softmax = head.tokens is not None or opts.want_entropy
-    stats_body, grad_body = compiled(logits_and_stats), compiled(logits_grad_into)
-    tail = user_bodies.body(loss.tail_key, COUNTER)
+    body = chunk_body(loss.tail_key)
     logit_map = opts.logit_map(hidden.dtype, head.scale)
     step = (gpu_loss_rows(budget_bytes, n, vocab, opts.budget_bytes == BY_DEVICE) if gpu
             else forward_rows(budget_bytes, n, vocab))
@@ -174,17 +200,10 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
         chunk = head.rows(r0, r1)
         h, tok = chunk.hidden, chunk.tokens
         # g: the chunk's logits (a buffer of the loop's own), then their gradient in their place
-        lse, lp, ent, g = stats_body(h, weight, bias, tok, head.scale, opts.scale_is_div, opts.want_entropy,
-                                     opts.transforms)
-        zeros = lse.new_zeros(lse.shape)
-        c_lse, c_lp, c_ent, *part = tail(lse, lp if lp is not None else zeros,
-                                         ent if ent is not None else zeros,
-                                         *(r[r0:r1] for r in rows), *whole, *weights)
-        for s, p in zip(sums, part):
-            s += p.double()
-        lse = softmax_lse(lse, log_softmax)
-        cot = Cotangents(c_lse, c_lp if tok is not None else None, c_ent if opts.want_entropy else None)
-        grad_body(g, tok, RowValues(lse, ent), cot, logit_map)
+        g = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+        lse, ent, *cot_part = body(g, tok, logit_map, opts.want_entropy, log_softmax,
+                                   *(r[r0:r1] for r in rows), *whole, *weights)
+        cot, part = cot_part[:3], cot_part[3:]
         if gpu:
             fp32_chunk_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
                              gb if need_weight and bias is not None else None, r0 == 0, budget_bytes)
@@ -194,6 +213,8 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
             for buf, value in zip(keep, (lse, ent, *cot)):
                 if value is not None:
                     buf[r0:r1] = value
+        for s, p in zip(sums, part):  # (after the GEMMs: nothing between the gradient and them)
+            s += p.double()
         del g
     return loss_of_sums(loss.final_key, loss.kinds, sums, total, whole), gh, gw, gb, keep
 
