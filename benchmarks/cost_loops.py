@@ -220,6 +220,42 @@ GIF_2026_12_04: dict[str, Callable] = {"gpu": gif_gpu_2026_12_04, "two_sweeps": 
 BACKWARDS_2026_12_04: dict[str, Callable] = {**BACKWARDS, "gpu": gpu_2026_12_04}  # as measured
 
 
+# --- the vocab-parallel one-pass loop, on one rank ---------------------------------------
+
+# The all-reduces per row chunk of ``examples/vocab_parallel_step.py``'s token log-prob (the
+# max, the sum of exponentials, the picked logit): a kernel each, on a ``[rows]`` vector.
+VP_COLLECTIVES = 3
+
+
+def _all_reduce(n: int) -> Kernel:
+    return elementwise("all-reduce of a [rows] vector", 4 * n, 4 * n)
+
+
+def stock_vocab_parallel(T: int, H: int, V: int) -> list[Kernel]:
+    """Stock Inductor on the vocab-parallel token log-prob (VP, one rank): stock's token
+    log-prob kernels, a second read of the logits (the max's pass: its all-reduce stands
+    between it and the sum of exponentials) and the all-reduces on ``[T]``."""
+    return (stock(T, H, V, "logprob") + [elementwise("forward: the max's pass", 2 * T * V)]
+            + [_all_reduce(T)] * VP_COLLECTIVES)
+
+
+def vocab_parallel(budget: int, T: int, H: int, V: int, plan: str, backwards: Optional[dict] = None
+                   ) -> list[Kernel]:
+    """``distributed/one_pass``'s loop on one rank (its shard the whole vocabulary): row
+    chunks as ``one_pass._splits`` cuts them; per chunk the logits GEMM, the two stages'
+    bodies (the max; the sum of exponentials and the picked logit), each reading the tile,
+    and the all-reduces between them; then the backward's loops for ``plan``
+    (``shard.backward_loops``: ``"gpu"`` on CUDA / XPU; the 2026-12-04 run's code ran
+    ``"two_sweeps"`` on every device)."""
+    count = len(tiling.even_splits(T, tiling.sweep_sizes(budget, T, V)[0]))
+    ks = []
+    for r in splits(T, -(-T // count)):
+        ks += [gemm("forward logits", (r, H, V)), elementwise("stage body: the max", 2 * r * V),
+               _all_reduce(r), elementwise("stage body: exponentials' sum, picked", 2 * r * V, exps=r * V)]
+        ks += [_all_reduce(r)] * (VP_COLLECTIVES - 1)
+    return ks + (backwards or BACKWARDS)[plan](budget, T, H, V) + _outputs(T, H, V, 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class Build:
     """How the modelled loops are built: ``kind``, the device's (``Device.kind``); ``gif``,

@@ -55,7 +55,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cost_loops import GIF, SYNC_S, Build, masked, ours, stock  # noqa: E402
+from benchmarks.cost_loops import (  # noqa: E402
+    GIF,
+    SYNC_S,
+    Build,
+    masked,
+    ours,
+    stock,
+    stock_vocab_parallel,
+    vocab_parallel,
+)
 from benchmarks.cost_roofline import (  # noqa: E402
     BF16,
     DEVICES,
@@ -249,7 +258,24 @@ def what_ifs(dev: Device = DEVICES[-1]) -> str:
         lines.append(f"* {name}: loss in graph as built {step_time(built, dev) / base:.2f}x, grad_weight one "
                      f"GEMM and the scaling free {best:.2f}x; at 32 MiB: loss in graph {small[0]:.2f}x, "
                      f"per-token {small[1]:.2f}x")
-    return "\n".join(lines + [floors(dev)] + [kept_logits(name, dev) for name in ("W4L-8k", "WV-8k")])
+    return "\n".join(lines + [floors(dev)] + [kept_logits(name, dev) for name in ("W4L-8k", "WV-8k")]
+                     + other_rows(dev))
+
+
+def other_rows(dev: Device) -> list[str]:
+    """The H200 run's other modelled rows at the size it ran them (T 8192, V 151936, H
+    4096), as built: ``reduce-overhead`` (WV-8k, a replay runs every row through the
+    masked op: no host read inside a capture) and VP (the vocab-parallel one-pass loop on
+    one rank, the backward's ``"gpu"`` loops; the run's code ran ``"two_sweeps"``)."""
+    T, H, V, _ = WORKLOADS["WV-8k"]
+    budget = device_budget(dev)
+    ro = step_time(masked(T, H, V, "gpu", budget, 0.0), dev) / step_time(stock(T, H, V, "ce"), dev)
+    vp_stock = step_time(stock_vocab_parallel(T, H, V), dev)
+    vp = {plan: step_time(vocab_parallel(budget, T, H, V, plan), dev) / vp_stock
+          for plan in ("gpu", "two_sweeps")}
+    return [f"* RO (WV-8k under reduce-overhead, every row through the masked op): {ro:.2f}x",
+            f"* VP-8k (vocab-parallel one-pass loop, one rank): backward 'gpu' (as built on CUDA) "
+            f"{vp['gpu']:.2f}x; 'two_sweeps' (as the 2026-12-04 run ran it) {vp['two_sweeps']:.2f}x"]
 
 
 def floors(dev: Device) -> str:

@@ -151,8 +151,9 @@ CASES = {
     "RO": CaseDef(_WV, ("inductor:ro", "ours:ro")),
     "WD": CaseDef(ALL_WORKLOADS["WD"], (STOCK, "ours")),
     "WP": CaseDef(ALL_WORKLOADS["WP"], (STOCK, "ours")),
+    # (``ours``: the backward's ``gpu`` loops on CUDA; ``two_sweeps``, what the 2026-12-04 run ran)
     "VP": CaseDef(Workload("VP", vocab_parallel_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
-                  (STOCK, "ours"), group=True),
+                  (STOCK, "ours", "ours:two_sweeps"), group=True),
     # WV's loss with the first half of each sequence's labels -100 (SFT prompts): ours skips
     # those rows after one host read a step; ``all_rows`` is ours with the option off, so the
     # read's cost and the rows' saving are both in one run (docs/how-it-works.md, 5c).
@@ -503,21 +504,27 @@ def _note(result: dict, line: str) -> None:
 
 def predicted(key: str, mode: str, T: int, V: int, H: int) -> Optional[dict]:
     """The cost model's H200 step time (ms) of this row and its ratio to stock's, or
-    None where the model has no such row (benchmarks/cost_model.py)."""
-    model = CASES[key].model
+    None where the model has no such row (benchmarks/cost_model.py).  RO: a replay runs
+    every row through the masked op, no host read; VP: ``cost_loops.vocab_parallel``."""
+    model = {"RO": ("ce", True), "VP": ("logprob", False)}.get(key, CASES[key].model)
     if model is None:
         return None
     from benchmarks import cost_loops as loops
     from benchmarks import cost_roofline as roof
     loss, in_graph = model
     dev = roof.DEVICES[-1]
-    base, budget = roof.step_time(loops.stock(T, H, V, loss), dev), roof.device_budget(dev)
-    if mode == STOCK:
+    stock = loops.stock_vocab_parallel(T, H, V) if key == "VP" else loops.stock(T, H, V, loss)
+    base, budget = roof.step_time(stock, dev), roof.device_budget(dev)
+    if mode.startswith(STOCK):
         return {"ms": 1e3 * base, "ratio": 1.0, "device": dev.name}
     variant = mode.partition(":")[2]
     plan = "gpu" if variant in ("", *NOT_PLANS) else variant
     masked = CASES[key].masked if variant != "all_rows" else 0.0
-    if masked:  # the rows that count, and the one host read
+    if key == "VP":
+        ours = roof.step_time(loops.vocab_parallel(budget, T, H, V, plan), dev)
+    elif key == "RO":
+        ours = roof.step_time(loops.masked(T, H, V, plan, budget, 0.0), dev)
+    elif masked:  # the rows that count, and the one host read
         ours = roof.step_time(loops.masked(T, H, V, plan, budget, masked), dev) + loops.SYNC_S
     else:
         ours = roof.step_time(loops.ours(T, H, V, plan, in_graph and plan in loops.GIF, budget), dev)

@@ -51,7 +51,9 @@ class Config:
             "kept_logits" trades memory for time: a per-token call keeps its model-precision
             logits (``2 T V`` bytes, as stock's) and the backward writes their gradient in
             their place, three GEMMs a step instead of four (NOTE [kept logits]); a loss in
-            the graph stays there, on that call (no gradients in the forward).
+            the graph stays there, on that call (no gradients in the forward).  A
+            vocab-parallel lm_head's loops have "gpu" and "two_sweeps" only: any other runs
+            "two_sweeps" (``kernels/log_softmax/shard.backward_loops``).
         gradients_in_forward: when a fused region's results reach the scalar loss only
             through row-local ops and sums / means (``match/loss_tail.py``), compute
             gradients in the forward's chunk loop (docs/how-it-works.md section 5b).

@@ -18,9 +18,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
 
+from fx_passes import compat
 from fx_passes.testing.codegen import allocations, full_fp32_buffers
+from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from tests.helpers import chunked_counters, clean_env, isa_probes_settled, ops, rewrite_graphs
-from tests.numerics import assert_no_less_accurate, dtype_matrix, reference, run
+from tests.numerics import TOLERANCES, assert_no_less_accurate, dtype_matrix, reference, run
 from tests.shard_heads import (
     HEADS,
     SMALL_BUDGET,
@@ -280,6 +282,46 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
     out.sum().backward()
     for got, want in zip((step(h, w, tok), hr.grad, wr.grad), (out, hs.grad, ws.grad)):
         torch.testing.assert_close(got, want.detach(), rtol=2e-6, atol=2**-8 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", [
+    pytest.param(logprob, *TOLERANCES[0].values, id="logprob-bf16"),  # one pass
+    pytest.param(cross_entropy, *TOLERANCES[1].values, id="cross_entropy-fp16"),  # one pass, rows skipped
+    pytest.param(logprob_global_shift, *TOLERANCES[1].values, id="stages-fp16"),  # a loop per stage
+])
+def test_lm_head_gpu_plan_recomputes_the_logits_once(head, dtype, out_rtol, grad_rtol, monkeypatch):
+    """On CUDA / XPU the backward runs the lm_head's "gpu" plan (NOTE [shard lm_head
+    loops]), here through the test-only ``out_dtype`` kernels: its vocabulary blocks
+    recompute the logits once, not twice as ``two_sweeps`` does (four ``[T, H] x [H, V]``
+    GEMMs a step with the forward's, not five), and add ``grad_hidden`` into an FP32 sum
+    inside their GEMMs (``compat.addmm_fp32_``, which ``two_sweeps`` never calls); results
+    and gradients no further from FP64 than stock's."""
+    fn, data = with_lm_head(head), lm_inputs(dtype, head)
+    ref = reference(fn, data, (0, 1))
+    torch._dynamo.reset()
+    stock = run(torch.compile(fn, backend="inductor"), data, (0, 1))
+    added, addmm_fp32_ = [], compat.addmm_fp32_
+
+    def counted(acc, a, b):
+        added.append(a.dtype)
+        return addmm_fp32_(acc, a, b)
+    monkeypatch.setattr(compat, "addmm_fp32_", counted)
+    rows = {}
+    for plan in ("gpu", "two_sweeps"):
+        torch._dynamo.reset()
+        counters.clear()
+        step = torch.compile(fn, backend="chunked_logits", options={**SMALL_BUDGET, "lm_head_plan": plan})
+        with cpu_out_dtype_kernels():
+            if plan == "gpu":
+                assert_no_less_accurate(run(step, data, (0, 1)), stock, ref, dtype, out_rtol, grad_rtol)
+                assert added and set(added) == {dtype}
+            added.clear()
+            h, w, tok = (data[0].clone().requires_grad_(), data[1].clone().requires_grad_(), data[2])
+            rows[plan] = logits_rows(monkeypatch, lambda: step(h, w, tok))[1]
+        assert chunked_counters()["vocab_parallel_lm_head"] == 1, chunked_counters()
+        assert bool(added) == (plan == "gpu")
+    ran = T - chunked_counters().get("rows_skipped", 0)
+    assert rows == {"gpu": ran * V, "two_sweeps": 2 * ran * V}
 
 
 @pytest.mark.slow

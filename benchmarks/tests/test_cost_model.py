@@ -145,7 +145,10 @@ def test_gpu_check_rows_carry_the_prediction_or_none(monkeypatch):
     ours, stock = gpu_case.predicted("WV", "ours:gpu", T, V, H), gpu_case.predicted("WV", "inductor", T, V, H)
     assert stock["ratio"] == 1.0 and stock["device"] == ours["device"] == roof.DEVICES[-1].name
     assert ours["ratio"] == pytest.approx(ours["ms"] / stock["ms"]) and 0 < ours["ratio"] != 1.0
-    assert gpu_case.predicted("VP", "ours", T, V, H) is None  # the model has no vocab-parallel row
+    assert gpu_case.predicted("WD", "ours", T, V, H) is None  # the model has no row-local row
+    vp = {m: gpu_case.predicted("VP", m, T, V, H)["ratio"] for m in gpu_case.CASES["VP"].modes}
+    assert vp["inductor"] == 1.0 < vp["ours"] < vp["ours:two_sweeps"]  # (the gpu loops: one GEMM less)
+    assert 1.0 < gpu_case.predicted("RO", "ours:ro", T, V, H)["ratio"] < 1.1
     row = {"case": "WV", "mode": "ours:gpu", "T": T, "V": V, "H": H, "predicted": ours}
     assert f"{ours['ms']:.2f} ms, {ours['ratio']:.2f}x" in gpu_report.markdown(
         {"meta": {"date": "d", "device": "H200", "torch": "2.11", "triton": "3", "source": "s",
@@ -179,7 +182,7 @@ def test_a_plan_this_checkout_cannot_size_is_one_row_saying_so(monkeypatch):
 
 def test_what_ifs_name_both_lm_head_workloads():
     text = cm.what_ifs()
-    assert text.count("\n* ") == 5 and "floors: stock's 3 GEMMs" in text
+    assert text.count("\n* ") == 7 and "floors: stock's 3 GEMMs" in text
     assert "* W4: loss in graph as built" in text and "at 32 MiB" in text
 
 
@@ -220,16 +223,16 @@ def test_masked_rows_scale_the_gemms_and_meet_the_target():
 
 
 # Rows of the 2026-12-04 H200 run the model does not reproduce within 5% (docs/gpu.md,
-# "Where the time goes"): reduce-overhead (no CUDA-graph term) and blocks at T 16384 (its
-# FP32-input GEMMs ran faster there); WD, WDM, W4E, WP and VP are not modelled.
-OUTSIDE = {("RO", 8192, "ours:ro"), ("W4L", 16384, "ours:blocks"), ("WV", 16384, "ours:blocks")}
+# "Where the time goes"): blocks at T 16384 (its FP32-input GEMMs ran faster there); WD,
+# WDM, W4E and WP are not modelled.
+OUTSIDE = {("W4L", 16384, "ours:blocks"), ("WV", 16384, "ours:blocks")}
 
 
 def test_the_model_reproduces_the_recorded_h200_run():
     """Issue 54, item 1: the calibrated model's ratio to stock within 5% of every measured
     lm_head row (``benchmarks/cost_measured.py``), the loops as that run ran them."""
     rows = cost_measured.compare()
-    assert len(rows) == 29 and cost_measured.device_of().name == "H200 SXM"  # (8 stock rows among them)
+    assert len(rows) == 31 and cost_measured.device_of().name == "H200 SXM"  # (9 stock rows among them)
     off = {(r["case"], r["T"], r["mode"]): r["predicted"] / r["measured"] for r in rows}
     assert {k for k, v in off.items() if abs(v - 1) > cost_measured.BOUND} == OUTSIDE, off
     assert all(abs(off[k] - 1) <= 0.09 for k in OUTSIDE), off
@@ -237,6 +240,35 @@ def test_the_model_reproduces_the_recorded_h200_run():
                     ("WV-tok", 8192)):  # the issue's table: the gpu plan and two_sweeps
         for mode in ("ours:gpu", "ours:two_sweeps"):
             assert abs(off[(case, t, mode)] - 1) <= 0.05, (case, t, mode)
+
+
+def test_the_replay_and_the_vocab_parallel_rows():
+    """RO: a ``reduce-overhead`` replay runs every row through the masked op (no host read
+    inside a capture), though the warm-up's counters say rows were left out; modelled so,
+    it is within 5% of the measured 1.23x (as 7424 rows with a host read: 5% off).  VP: the
+    one-pass loop on one rank with the backward that run's code ran (``two_sweeps``) within
+    5% of its 1.76x; as built (the ``"gpu"`` loops on CUDA) one GEMM less, still over
+    issue 54's 1.25x."""
+    rows = {(r["case"], r["mode"]): r for r in cost_measured.compare()}
+    for key, measured in ((("RO", "ours:ro"), 1.23), (("VP", "ours"), 1.76)):
+        assert rows[key]["measured"] == pytest.approx(measured, abs=0.005)
+        assert abs(rows[key]["predicted"] / rows[key]["measured"] - 1) <= cost_measured.BOUND, rows[key]
+    dev = cost_measured.device_of()
+    budget = roof.device_budget(dev)
+    counted = rows[("RO", "ours:ro")]["counters"]  # (read as if no replay: the warm-up's rows left out)
+    (ks, host), (base, _) = (cost_measured.kernels("RO", 8192, mode, counted, budget)
+                             for mode in ("ours:gpu", "inductor:ro"))
+    as_counted = (roof.step_time(ks, dev) + host) / roof.step_time(base, dev)
+    assert host == loops.SYNC_S and as_counted / rows[("RO", "ours:ro")]["measured"] < 1 - cost_measured.BOUND
+    T, H, V = 8192, 4096, 151936
+    for dev in roof.DEVICES:
+        budget, base = roof.device_budget(dev), roof.step_time(loops.stock_vocab_parallel(T, H, V), dev)
+        gpu, sweeps = (roof.step_time(loops.vocab_parallel(budget, T, H, V, plan), dev) / base
+                       for plan in ("gpu", "two_sweeps"))
+        assert 1.25 < gpu < sweeps - 0.25, (dev.name, gpu, sweeps)
+        assert roof.full_gemms(loops.vocab_parallel(budget, T, H, V, "gpu"), T, H, V) == 4
+        assert roof.full_gemms(loops.vocab_parallel(budget, T, H, V, "two_sweeps"), T, H, V) == 5
+    assert "VP-8k (vocab-parallel one-pass loop, one rank): backward 'gpu'" in cm.what_ifs()
 
 
 def test_the_gpu_loss_loop_as_built_is_predicted_faster_than_as_measured():

@@ -114,13 +114,13 @@ def _forward(name: str, hidden, weight, externals, budget_bytes: int, mask_key: 
 
 @torch.library.custom_op("chunked_logits::shard_lm_head_stages_masked", mutates_args=(), tags=UNSAFE)
 def _masked(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
-            budget_bytes: int, mask_key: str, operands: list[torch.Tensor]) -> list[torch.Tensor]:
+            budget_bytes: int, mask_key: str, operands: list[torch.Tensor], plan: str) -> list[torch.Tensor]:
     # -> the plan's outputs, the rows run (``[N]``, first ``count``), count (0-d, host memory)
     return _forward(name, hidden, weight, externals, budget_bytes, mask_key, operands)
 
 
 @_masked.register_fake
-def _(name, hidden, weight, externals, budget_bytes, mask_key, operands):
+def _(name, hidden, weight, externals, budget_bytes, mask_key, operands, plan):
     n = hidden.shape[0]
     return [*one_pass._fake(name, hidden, weight, externals, budget_bytes),
             hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64, device=HOST)]
@@ -139,12 +139,13 @@ class _Backward:
     budget_bytes: int
     need_hidden: bool
     need_weight: bool
+    plan: str
 
     def stage(self, hidden, operands, grads) -> tuple[torch.Tensor, torch.Tensor]:
         """The stage with a gradient's backward on ``hidden``'s rows."""
         key, _, _ = ONE_PASS_PLANS[self.name].grad
         return shard_lm_head_backward(key, hidden, self.weight, operands, grads, self.budget_bytes,
-                                      self.need_hidden, self.need_weight)
+                                      self.need_hidden, self.need_weight, self.plan)
 
 
 def _backward_rows(b: _Backward, kept: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -182,13 +183,14 @@ def _grad_operands(name: str, externals: list[torch.Tensor]) -> list[tuple[int, 
 def _masked_backward(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
                      operands: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
                      need_hidden: bool, need_weight: bool, kept: torch.Tensor,
-                     count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     count: torch.Tensor, plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward_rows(_Backward(name, hidden, weight, externals, operands, grads, budget_bytes,
-                                    need_hidden, need_weight), kept, count)
+                                    need_hidden, need_weight, plan), kept, count)
 
 
 @_masked_backward.register_fake
-def _(name, hidden, weight, externals, operands, grads, budget_bytes, need_hidden, need_weight, kept, count):
+def _(name, hidden, weight, externals, operands, grads, budget_bytes, need_hidden, need_weight, kept, count,
+      plan):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0))
 
@@ -222,12 +224,12 @@ _masked.register_autograd(_backward, setup_context=_setup)
 @emitted(("shard_lm_head_stages_masked", "shard_lm_head_stages_masked_backward"), CUDAGRAPH_UNSAFE)
 def shard_lm_head_stages_masked(name: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
                                 weight: torch.Tensor, *externals: torch.Tensor, mask_key: str,
-                                mask_operands) -> tuple[torch.Tensor, ...]:
+                                mask_operands, plan: str = "auto") -> tuple[torch.Tensor, ...]:
     """:func:`~fx_passes.distributed.one_pass.shard_lm_head_stages` on the rows the skip
     graph ``mask_key`` (on ``mask_operands``) cannot leave out, on every rank alike (NOTE
     [vocab-parallel rows a mask leaves out])."""
     if not differentiable:
         hidden, weight = hidden.detach(), weight.detach()
     out = _masked(name, hidden, weight, [e.detach() for e in externals], budget_bytes, mask_key,
-                  [o.detach() for o in mask_operands])
+                  [o.detach() for o in mask_operands], plan)
     return tuple(out[:-2])

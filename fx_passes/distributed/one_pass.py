@@ -331,7 +331,7 @@ def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[to
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
 
-def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
+def _fake(name: str, hidden, weight, externals, budget_bytes: int, plan: str = "auto") -> list[torch.Tensor]:
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
     got = _run(ONE_PASS_PLANS[name], x, list(externals), user_bodies.function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
@@ -339,7 +339,7 @@ def _fake(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch
 
 @torch.library.custom_op("chunked_logits::shard_lm_head_stages", mutates_args=(), tags=UNSAFE)
 def _stages(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: list[torch.Tensor],
-            budget_bytes: int) -> list[torch.Tensor]:
+            budget_bytes: int, plan: str) -> list[torch.Tensor]:
     return _forward(name, hidden, weight, externals, budget_bytes)
 
 
@@ -371,12 +371,13 @@ _stages.register_autograd(_backward, setup_context=_setup)
 
 @emitted(("shard_lm_head_stages",), CUDAGRAPH_UNSAFE)
 def shard_lm_head_stages(name: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
-                         weight: torch.Tensor, *externals: torch.Tensor):
+                         weight: torch.Tensor, *externals: torch.Tensor, plan: str = "auto"):
     """All stages of a rewritten vocab-parallel region whose logits shard is
-    ``hidden @ weight.T``, in one pass over row chunks (see the module doc)."""
+    ``hidden @ weight.T``, in one pass over row chunks (see the module doc); ``plan``:
+    ``Config.lm_head_plan``, the backward's (``shard.backward_loops``)."""
     if not differentiable:
         hidden, weight = hidden.detach(), weight.detach()
-    return tuple(_stages(name, hidden, weight, [e.detach() for e in externals], budget_bytes))
+    return tuple(_stages(name, hidden, weight, [e.detach() for e in externals], budget_bytes, plan))
 
 
 def getitems(graph: Graph, call: Node, nodes: list[Node]) -> None:

@@ -215,9 +215,9 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
         if mask is not None:  # (what the skip graph reads of the stages, before the edit erases them)
             rows = numel(tuple(meta(region.upcast).shape[:-1]))
             view = view_of(one[0], plans, rows, (meta(head.hidden).dtype, meta(head.weight).shape[0]))
-        call = _rewrite_one_pass(graph, region, plans, one, head, budget_bytes)
+        call = _rewrite_one_pass(graph, region, plans, one, head, budget_bytes, config.lm_head_plan)
     else:
-        _rewrite_stages(graph, region, plans, head, budget_bytes)
+        _rewrite_stages(graph, region, plans, head, budget_bytes, config.lm_head_plan)
     for n in reversed(list(graph.nodes)):
         if (n in region.reductions or n in region.nodes) and not n.users:
             graph.erase_node(n)
@@ -282,7 +282,7 @@ def _one_pass(region: ShardRegion, plans: list, order: dict[Node, int]):
 
 
 def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head: Optional[LMHead],
-                    budget_bytes: int) -> None:
+                    budget_bytes: int, lm_head_plan: str) -> None:
     for p in plans:
         anchor = p.reductions[0]
         for n in p.late:
@@ -292,7 +292,8 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
             operands = [scalar_tensor(graph, o, region.x) if is_scalar(o) else o for o in p.operands]
         if head is not None:
             gather_index_positions(key, p.indexes)
-            args = (shard_lm_head, (key, p.differentiable, budget_bytes, head.hidden, head.weight, *operands))
+            args = (shard_lm_head, (key, p.differentiable, budget_bytes, head.hidden, head.weight, *operands),
+                    {"plan": lm_head_plan})
         else:
             args = (shard_reduce, (key, p.differentiable, region.x, *operands))
         with graph.inserting_before(anchor):
@@ -300,7 +301,7 @@ def _rewrite_stages(graph: Graph, region: ShardRegion, plans: list[_Stage], head
 
 
 def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], planned, head: LMHead,
-                      budget_bytes: int) -> Node:
+                      budget_bytes: int, lm_head_plan: str) -> Node:
     one, late = planned
     anchor = plans[0].reductions[0]
     for n in late:
@@ -314,7 +315,7 @@ def _rewrite_one_pass(graph: Graph, region: ShardRegion, plans: list[_Stage], pl
     with graph.inserting_before(anchor):
         externals = [scalar_tensor(graph, o, head.hidden) if is_scalar(o) else o for o in one.externals]
         call = graph.call_function(shard_lm_head_stages, (name, differentiable, budget_bytes, head.hidden,
-                                                          head.weight, *externals))
+                                                          head.weight, *externals), {"plan": lm_head_plan})
         getitems(graph, call, one.outputs)
     for n in reversed(one.glue):
         if not n.users:

@@ -19,29 +19,39 @@ See NOTE [shard lm_head loops].
 #   the code between them is per row.
 # * backward (at most one stage needs a gradient, as for ``shard_reduce``): the logits
 #   gradient of a tile is the stage's vector-Jacobian product on the recomputed tile, in
-#   model precision, and fx_passes.kernels.log_softmax.lm_head_sweeps.two_sweeps runs the tiles: row chunks
-#   over the whole shard write ``grad_hidden[rows]`` and vocabulary blocks over all rows
-#   write ``grad_weight[block]``, one model-precision matmul each, so every element is one
-#   FP32 sum rounded once.  No collective.
+#   model precision, and the lm_head backward's loops run the tiles, every gradient element
+#   one FP32 sum rounded once, no collective (``backward_loops``, by ``Config.lm_head_plan``
+#   and the device as ``tiling.backward_plan`` chooses):
+#   - "gpu" (CUDA / XPU: ``gpu_plan.out_dtype_blocks``): vocabulary blocks over all rows,
+#     each recomputed once, write ``grad_weight[block]`` and add ``grad_hidden`` into an
+#     FP32 sum inside their GEMMs (``out_dtype``): four ``[T, H] x [H, V / world]`` GEMMs a
+#     step with the forward's;
+#   - "two_sweeps" (every other plan: these loops have no "blocks" or "fp32_tiles", which
+#     make FP32 copies of the operands): row chunks over the whole shard write
+#     ``grad_hidden[rows]`` and vocabulary blocks over all rows ``grad_weight[block]``, one
+#     model-precision matmul each: five GEMMs a step (each sweep recomputes the logits).
 # A block of columns runs the stage's ops on those columns only, so a stage that needs a
 # gradient may end in sums and gathers (each a sum over columns) and no other reduction;
 # the gather's index is shifted by the block's first column.
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from ...reporting.report import say_once
 from ..ops import user_bodies
 from ..ops.args import grads_by_name
 from ..ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, GATHER_INDEXES, emitted
-from ..tiling import even_splits, resolve_budget, sweep_sizes
+from ..tiling import backward_plan, even_splits, resolve_budget, sweep_sizes
+from .gpu_plan import out_dtype_blocks
 from .lm_head_sweeps import two_sweeps
 
-__all__ = ["shard_lm_head", "gather_index_positions", "row_chunks"]
+__all__ = ["shard_lm_head", "gather_index_positions", "row_chunks", "backward_loops"]
 
 # Per stage key: which operands are a gather's index (shifted per block of columns).
 
@@ -81,6 +91,20 @@ def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Ten
     return outs
 
 
+def backward_loops(plan: str, hidden: torch.Tensor) -> Callable:
+    """The loops of a vocab-parallel lm_head backward on ``hidden``'s device for
+    ``Config.lm_head_plan`` ``plan`` (NOTE [shard lm_head loops]): ``out_dtype_blocks``
+    where ``tiling.backward_plan`` says "gpu", else ``two_sweeps`` (a plan these loops do
+    not have, said once)."""
+    chosen = backward_plan(hidden.device, hidden.dtype, plan)
+    if chosen == "gpu":
+        return out_dtype_blocks
+    if chosen != "two_sweeps" and plan != "auto":
+        say_once(logging.INFO, "chunked_logits: the vocab-parallel lm_head backward has no %r plan: it runs "
+                 "'two_sweeps'", chosen)
+    return two_sweeps
+
+
 def _forward(key: str, hidden, weight, operands, budget_bytes: int) -> list[torch.Tensor]:
     rows, _ = sweep_sizes(resolve_budget(budget_bytes, hidden.device), hidden.shape[0], weight.shape[0])
     outs = row_chunks(hidden, weight, operands, even_splits(hidden.shape[0], rows), user_bodies.body(key))
@@ -94,17 +118,20 @@ def _fake(key: str, hidden, weight, operands) -> list[torch.Tensor]:
 
 @torch.library.custom_op("chunked_logits::shard_lm_head", mutates_args=())
 def _shard_lm_head(key: str, hidden: torch.Tensor, weight: torch.Tensor, operands: list[torch.Tensor],
-                   budget_bytes: int) -> list[torch.Tensor]:
+                   budget_bytes: int, plan: str) -> list[torch.Tensor]:
     return _forward(key, hidden, weight, operands, budget_bytes)
 
 
 @_shard_lm_head.register_fake
-def _(key, hidden, weight, operands, budget_bytes):
+def _(key, hidden, weight, operands, budget_bytes, plan):
     return _fake(key, hidden, weight, operands)
 
 
-def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int, need_hidden: bool,
-                    need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("chunked_logits::shard_lm_head_backward", mutates_args=())
+def shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
+                            operands: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
+                            need_hidden: bool, need_weight: bool,
+                            plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     n, budget_bytes = hidden.shape[0], resolve_budget(budget_bytes, hidden.device)
     vjp = user_bodies.backward_body(key, (0,))
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
@@ -114,20 +141,14 @@ def _backward_loops(key: str, hidden, weight, operands, grads, budget_bytes: int
         x = F.linear(hidden[t0:t1], weight[v0:v1])
         return vjp(x, *_rows(_columns(key, operands, v0), t0, t1, n), *_rows(grads, t0, t1, n))[0]
     with torch.no_grad():
-        two_sweeps(hidden, weight, budget_bytes, grad_of_tile, grad_hidden if need_hidden else None,
-                   grad_weight if need_weight else None)
+        loops = backward_loops(plan, hidden)
+        loops(hidden, weight, budget_bytes, grad_of_tile, grad_hidden if need_hidden else None,
+              grad_weight if need_weight else None)
     return grad_hidden, grad_weight
 
 
-@torch.library.custom_op("chunked_logits::shard_lm_head_backward", mutates_args=())
-def shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
-                            operands: list[torch.Tensor], grads: list[torch.Tensor], budget_bytes: int,
-                            need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_loops(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight)
-
-
 @shard_lm_head_backward.register_fake
-def _(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight):
+def _(key, hidden, weight, operands, grads, budget_bytes, need_hidden, need_weight, plan):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0))
 
@@ -151,10 +172,10 @@ _shard_lm_head.register_autograd(_backward, setup_context=_setup)
 
 @emitted(("shard_lm_head", "shard_lm_head_backward"), CAPTURE_SAFE)
 def shard_lm_head(key: str, differentiable: bool, budget_bytes: int, hidden: torch.Tensor,
-                  weight: torch.Tensor, *operands: torch.Tensor):
+                  weight: torch.Tensor, *operands: torch.Tensor, plan: str = "auto"):
     """The reductions of one stage of a rewritten vocab-parallel region whose logits shard
-    is ``hidden @ weight.T`` (see the module doc)."""
+    is ``hidden @ weight.T`` (see the module doc); ``plan``: ``Config.lm_head_plan``."""
     if not differentiable:
         hidden, weight = hidden.detach(), weight.detach()
     operands = tuple(o.detach() for o in operands)
-    return tuple(_shard_lm_head(key, hidden, weight, list(operands), budget_bytes))
+    return tuple(_shard_lm_head(key, hidden, weight, list(operands), budget_bytes, plan))
