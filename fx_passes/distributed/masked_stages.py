@@ -122,7 +122,7 @@ def _masked(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: li
 @_masked.register_fake
 def _(name, hidden, weight, externals, budget_bytes, mask_key, operands, plan):
     n = hidden.shape[0]
-    return [*one_pass._fake(name, hidden, weight, externals, budget_bytes),
+    return [*one_pass._fake(name, hidden, weight, externals, budget_bytes, plan),
             hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64, device=HOST)]
 
 

@@ -48,7 +48,7 @@ from ..kernels.ops import user_bodies
 from ..kernels.ops.args import args_by_name, grads_by_name
 from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.ops.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
-from ..kernels.tiling import CPU_BUDGET, even_splits, resolve_budget, sweep_sizes
+from ..kernels.tiling import CPU_BUDGET, backward_plan, even_splits, resolve_budget, sweep_sizes
 from ..reporting.report import Decline, Reason
 from .shard_regions import needs_grad
 
@@ -332,6 +332,7 @@ def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[to
 
 
 def _fake(name: str, hidden, weight, externals, budget_bytes: int, plan: str = "auto") -> list[torch.Tensor]:
+    backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
     got = _run(ONE_PASS_PLANS[name], x, list(externals), user_bodies.function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]

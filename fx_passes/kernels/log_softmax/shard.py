@@ -124,6 +124,7 @@ def _shard_lm_head(key: str, hidden: torch.Tensor, weight: torch.Tensor, operand
 
 @_shard_lm_head.register_fake
 def _(key, hidden, weight, operands, budget_bytes, plan):
+    backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     return _fake(key, hidden, weight, operands)
 
 
