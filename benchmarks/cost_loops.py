@@ -246,7 +246,8 @@ def vocab_parallel(budget: int, T: int, H: int, V: int, plan: str, backwards: Op
     bodies (the max; the sum of exponentials and the picked logit), each reading the tile,
     and the all-reduces between them; then the backward's loops for ``plan``
     (``shard.backward_loops``: ``"gpu"`` on CUDA / XPU; the 2026-12-04 run's code ran
-    ``"two_sweeps"`` on every device)."""
+    ``"two_sweeps"`` on every device; ``"kept_logits"``: ``kept_stages``, the forward's
+    GEMMs writing the kept logits, the backward's row kernels and two GEMMs)."""
     count = len(tiling.even_splits(T, tiling.sweep_sizes(budget, T, V)[0]))
     ks = []
     for r in splits(T, -(-T // count)):

@@ -151,9 +151,10 @@ CASES = {
     "RO": CaseDef(_WV, ("inductor:ro", "ours:ro")),
     "WD": CaseDef(ALL_WORKLOADS["WD"], (STOCK, "ours")),
     "WP": CaseDef(ALL_WORKLOADS["WP"], (STOCK, "ours")),
-    # (``ours``: the backward's ``gpu`` loops on CUDA; ``two_sweeps``, what the 2026-12-04 run ran)
+    # (``ours``: the backward's ``gpu`` loops on CUDA; ``two_sweeps``, what the 2026-12-04 run
+    # ran; ``kept_logits``: the logits shard kept for the backward, NOTE [kept shard logits])
     "VP": CaseDef(Workload("VP", vocab_parallel_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
-                  (STOCK, "ours", "ours:two_sweeps"), group=True),
+                  (STOCK, "ours", "ours:two_sweeps", "ours:kept_logits"), group=True),
     # WV's loss with the first half of each sequence's labels -100 (SFT prompts): ours skips
     # those rows after one host read a step; ``all_rows`` is ours with the option off, so the
     # read's cost and the rows' saving are both in one run (docs/how-it-works.md, 5c).

@@ -55,7 +55,7 @@ PLAN = (
     ("RO", 8192, FULL_V, FULL_H, 35),
     ("WD", 4096, FULL_V, FULL_H, 30),
     ("WP", 4096, FULL_V, 0, 25),
-    ("VP", 8192, FULL_V, FULL_H, 40),  # (21.5 s with two modes on 2026-12-04; a third now)
+    ("VP", 8192, FULL_V, FULL_H, 50),  # (21.5 s with two modes on 2026-12-04; four now)
     ("W4C", 8192, FULL_V, FULL_H, 35),
     ("W4E", 8192, FULL_V, FULL_H, 35),
     ("WDM", 4096, FULL_V, FULL_H, 30),

@@ -52,7 +52,8 @@ class Config:
             logits (``2 T V`` bytes, as stock's) and the backward writes their gradient in
             their place, three GEMMs a step instead of four (NOTE [kept logits]); a loss in
             the graph stays there, on that call (no gradients in the forward).  A
-            vocab-parallel lm_head's loops have "gpu" and "two_sweeps" only: any other runs
+            vocab-parallel lm_head's loops have "gpu", "two_sweeps" and, in its one-pass
+            loop with no mask, "kept_logits" (NOTE [kept shard logits]); any other runs
             "two_sweeps" (``kernels/log_softmax/shard.backward_loops``).
         gradients_in_forward: when a fused region's results reach the scalar loss only
             through row-local ops and sums / means (``match/loss_tail.py``), compute

@@ -228,10 +228,8 @@ def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
     masked = sum(skip_unread_rows(graph, call, config, why) for call in kept)
     # (lm_head_plan="kept_logits": the per-token calls still whole keep their logits, NOTE [kept logits])
     kept_logits = sum(keep_logits(call) for call in kept if call in fused_calls(graph))
-    if kept_logits:
-        counters[COUNTER]["kept_logits"] += kept_logits
     outcome = dataclasses.replace(outcome, losses=outcome.losses + losses, masked_per_token=masked,
-                                  rows_why=tuple(why))
+                                  rows_why=tuple(why), kept_logits=kept_logits)
     record_rewrite(where, counted(outcome, what, "lm_head_fused"), _with_lm_head(nbytes, outcome),
                    report_only=False)
     if region.unit_scale_dropped:

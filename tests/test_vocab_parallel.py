@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
@@ -322,6 +323,67 @@ def test_lm_head_gpu_plan_recomputes_the_logits_once(head, dtype, out_rtol, grad
         assert bool(added) == (plan == "gpu")
     ran = T - chunked_counters().get("rows_skipped", 0)
     assert rows == {"gpu": ran * V, "two_sweeps": 2 * ran * V}
+
+
+def _gemms(monkeypatch):
+    """(rows x columns of each ``F.linear``, FLOPs / 2 of each ``torch.mm``) a step runs
+    (real tensors only: not the fake ones compiling traces)."""
+    linears, mms, linear, mm = [], [], torch.nn.functional.linear, torch.mm
+
+    def counted_linear(a, b, *rest):
+        if not isinstance(a, torch._subclasses.FakeTensor):
+            linears.append(a.shape[0] * b.shape[0])
+        return linear(a, b, *rest)
+
+    def counted_mm(a, b, **kw):
+        if not isinstance(a, torch._subclasses.FakeTensor):
+            mms.append(a.shape[0] * a.shape[1] * b.shape[1])
+        return mm(a, b, **kw)
+    monkeypatch.setattr(torch.nn.functional, "linear", counted_linear)
+    monkeypatch.setattr(torch, "mm", counted_mm)
+    return linears, mms
+
+
+@pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", [
+    pytest.param(logprob, *TOLERANCES[0].values, id="logprob-bf16"),
+    pytest.param(entropy, *TOLERANCES[1].values, id="entropy-fp16"),
+])
+def test_kept_logits_three_gemms_and_no_less_accurate(head, dtype, out_rtol, grad_rtol, monkeypatch):
+    """``lm_head_plan="kept_logits"`` (NOTE [kept shard logits]): the one-pass forward keeps
+    its model-precision logits shard and the backward writes their gradient in their place:
+    three ``[T, H] x [H, V]`` GEMMs a step (the forward's chunks, ``grad_hidden``,
+    ``grad_weight``), none recomputing the logits; results and gradients no further from
+    FP64 than stock's; a retained graph's second backward gives the first's gradients;
+    under ``no_grad`` the plain one-pass call (nothing kept)."""
+    fn, data = with_lm_head(head), lm_inputs(dtype, head)
+    ref = reference(fn, data, (0, 1))
+    torch._dynamo.reset()
+    stock = run(torch.compile(fn, backend="inductor"), data, (0, 1))
+    torch._dynamo.reset()
+    counters.clear()
+    kept = {**SMALL_BUDGET, "lm_head_plan": "kept_logits"}
+    step = torch.compile(fn, backend="chunked_logits", options=kept)
+    h, w, tok = data[0].clone().requires_grad_(), data[1].clone().requires_grad_(), data[2]
+    # (retain_graph below: no donated buffers, and no cache that may hold this graph compiled with them)
+    no_cache = torch._inductor.config.patch(force_disable_caches=True)
+    with functorch_config.patch(donated_buffer=False), no_cache:
+        ours = run(step, data, (0, 1))
+        assert chunked_counters() == {"rewritten": 1, "vocab_parallel": 1, "vocab_parallel_lm_head": 1,
+                                      "vocab_parallel_one_pass": 1, "kept_logits": 1}
+        assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+        linears, mms = _gemms(monkeypatch)
+        out = step(h, w, tok)
+        forward = len(mms)
+        out.sum().backward(retain_graph=True)
+    assert linears == [] and sum(mms) == 3 * T * H * V and sum(mms[:forward]) == T * H * V
+    first = (h.grad.clone(), w.grad.clone())
+    h.grad, w.grad = None, None
+    out.sum().backward()  # (the flag cleared by the first: the logits computed again, then the same)
+    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+    with torch.no_grad():
+        mms.clear()
+        torch.testing.assert_close(step(data[0], data[1], tok), ours[0][0], rtol=0, atol=0)
+    assert sum(mms) == 0 and linears  # (the plain one-pass loop: F.linear per chunk, nothing kept)
 
 
 @pytest.mark.slow

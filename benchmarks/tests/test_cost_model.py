@@ -148,6 +148,7 @@ def test_gpu_check_rows_carry_the_prediction_or_none(monkeypatch):
     assert gpu_case.predicted("WD", "ours", T, V, H) is None  # the model has no row-local row
     vp = {m: gpu_case.predicted("VP", m, T, V, H)["ratio"] for m in gpu_case.CASES["VP"].modes}
     assert vp["inductor"] == 1.0 < vp["ours"] < vp["ours:two_sweeps"]  # (the gpu loops: one GEMM less)
+    assert vp["ours:kept_logits"] < vp["ours"] - 0.25  # (no recompute: three GEMMs)
     assert 1.0 < gpu_case.predicted("RO", "ours:ro", T, V, H)["ratio"] < 1.1
     row = {"case": "WV", "mode": "ours:gpu", "T": T, "V": V, "H": H, "predicted": ours}
     assert f"{ours['ms']:.2f} ms, {ours['ratio']:.2f}x" in gpu_report.markdown(
@@ -268,6 +269,7 @@ def test_the_replay_and_the_vocab_parallel_rows():
         assert 1.25 < gpu < sweeps - 0.25, (dev.name, gpu, sweeps)
         assert roof.full_gemms(loops.vocab_parallel(budget, T, H, V, "gpu"), T, H, V) == 4
         assert roof.full_gemms(loops.vocab_parallel(budget, T, H, V, "two_sweeps"), T, H, V) == 5
+        assert roof.full_gemms(loops.vocab_parallel(budget, T, H, V, "kept_logits"), T, H, V) == 3
     assert "VP-8k (vocab-parallel one-pass loop, one rank): backward 'gpu'" in cm.what_ifs()
 
 

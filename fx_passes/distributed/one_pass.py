@@ -324,10 +324,13 @@ def _splits(name: str, hidden, weight, budget_bytes: int) -> list[tuple[int, int
     return even_splits(n, -(-n // count))
 
 
-def _forward(name: str, hidden, weight, externals, budget_bytes: int) -> list[torch.Tensor]:
+def _forward(name: str, hidden, weight, externals, budget_bytes: int,
+             into: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """The plan's outputs (``into``: a ``[N, V / world]`` buffer the chunks' logits are
+    written into, ``kept_stages``)."""
     plan = ONE_PASS_PLANS[name]
     outs = row_chunks(hidden, weight, externals, _splits(name, hidden, weight, budget_bytes),
-                      lambda x, *chunk: _run(plan, x, list(chunk), user_bodies.body))
+                      lambda x, *chunk: _run(plan, x, list(chunk), user_bodies.body), into)
     return outs if outs is not None else _fake(name, hidden, weight, externals, budget_bytes)
 
 

@@ -68,6 +68,7 @@ from ..fx.graph_ops import (
     scalar_tensor,
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
+from ..kernels.log_softmax.lm_head_kept import KEPT
 from ..kernels.log_softmax.shard import gather_index_positions, shard_lm_head
 from ..kernels.ops import user_bodies
 from ..match.lm_head import LMHead, producer
@@ -77,6 +78,7 @@ from ..reporting.outcome import LMHead as LMHeadOutcome
 from ..reporting.outcome import Outcome
 from ..reporting.report import Decline, Reason
 from ..rewrite.skip_rows import _masked_call
+from .kept_stages import shard_lm_head_stages_kept
 from .masked_stages import shard_lm_head_stages_masked
 from .one_pass import getitems, plan_one_pass, shard_lm_head_stages
 from .one_pass import register as register_one_pass
@@ -226,6 +228,9 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
         said: list[str] = []
         masked = int(_skip_masked_rows(graph, call, view, said))
         rows_why = () if masked else tuple(said[:1]) or rows_why
+    kept = one is not None and config.lm_head_plan == KEPT and call.target is shard_lm_head_stages
+    if kept:  # (NOTE [kept shard logits]; a masked call keeps its own loop)
+        call.target = shard_lm_head_stages_kept
     if head is None:
         return Outcome.not_fused(why, rows_why=rows_why)
     for n in (region.x, head.transpose):
@@ -233,7 +238,7 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
             graph.erase_node(n)
     one_pass = None if len(plans) < 2 else one is not None
     return Outcome(LMHeadOutcome.FUSED, one_pass=one_pass, one_pass_why=one_pass_why, rows_why=rows_why,
-                   masked_per_token=masked)
+                   masked_per_token=masked, kept_logits=int(kept))
 
 
 def _skip_masked_rows(graph: Graph, call: Node, view: StagesView, why: list[str]) -> bool:

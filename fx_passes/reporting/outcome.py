@@ -54,6 +54,7 @@ class Outcome:
     losses: tuple[LossInCall, ...] = ()  # the loss tails its calls compute (gradients in the forward)
     masked_per_token: int = 0  # fused calls keeping per-token results that skip the rows nothing reads
     rows_why: tuple[str, ...] = ()  # those with a mask that run every row: why (NOTE [why every row runs])
+    kept_logits: int = 0  # fused calls keeping their model-precision logits for the backward (lm_head_plan)
 
     @classmethod
     def not_fused(cls, why: str, **kw) -> "Outcome":
@@ -91,6 +92,9 @@ def counted(outcome: Outcome, what: str, fused: str) -> str:
         elif loss.rows_why:
             c["masked_rows_not_skipped"] += 1
         what += loss.describe()
+    if outcome.kept_logits:
+        c["kept_logits"] += outcome.kept_logits
+        what += ", its logits kept for the backward (lm_head_plan='kept_logits': no recompute)"
     if outcome.masked_per_token:
         c["masked_rows"] += outcome.masked_per_token
         what += ", rows whose per-token results nothing reads (a mask) skipped"

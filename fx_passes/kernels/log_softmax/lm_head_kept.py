@@ -11,7 +11,8 @@ gradient GEMMs: three GEMMs a step, not four.  See NOTE [kept logits].
 # that returns no logits runs :func:`lm_head_row_stats_kept` instead (``pipeline``: after
 # the masked-row rewrite, which keeps its own loop; a loss in the graph is not rewritten
 # into the gradients-in-the-forward loop, ``rewrite/loss_tail._plan``, but stays in the
-# graph on this call: three GEMMs there too, no FP32 ``[V, H]`` sum):
+# graph on this call: three GEMMs there too, no FP32 ``[V, H]`` sum; the vocab-parallel
+# one-pass loop's counterpart: NOTE [kept shard logits] in ``distributed/kept_stages.py``):
 #
 # * forward (op ``chunked_logits::lm_head_stats_kept``): per row chunk the logits GEMM
 #   writes into one model-precision ``[N, V]`` buffer, as stock's GEMM writes its logits,

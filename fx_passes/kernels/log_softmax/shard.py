@@ -51,7 +51,7 @@ from ..tiling import backward_plan, even_splits, resolve_budget, sweep_sizes
 from .gpu_plan import out_dtype_blocks
 from .lm_head_sweeps import two_sweeps
 
-__all__ = ["shard_lm_head", "gather_index_positions", "row_chunks", "backward_loops"]
+__all__ = ["shard_lm_head", "gather_index_positions", "row_chunks", "backward_loops", "stage_tile_grad"]
 
 # Per stage key: which operands are a gather's index (shifted per block of columns).
 
@@ -73,15 +73,18 @@ def _columns(key: str, operands, v0: int) -> list[torch.Tensor]:
     return [o - v0 if i in positions else o for i, o in enumerate(operands)]
 
 
-def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Tensor]]:
+def row_chunks(hidden, weight, operands, splits, run, into: Optional[torch.Tensor] = None
+               ) -> Optional[list[torch.Tensor]]:
     """Per row chunk ``[t0, t1)`` of ``splits``: its model-precision logits
-    ``hidden[t0:t1] @ weight.T`` (one chunk at a time), ``run(logits, *its operands)``, and
-    the per-row results written into whole-rows outputs (None when there are no rows)."""
+    ``hidden[t0:t1] @ weight.T`` (one chunk at a time; written into ``into[t0:t1]`` where
+    given), ``run(logits, *its operands)``, and the per-row results written into
+    whole-rows outputs (None when there are no rows)."""
     n = hidden.shape[0]
     outs: Optional[list[torch.Tensor]] = None
     for t0, t1 in splits:
         with torch.no_grad():
-            x = F.linear(hidden[t0:t1].detach(), weight.detach())
+            h, w = hidden[t0:t1].detach(), weight.detach()
+            x = F.linear(h, w) if into is None else torch.mm(h, w.t(), out=into[t0:t1])
             got = run(x, *_rows(operands, t0, t1, n))
         del x  # (before the next chunk's logits exist: one chunk at a time)
         if outs is None:
@@ -89,6 +92,14 @@ def row_chunks(hidden, weight, operands, splits, run) -> Optional[list[torch.Ten
         for out, g in zip(outs, got):
             out[t0:t1] = g
     return outs
+
+
+def stage_tile_grad(key: str, x: torch.Tensor, operands, grads, n: int, t0: int, v0: int = 0) -> torch.Tensor:
+    """Stage ``key``'s model-precision logits gradient on ``x``, the tile of the shard's
+    logits at rows ``t0 ..`` (of ``n``) and columns ``v0 ..``: its vjp on the tile's
+    operands (gather indexes shifted by ``v0``) and incoming gradients."""
+    t1, vjp = t0 + x.shape[0], user_bodies.backward_body(key, (0,))
+    return vjp(x, *_rows(_columns(key, operands, v0), t0, t1, n), *_rows(grads, t0, t1, n))[0]
 
 
 def backward_loops(plan: str, hidden: torch.Tensor) -> Callable:
@@ -134,13 +145,11 @@ def shard_lm_head_backward(key: str, hidden: torch.Tensor, weight: torch.Tensor,
                             need_hidden: bool, need_weight: bool,
                             plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     n, budget_bytes = hidden.shape[0], resolve_budget(budget_bytes, hidden.device)
-    vjp = user_bodies.backward_body(key, (0,))
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
 
     def grad_of_tile(t0: int, t1: int, v0: int, v1: int) -> torch.Tensor:
-        x = F.linear(hidden[t0:t1], weight[v0:v1])
-        return vjp(x, *_rows(_columns(key, operands, v0), t0, t1, n), *_rows(grads, t0, t1, n))[0]
+        return stage_tile_grad(key, F.linear(hidden[t0:t1], weight[v0:v1]), operands, grads, n, t0, v0)
     with torch.no_grad():
         loops = backward_loops(plan, hidden)
         loops(hidden, weight, budget_bytes, grad_of_tile, grad_hidden if need_hidden else None,
