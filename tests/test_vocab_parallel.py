@@ -171,14 +171,19 @@ def test_a_loss_all_reduced_for_logging_stays_single_process(spelling):
 
 # --- the lm_head matmul inside the loop (fx_passes.kernels.log_softmax.shard) ---------------------
 
+def _reference_and_stock(fn, data) -> tuple:
+    """(FP64 reference, stock Inductor's run) of an lm_head case, both gradients."""
+    ref = reference(fn, data, (0, 1))
+    torch._dynamo.reset()
+    return ref, run(torch.compile(fn, backend="inductor"), data, (0, 1))
+
+
 @pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
 def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
     """``h @ w_shard.T`` feeding the region: every stage computes its logits per row chunk;
     loss and the gradients of h and of the weight shard no further from FP64 than stock."""
     fn, data = with_lm_head(head), lm_inputs(dtype, head)
-    ref = reference(fn, data, (0, 1))
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor"), data, (0, 1))
+    ref, stock = _reference_and_stock(fn, data)
     torch._dynamo.reset()
     counters.clear()
     ours = run(torch.compile(fn, backend="chunked_logits", options=SMALL_BUDGET), data, (0, 1))
@@ -298,9 +303,7 @@ def test_lm_head_gpu_plan_recomputes_the_logits_once(head, dtype, out_rtol, grad
     inside their GEMMs (``compat.addmm_fp32_``, which ``two_sweeps`` never calls); results
     and gradients no further from FP64 than stock's."""
     fn, data = with_lm_head(head), lm_inputs(dtype, head)
-    ref = reference(fn, data, (0, 1))
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor"), data, (0, 1))
+    ref, stock = _reference_and_stock(fn, data)
     added, addmm_fp32_ = [], compat.addmm_fp32_
 
     def counted(acc, a, b):
@@ -356,9 +359,7 @@ def test_kept_logits_three_gemms_and_no_less_accurate(head, dtype, out_rtol, gra
     FP64 than stock's; a retained graph's second backward gives the first's gradients;
     under ``no_grad`` the plain one-pass call (nothing kept)."""
     fn, data = with_lm_head(head), lm_inputs(dtype, head)
-    ref = reference(fn, data, (0, 1))
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor"), data, (0, 1))
+    ref, stock = _reference_and_stock(fn, data)
     torch._dynamo.reset()
     counters.clear()
     kept = {**SMALL_BUDGET, "lm_head_plan": "kept_logits"}

@@ -37,8 +37,6 @@ import dataclasses
 import torch
 
 from ..kernels.log_softmax.shard import stage_tile_grad
-from ..kernels.ops.args import args_by_name, grads_by_name
-from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.ops.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from . import one_pass
 
@@ -111,24 +109,11 @@ def _(name, hidden, weight, operands, grads, budget_bytes, need_hidden, need_wei
 
 
 def _setup(ctx, inputs, output):
-    plan = ONE_PASS_PLANS[args_by_name(_kept, inputs)["name"]]
-    _, where, _ = plan.grad or (None, (), ())
-    saved = [output[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
-    args = save_inputs(ctx, _kept, inputs, extra=[*saved, *output[-2:]])
-    keep_result_specs(ctx, output[:-2])
-    ctx.needs = {"need_hidden": args["hidden"].requires_grad, "need_weight": args["weight"].requires_grad}
+    one_pass.save_for_stages(ctx, _kept, inputs, output, extra=2)  # (+ the kept logits, the flag)
 
 
 def _backward(ctx, grads):
-    args, saved = saved_inputs(ctx)
-    logits, flag = saved[-2:]
-    _, where, positions = ONE_PASS_PLANS[args["name"]].grad
-    outputs = iter(saved[:-2])
-    operands = [args["externals"][i] if kind == "in" else next(outputs) for kind, i in where]
-    gh, gw = call_by_name(_kept_backward, args, operands=operands, logits=logits, flag=flag,
-                          grads=grads_or_zeros(ctx, grads, args["hidden"].device, positions), **ctx.needs)
-    return grads_by_name(_kept, ctx.lengths, hidden=gh if ctx.needs["need_hidden"] else None,
-                         weight=gw if ctx.needs["need_weight"] else None)
+    return one_pass.stages_backward(ctx, grads, _kept, _kept_backward, ("logits", "flag"))
 
 
 _kept.register_autograd(_backward, setup_context=_setup)

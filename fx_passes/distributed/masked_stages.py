@@ -42,8 +42,6 @@ import torch
 from ..kernels import rows as rows_of
 from ..kernels.log_softmax.shard import shard_lm_head_backward
 from ..kernels.ops import user_bodies
-from ..kernels.ops.args import grads_by_name
-from ..kernels.ops.pair import call_by_name, grads_or_zeros, keep_result_specs, save_inputs, saved_inputs
 from ..kernels.ops.registry import CUDAGRAPH_UNSAFE, ONE_PASS_PLANS, UNSAFE, emitted
 from . import one_pass
 
@@ -196,26 +194,11 @@ def _(name, hidden, weight, externals, operands, grads, budget_bytes, need_hidde
 
 
 def _setup(ctx, inputs, output):
-    from ..kernels.ops.args import args_by_name
-    plan = ONE_PASS_PLANS[args_by_name(_masked, inputs)["name"]]
-    _, where, _ = plan.grad or (None, (), ())
-    saved = [output[i] for kind, i in where if kind == "out"]
-    args = save_inputs(ctx, _masked, inputs, extra=[*saved, *output[-2:]])
-    keep_result_specs(ctx, output[:-2])
-    ctx.needs = {"need_hidden": args["hidden"].requires_grad, "need_weight": args["weight"].requires_grad}
+    one_pass.save_for_stages(ctx, _masked, inputs, output, extra=2)  # (+ the rows run, their count)
 
 
 def _backward(ctx, grads):
-    args, saved = saved_inputs(ctx)
-    kept, count = saved[-2:]
-    outputs = iter(saved[:-2])
-    operands = [t if t is not None else next(outputs)
-                for _, t in _grad_operands(args["name"], args["externals"])]
-    _, _, positions = ONE_PASS_PLANS[args["name"]].grad
-    gh, gw = call_by_name(_masked_backward, args, operands=operands, kept=kept, count=count,
-                          grads=grads_or_zeros(ctx, grads, args["hidden"].device, positions), **ctx.needs)
-    return grads_by_name(_masked, ctx.lengths, hidden=gh if ctx.needs["need_hidden"] else None,
-                         weight=gw if ctx.needs["need_weight"] else None)
+    return one_pass.stages_backward(ctx, grads, _masked, _masked_backward, ("kept", "count"))
 
 
 _masked.register_autograd(_backward, setup_context=_setup)

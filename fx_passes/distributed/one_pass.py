@@ -350,24 +350,39 @@ def _stages(name: str, hidden: torch.Tensor, weight: torch.Tensor, externals: li
 _stages.register_fake(_fake)
 
 
-def _setup(ctx, inputs, output):
-    plan = ONE_PASS_PLANS[args_by_name(_stages, inputs)["name"]]
+def save_for_stages(ctx, op, inputs, output, extra: int = 0) -> None:
+    """``setup_context`` of a one-pass op ``op`` whose last ``extra`` results are its own
+    (not the plan's): its inputs, the plan's results that the stage with a gradient reads,
+    and those ``extra`` results, for :func:`stages_backward`."""
+    plan = ONE_PASS_PLANS[args_by_name(op, inputs)["name"]]
     _, where, _ = plan.grad or (None, (), ())
-    saved = [output[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
-    args = save_inputs(ctx, _stages, inputs, extra=saved)
-    keep_result_specs(ctx, output)
+    outputs = output[:len(output) - extra]
+    saved = [outputs[i] for kind, i in where if kind == "out"]  # (never one the graph changes in place)
+    args = save_inputs(ctx, op, inputs, extra=[*saved, *output[len(outputs):]])
+    keep_result_specs(ctx, outputs)
     ctx.needs = {"need_hidden": args["hidden"].requires_grad, "need_weight": args["weight"].requires_grad}
 
 
-def _backward(ctx, grads):
+def stages_backward(ctx, grads, op, backward_op, extra_names: tuple[str, ...] = ()) -> dict:
+    """The gradients (by name) of a one-pass op ``op`` saved by :func:`save_for_stages`:
+    ``backward_op`` called by name with the stage with a gradient's key and operands, the
+    incoming gradients of its reductions, and the saved extra results as ``extra_names``."""
     args, saved = saved_inputs(ctx)
     key, where, positions = ONE_PASS_PLANS[args["name"]].grad
-    outputs = iter(saved)
+    outputs, extras = iter(saved[:len(saved) - len(extra_names)]), saved[len(saved) - len(extra_names):]
     operands = [args["externals"][i] if kind == "in" else next(outputs) for kind, i in where]
-    gh, gw = call_by_name(shard_lm_head_backward, args, key=key, operands=operands,
+    gh, gw = call_by_name(backward_op, args, key=key, operands=operands, **dict(zip(extra_names, extras)),
                           grads=grads_or_zeros(ctx, grads, args["hidden"].device, positions), **ctx.needs)
-    return grads_by_name(_stages, ctx.lengths, hidden=gh if ctx.needs["need_hidden"] else None,
+    return grads_by_name(op, ctx.lengths, hidden=gh if ctx.needs["need_hidden"] else None,
                          weight=gw if ctx.needs["need_weight"] else None)
+
+
+def _setup(ctx, inputs, output):
+    save_for_stages(ctx, _stages, inputs, output)
+
+
+def _backward(ctx, grads):
+    return stages_backward(ctx, grads, _stages, shard_lm_head_backward)
 
 
 _stages.register_autograd(_backward, setup_context=_setup)
