@@ -6,6 +6,8 @@
     torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --vocab 2400 \
         --vocab-split 1000,1400 --chunk-budget-mib 0.05 --out out/        # uneven shards
     torchrun --standalone --nproc-per-node 4 examples/vocab_parallel_step.py --ranks 2 --out out/  # on 0, 1
+    torchrun --standalone --nproc-per-node 2 examples/vocab_parallel_step.py --lm-head-plan kept_logits \
+        --out out/                                                        # the logits shard kept
 
 (tests/test_vocab_parallel.py runs it; benchmarks/vocab_parallel.py measures its step.)
 
@@ -221,6 +223,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-split", default=None,
                    help="the tensor-parallel ranks' shard widths, comma-separated (default: even)")
     p.add_argument("--chunk-budget-mib", type=float, default=None, help="chunked_logits' chunk budget")
+    p.add_argument("--lm-head-plan", default=None, help="chunked_logits' lm_head_plan (default: auto)")
     p.add_argument("--fsdp-unit", choices=["shard", "loss"], default="shard",
                    help="with --dp: fully_shard the lm_head shard alone, or a module holding it and the loss")
     p.add_argument("--dp", type=int, default=1,
@@ -298,7 +301,8 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"--vocab {args.vocab} is not split over the tensor-parallel size {tp}: "
                          "give --vocab-split (widths summing to --vocab), or a --vocab it divides")
     shard, lo = widths[tp_rank], sum(widths[:tp_rank])
-    options = {"chunk_budget_mib": args.chunk_budget_mib} if args.chunk_budget_mib else None
+    options = {k: v for k, v in (("chunk_budget_mib", args.chunk_budget_mib),
+                                 ("lm_head_plan", args.lm_head_plan)) if v} or None
     report: dict = {"rank": rank, "world": world, "dp": args.dp, "tp": tp}
     if args.spelling == "loss_parallel":
         for head in args.head:

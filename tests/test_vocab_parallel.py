@@ -467,8 +467,10 @@ def test_lm_head_not_fused_says_why(case, caplog):
 
 UNEVEN = ["--vocab", "2400", "--vocab-split", "1000,1400", "--chunk-budget-mib", "0.05"]
 # (ranks, data-parallel replicas, more arguments) of each run of the example
+# (and the uneven shards with the logits shard kept for the backward: NOTE [kept shard logits])
+KEPT = ["--lm-head-plan", "kept_logits", "--head", "logprob", "entropy", "ce"]
 EVERY_RANK = {"tp2_fsdp2_dp2": (4, 2, []), "tp2_fsdp2_dp2_loss_unit": (4, 2, ["--fsdp-unit", "loss"]),
-              "tp2_uneven_shards": (2, 1, UNEVEN)}
+              "tp2_uneven_shards": (2, 1, UNEVEN), "tp2_uneven_shards_kept": (2, 1, UNEVEN + KEPT)}
 
 
 def every_rank_heads(ranks: int) -> list[str]:
@@ -513,10 +515,11 @@ def test_every_rank_every_head(every_rank_runs, case):
     stock Inductor on the same ranks.  (Even shards on 2 ranks are the 4-rank runs' tensor
     parallelism; the 4-rank runs take two heads, the 2-rank run every head.)"""
     ranks, dp, extra = EVERY_RANK[case]
-    heads = every_rank_heads(ranks)
+    heads = [h for h in every_rank_heads(ranks) if "--head" not in extra or h in extra]
     files = every_rank_runs[case]
     assert [rank["world"] for rank in files] == [ranks] * ranks
     for rank in files:
+        assert set(heads) <= set(rank)
         for head in heads:
             ours, stock = rank[head]["chunked_logits"], rank[head]["inductor"]
             # (with the shard alone under FSDP2 its module call is a graph break: its logits
@@ -527,11 +530,15 @@ def test_every_rank_every_head(every_rank_runs, case):
             # rows out where the shards are as wide, and runs every row where they are not;
             # the stages of logits that come in whole run every row, and say so)
             said = {} if head != "ce" else {"masked_rows_not_skipped": 1} if whole else {"masked_rows": 1}
+            # (kept logits: the one-pass loops with no mask; a masked one keeps its own loop)
+            kept = {"kept_logits": 1} if "kept_logits" in extra and head != "ce" else {}
             got = ours["counters"]
             rows = {k: got.pop(k) for k in ("rows_seen", "rows_skipped") if k in got}
-            assert ours["counters"] == {"rewritten": 1, "vocab_parallel": 1, **fused, **said}, ours["events"]
+            want = {"rewritten": 1, "vocab_parallel": 1, **fused, **said, **kept}
+            assert ours["counters"] == want, ours["events"]
             if head == "ce" and not whole:
-                assert rows["rows_seen"] > 0 and (rows["rows_skipped"] == 0) == (extra == UNEVEN), rows
+                uneven = "--vocab-split" in extra
+                assert rows["rows_seen"] > 0 and (rows["rows_skipped"] == 0) == uneven, rows
             assert ours["loss"]["max"] <= stock["loss"]["max"] + 2e-6 * max(stock["loss"]["scale"], 1.0)
             for name, got in ours["grads"].items():
                 st = stock["grads"][name]
