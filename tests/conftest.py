@@ -9,6 +9,7 @@ harness.link_kernels_with_gold()
 import pytest
 import torch
 import torch.distributed as dist
+from _pytest.mark import ParameterSet
 from torch._dynamo.utils import counters
 
 from fx_passes.reporting.session import session
@@ -25,14 +26,46 @@ if importlib.util.find_spec("hypothesis") is None:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``full`` (a costly variant of what other tests in ``make test`` cover)
-    run only under ``make test-full``, as the full dtype products do.  The slow tests'
+    run only under ``make test-full``, as the full dtype products do, and so do the cases a
+    family marked ``sampled`` leaves out (:func:`_sampled_in`).  The slow tests'
     modules run first (:func:`_slow_modules_first`)."""
     if not FULL_MATRIX:
         skip = pytest.mark.skip(reason="a costly variant of covered behaviour: make test-full runs it")
         for item in items:
             if item.get_closest_marker("full") is not None:
                 item.add_marker(skip)
+            elif not _sampled_in(item):
+                item.add_marker(pytest.mark.skip(reason="a case of a sampled family: make test-full runs it"))
     items[:] = _slow_modules_first(items)
+
+
+def _sampled_in(item) -> bool:
+    """Whether ``make test`` runs this case of a family marked ``sampled(n)`` (default 2;
+    unmarked tests always run).  Over one list of cases: every n-th, the phase moving on by
+    one after each n of them (0, 3, 4, 7, 8 ... for n = 2), so a second axis that the list
+    alternates (the dtypes of ``dtype_matrix``) still runs every value.  Over stacked
+    ``parametrize`` lists: the cases whose positions sum to a multiple of n, a diagonal
+    that keeps every value of each list."""
+    marker = item.get_closest_marker("sampled")
+    if marker is None or not hasattr(item, "callspec"):
+        return True
+    n = marker.args[0] if marker.args else 2
+    positions = [_position(mark, item.callspec.params) for mark in item.iter_markers("parametrize")]
+    if len(positions) == 1:
+        return (positions[0] + positions[0] // n) % n == 0
+    return sum(positions) % n == 0
+
+
+def _position(mark, params: dict) -> int:
+    """Where this case's values stand in one ``parametrize`` list."""
+    names = mark.args[0]
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    values = [params[n] for n in names]
+    for pos, entry in enumerate(mark.args[1]):
+        entry = entry.values if isinstance(entry, ParameterSet) else entry if len(names) > 1 else (entry,)
+        if all(a is b for a, b in zip(entry, values, strict=True)):
+            return pos
+    raise AssertionError(f"{names}={values!r} is not in its parametrize list")
 
 
 def _slow_modules_first(items: list) -> list:

@@ -90,6 +90,7 @@ def big():
     return logits, torch.randint(0, 32000, (4, 1024), generator=g)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fn", [bf16_logprob, bf16_logprob_entropy, bf16_logprob_per_sequence])
 def test_upgrade_gives_fp32_accuracy(big, fn):
     logits, tokens = big
@@ -180,7 +181,8 @@ def _run_script(tmp_path, argv, **env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["launcher flag", "env switch", "env switch, option unset"])
+@pytest.mark.parametrize("how", [pytest.param("launcher flag", marks=pytest.mark.full), "env switch",
+                                 "env switch, option unset"])
 def test_upgrade_through_launcher_and_env_switch(tmp_path, how):
     launcher = [str(pathlib.Path(sys.executable).parent / "chunked-logits"), "run",
                 "--upgrade-low-precision", "--"]

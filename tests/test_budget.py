@@ -95,6 +95,7 @@ def _check_pieces(pieces, total, most):
         assert len(pieces) == -(-total // max(1, most))
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("total_bytes", TOTALS, ids=lambda t: f"{(t or 0) // GIB}GiB")
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_sizes_over_a_grid(device_type, total_bytes):

@@ -18,6 +18,7 @@ import pytest
 
 from examples.distributed_step import HEADS
 from tests.helpers import auto_plan_computes_gradients_in_forward, clean_env
+from tests.numerics import FULL_MATRIX
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -39,6 +40,10 @@ RUNS = {
                               "--head", *HEADS],
 }
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+# (make test runs DDP with every head and FSDP2 with the lm_head next to the loss; DDP's
+# bucket split and FSDP2 with the loss on ``.logits`` are make test-full's: two more
+# models compiled on 2 ranks of a 2-core machine)
+IN_CI = {"ddp", "fsdp2_lm_head_in_loss"}
 
 
 def torchrun(tmp_path: pathlib.Path, runs: dict[str, list[str]]) -> dict[str, list[dict]]:
@@ -60,7 +65,8 @@ def torchrun(tmp_path: pathlib.Path, runs: dict[str, list[str]]) -> dict[str, li
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, list[dict]]:
     """Every run (the FSDP2 ones need transformers' Llama) in one torchrun start."""
-    runs = {k: v for k, v in RUNS.items() if HAS_TRANSFORMERS or not k.startswith("fsdp2")}
+    runs = {k: v for k, v in RUNS.items() if (HAS_TRANSFORMERS or not k.startswith("fsdp2"))
+            and (FULL_MATRIX or k in IN_CI)}
     return torchrun(tmp_path_factory.mktemp("distributed"), runs)
 
 
@@ -103,6 +109,7 @@ def test_ddp_rewrites_and_fuses_on_every_rank(launched):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_ddp_lm_head_in_its_own_bucket_with_install(launched):
     """bucket_cap_mb=1 (DDPOptimizer refuses less: its first bucket is 1 MiB) and a
     1 MiB lm_head weight: the split falls right before the lm_head matmul, which stays
@@ -117,6 +124,7 @@ def test_ddp_lm_head_in_its_own_bucket_with_install(launched):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_fsdp2_llama_rewrites_on_every_rank(launched):
     """fully_shard per decoder layer and on the root, the loss on the model's ``.logits``.
     FSDP2's hooks are ``torch._dynamo.disable``d, so the compiled model breaks around each

@@ -33,6 +33,7 @@ def assert_clean(result: dict) -> None:
     assert result["max_err"] < 1e-4, where
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("way", ["backend", "install"])
@@ -53,7 +54,7 @@ def _child(command: list[str], **env: str) -> list[dict]:
 
 
 @pytest.mark.slow  # (every case, compiled in a fresh process)
-@pytest.mark.parametrize("way", ["launcher", "environment"])
+@pytest.mark.parametrize("way", [pytest.param("launcher", marks=pytest.mark.full), "environment"])
 def test_fresh_process(way):
     if way == "launcher":
         results = _child([str(BIN / "chunked-logits"), "run", "--summary", "never", "--no-leave-to-stock",

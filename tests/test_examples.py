@@ -132,6 +132,7 @@ def test_demo_small(tmp_path):
     assert "step time, chunked_logits vs stock" in proc.stdout and "(lower is better)" in proc.stdout
 
 
+@pytest.mark.full
 def test_demo_padded(tmp_path):
     """``--padding``: the step's loss and entropy averaged over a completion mask; the pass
     leaves the padding rows out of its loop (rows that count), with the same loss and error."""

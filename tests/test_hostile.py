@@ -69,6 +69,7 @@ def _scale(p: Program, inputs: dict) -> float:
 PROGRAMS = programs()
 
 
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.id)
 def test_hostile_program_matches_eager(program: Program):
     fn, inputs, names = program.function(), make_inputs(program), args_of(program)
@@ -275,6 +276,7 @@ def _nonfinite(fn, h, w, tok):
             for t in (*outs, h.grad, w.grad)]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("where", ["h+inf", "h-inf", "h_nan", "w+inf"])
 @pytest.mark.parametrize("fn", [ce, logprob_entropy, lse_only, plain_ce, vocab_logprob],
                          ids=lambda f: f.__name__)

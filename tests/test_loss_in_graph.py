@@ -125,6 +125,7 @@ BF16 = TOLERANCES[0].values
 FP16 = TOLERANCES[1].values
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fn", TAILS, ids=lambda f: f.__name__)
 def test_loss_tails_take_the_gradients_in_the_forward(fn):
     _check(fn, *BF16, "two_sweeps", compiled_bodies=fn is pg_entropy_bonus)

@@ -24,7 +24,9 @@ LOSS_RTOL, GRAD_TOL = 2e-6, 2**-8
 FAMILIES = [
     "llama",
     pytest.param("gemma2", marks=pytest.mark.slow),  # softcapped logits, eager attention
-    pytest.param("qwen3_moe", marks=pytest.mark.slow),  # a router softmax in every layer
+    # a router softmax in every layer (left alone, as the declines' softmax over rows; make
+    # test-full runs it: a minute of compiling on 2 cores)
+    pytest.param("qwen3_moe", marks=[pytest.mark.slow, pytest.mark.full]),
 ]
 
 
@@ -63,8 +65,10 @@ def test_model_loss_rewritten_and_as_accurate_as_stock(family, record_property):
 
 
 @pytest.mark.slow
-# (Qwen3-MoE's loss-only step fuses nothing more than its test above rewrites: make test-full runs it)
-@pytest.mark.parametrize("family", ["llama", "gemma2", pytest.param("qwen3_moe", marks=pytest.mark.full)])
+# (Qwen3-MoE's loss-only step fuses nothing more than its test above rewrites, and Llama's
+# fuses as Gemma2's without the softcap: make test-full runs them)
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.full), "gemma2",
+                                    pytest.param("qwen3_moe", marks=pytest.mark.full)])
 def test_loss_only_step_as_accurate_as_stock(family, record_property):
     """The model called inside a compiled function that returns only the loss: the logits do
     not leave the graph, so the lm_head fuses: Llama's with no transform between, Gemma2's
@@ -78,6 +82,7 @@ def test_loss_only_step_as_accurate_as_stock(family, record_property):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_matrix_command_end_to_end(tmp_path):
     """`benchmarks/models.py` at toy size: its child processes run and the tables come out
     (the in-process tests above do not run the children, where a stale import once hid)."""

@@ -23,6 +23,7 @@ B, S, H, V = 4, 16, 32, 1024
 CANONICAL = {"in_place_temperature": "in_place_made_out_of_place"}
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", rs.CASES)
 def test_spelling_rewritten_fused_and_as_accurate_as_stock(name):
     fn, inputs = rs.inputs(name, B, S, H, V)

@@ -41,6 +41,7 @@ from tests.sweep_cases import topp_rows as _topp_rows
 BACKWARD_SWEEPS = {"gradients_in_forward": False}
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", list(SPLIT))
 def test_each_loss_runs_the_lm_head_in_chunks_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _case(name)

@@ -66,6 +66,7 @@ def _pattern(out):
             for t in (*out[0], *out[1])]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("masked", [0.0, 0.5, 0.75])
 @pytest.mark.parametrize("fn", PER_TOKEN, ids=lambda f: f.__name__)
 def test_masked_per_row_results_skip_rows_and_match_stock(fn, masked):

@@ -108,6 +108,7 @@ def test_stock_zeroes_a_masked_row_by_multiplying_its_gradient():
     assert gw.isnan().all() and gh[0].isnan().all() and not gh[1:].isnan().any()
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
 @pytest.mark.parametrize("fn", MASKED, ids=lambda f: f.__name__)
 def test_masked_losses_skip_rows_and_match_stock(fn, plan):
@@ -254,6 +255,7 @@ def test_every_entry_has_a_program():
     assert sorted(ENTRIES) == sorted(ZERO_ROWS)
 
 
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_each_entry_skips_the_masked_rows_and_matches_stock(name):
     fn = _entry(name)

@@ -30,6 +30,7 @@ EAGER = lambda fn, options: fn  # noqa: E731
 SAVING = ["topk", "topk_topp", "topp_policy"]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("shape", [(5, 13), (4, 3, 17), (6, 64), (0, 9), (3, 1)])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
 def test_pack_round_trip(shape, compiled):
@@ -47,6 +48,7 @@ def test_bit_order():
     assert pack_bits(mask).tolist() == [[0b1001, 0b10]]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", SAVING)
 def test_saved_masks_match_recompute_and_stock(name):
     """Saving is taken (counter), the results and every gradient are bit for bit those
@@ -229,6 +231,7 @@ def test_softmax_from_saved_statistics_is_the_forward_and_its_gradient(dim):
         assert torch.allclose(grad, want, atol=1e-12)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", ["forward_kl", "jsd", "topk_topp", "ce_label_smoothing",
                                   "ce_weight_smoothing"])
 def test_saved_normalizers_as_accurate_as_stock(name):

@@ -23,7 +23,7 @@ from fx_passes import compat
 from fx_passes.testing.codegen import allocations, full_fp32_buffers
 from fx_passes.testing.gemms import cpu_out_dtype_kernels
 from tests.helpers import chunked_counters, clean_env, isa_probes_settled, ops, rewrite_graphs
-from tests.numerics import TOLERANCES, assert_no_less_accurate, dtype_matrix, reference, run
+from tests.numerics import FULL_MATRIX, TOLERANCES, assert_no_less_accurate, dtype_matrix, reference, run
 from tests.shard_heads import (
     HEADS,
     SMALL_BUDGET,
@@ -59,6 +59,7 @@ def _masked(head, one_pass: bool = False) -> dict:
     return {"masked_rows_not_skipped": 1}
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
 def test_rewritten_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
     data = inputs(dtype)
@@ -257,6 +258,7 @@ def logits_rows(monkeypatch, step):
     return forward, sum(calls) - forward
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("head", [logprob, entropy, cross_entropy, logprob_inplace, logprob_unshifted,
                                   *NOT_ONE_PASS], ids=lambda f: f.__name__)
 def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, caplog):
@@ -471,6 +473,10 @@ UNEVEN = ["--vocab", "2400", "--vocab-split", "1000,1400", "--chunk-budget-mib",
 KEPT = ["--lm-head-plan", "kept_logits", "--head", "logprob", "entropy", "ce"]
 EVERY_RANK = {"tp2_fsdp2_dp2": (4, 2, []), "tp2_fsdp2_dp2_loss_unit": (4, 2, ["--fsdp-unit", "loss"]),
               "tp2_uneven_shards": (2, 1, UNEVEN), "tp2_uneven_shards_kept": (2, 1, UNEVEN + KEPT)}
+# (4 ranks on a 2-core machine take as long as the rest of the module: make test runs the
+# 2-rank runs, whose tensor parallelism the 4-rank runs repeat, and make test-full all)
+EVERY_RANK_IN_CI = {name for name, (ranks, _, _) in EVERY_RANK.items() if FULL_MATRIX or ranks == 2}
+FULL = pytest.mark.full
 
 
 def every_rank_heads(ranks: int) -> list[str]:
@@ -483,16 +489,17 @@ def torchrun(tmp_path: pathlib.Path) -> dict[str, list[dict]]:
     most ranks any asks for, a run on fewer on the first ranks (``--ranks``; the others
     skip it), and what each of its ranks wrote."""
     exe = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
-    world = max(ranks for ranks, _, _ in EVERY_RANK.values())
+    chosen = {name: EVERY_RANK[name] for name in EVERY_RANK_IN_CI}
+    world = max(ranks for ranks, _, _ in chosen.values())
     runs = {name: ["--head", *every_rank_heads(ranks), "--dp", str(dp), "--ranks", str(ranks),
-                   "--out", str(tmp_path / name), *extra] for name, (ranks, dp, extra) in EVERY_RANK.items()}
+                   "--out", str(tmp_path / name), *extra] for name, (ranks, dp, extra) in chosen.items()}
     proc = subprocess.run(
         [exe, "--standalone", "--nproc-per-node", str(world), str(ROOT / "tests" / "torchrun_cases.py"),
          "examples.vocab_parallel_step", json.dumps(runs)],
         capture_output=True, text=True, cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(ranks)]
-            for name, (ranks, _, _) in EVERY_RANK.items()}
+            for name, (ranks, _, _) in chosen.items()}
 
 
 @pytest.fixture(scope="module")
@@ -503,7 +510,8 @@ def every_rank_runs(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(EVERY_RANK))
+@pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in EVERY_RANK_IN_CI else FULL)
+                                  for name in EVERY_RANK])
 def test_every_rank_every_head(every_rank_runs, case):
     """examples/vocab_parallel_step.py: 2 data-parallel replicas of 2 tensor-parallel ranks
     with the lm_head shard under FSDP2 (4 ranks), the shard alone a ``fully_shard`` unit

@@ -38,6 +38,7 @@ def _softmax_entropy(x):
 # left to stock: KL with log-prob targets, label smoothing and class weights, a z-loss,
 # flattened [B, S, V] logits; rewritten: a KL of probabilities (xlogy: stock saves an
 # FP32 [T, V] tensor), a JSD (logaddexp: two [T, V] masks), an entropy through a softmax
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", ["forward_kl", "ce_smoothing_z_loss", "kl_div_flattened", "kl_div_probs",
                                   "jsd", "softmax_entropy"])
 def test_verdict_agrees_with_stock_inductors_code(name):
