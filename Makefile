@@ -98,9 +98,10 @@ test-long: setup
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q tests/test_properties.py
 
 # `make test` with every matrix of cases x dtypes x plans in full (tests/numerics.py's
-# dtype_matrix: CI runs half of each, every case and plan in both dtypes), the tests
+# dtype_matrix: CI runs half of each, every case and plan in both dtypes), every case of
+# the families marked `sampled` (CI runs one in n: tests/conftest.py), the tests
 # marked `full` (costly variants of behaviour other tests cover), and every
-# ISA-sensitive test as an AVX2-only CPU runs it (about 30 minutes more than `make test`)
+# ISA-sensitive test as an AVX2-only CPU runs it (over an hour on 2 cores)
 test-full: lint
 	CHUNKED_LOGITS_FULL_MATRIX=1 $(BIN)/python -m pytest -q $(WORKERS)
 	CHUNKED_LOGITS_FULL_MATRIX=1 $(AVX2_ENV) $(BIN)/python -m pytest -q $(WORKERS) $(ISA_TESTS) -k "not trl"

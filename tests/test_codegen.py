@@ -29,6 +29,7 @@ def _codes(name, backend, dynamic, **options):
 CASES = [*sorted(WORKLOADS), "W4-recompute"]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("case", CASES)
 def test_no_full_size_fp32_buffer(case, dynamic):

@@ -54,7 +54,9 @@ def _child(command: list[str], **env: str) -> list[dict]:
 
 
 @pytest.mark.slow  # (every case, compiled in a fresh process)
-@pytest.mark.parametrize("way", [pytest.param("launcher", marks=pytest.mark.full), "environment"])
+# (make test-full; make test starts each way in a fresh process on one case: test_install, test_launcher)
+@pytest.mark.full
+@pytest.mark.parametrize("way", ["launcher", "environment"])
 def test_fresh_process(way):
     if way == "launcher":
         results = _child([str(BIN / "chunked-logits"), "run", "--summary", "never", "--no-leave-to-stock",

@@ -199,6 +199,8 @@ def _child(cache_dir, options: dict) -> dict:
 
 
 @pytest.mark.slow  # (two fresh processes, one after the other: a cold compile, then the warm start)
+# (make test-full: test_vocab_parallel and test_recompiles_cache start warm in make test)
+@pytest.mark.full
 @pytest.mark.parametrize("options,counter", [({"gradients_in_forward": False}, "row_local_lm_head")],
                          ids=["row_local_sweeps"])
 def test_a_warm_start_is_served_from_the_cache(tmp_path, options, counter):

@@ -69,7 +69,7 @@ def _scale(p: Program, inputs: dict) -> float:
 PROGRAMS = programs()
 
 
-@pytest.mark.sampled(4)
+@pytest.mark.sampled(8)
 @pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.id)
 def test_hostile_program_matches_eager(program: Program):
     fn, inputs, names = program.function(), make_inputs(program), args_of(program)
@@ -214,6 +214,7 @@ def _run(fn, inputs, train: bool, up=torch.float32):
     (w_slice_zeroed_after_matmul, False, {"lm_head_not_fused": 1}),
     (vocab_h_changed, False, {"vocab_parallel": 1}),  # rewritten, its lm_head not fused
 ], ids=lambda v: getattr(v, "__name__", None))
+@pytest.mark.sampled
 def test_the_issue_families_match_stock(fn, train, outcome):
     inputs = _family_inputs(train)
     ref = _run(fn, [a.double() if a.is_floating_point() else a for a in inputs], train, torch.float64)
@@ -276,7 +277,7 @@ def _nonfinite(fn, h, w, tok):
             for t in (*outs, h.grad, w.grad)]
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("where", ["h+inf", "h-inf", "h_nan", "w+inf"])
 @pytest.mark.parametrize("fn", [ce, logprob_entropy, lse_only, plain_ce, vocab_logprob],
                          ids=lambda f: f.__name__)

@@ -151,6 +151,7 @@ def _case(name, dtype, T=61, H=32, V=4099):
     pytest.param("lp_entropy", *TOLERANCES[0].values, id="lp_entropy-bf16"),
     pytest.param("softcap_bias", *TOLERANCES[1].values, id="softcap_bias-fp16"),
 ])
+@pytest.mark.sampled
 def test_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
     """Against FP64, as tests/numerics.py holds every path: several row chunks (a small
     budget), T divisible by none; a temperature, an entropy, a softcap and a bias."""

@@ -101,7 +101,7 @@ def plan(request):
     return request.param
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol,plan",
                          dtype_matrix(["logprob_entropy", "ce_bias_shift", "tied", "softcap", "scaled"],
                                       CPU_PLANS), indirect=["plan"])
@@ -366,6 +366,7 @@ def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rt
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fn,dtype,out_rtol,grad_rtol,plan",
                          dtype_matrix(RETURNS_LOGITS, CPU_PLANS, ids=lambda f: f.__name__), indirect=["plan"])
 def test_returned_logits_gradient_used_stays_correct(fn, dtype, out_rtol, grad_rtol, plan):

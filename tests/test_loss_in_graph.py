@@ -136,6 +136,7 @@ def test_the_gpu_plan_on_this_cpu(fn):
     _check(fn, *BF16, "gpu", compiled_bodies=fn is pg_entropy_bonus)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("tol,plan,scale", [(BF16, "two_sweeps", 3.0), (BF16, "two_sweeps", 0.25),
                                             (BF16, "gpu", 3.0), (FP16, "two_sweeps", 1.0),
                                             (FP16, "gpu", 3.0)],
@@ -145,6 +146,7 @@ def test_dtypes_and_an_incoming_gradient_other_than_one(tol, plan, scale):
     _check(ppo_clip, *tol, plan, scale)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fn,plan,scale", [(masked_mean, "two_sweeps", 1.0), (ce_mean, "gpu", 3.0)],
                          ids=["masked_mean-two_sweeps", "ce_mean-gpu-grad3"])
 def test_dynamic_shapes(fn, plan, scale):

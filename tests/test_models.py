@@ -22,7 +22,7 @@ V, T = 2048, 64
 # test_numerics' out_rtol), the gradients are bf16 (one rounding may land one ulp apart).
 LOSS_RTOL, GRAD_TOL = 2e-6, 2**-8
 FAMILIES = [
-    "llama",
+    pytest.param("llama", marks=pytest.mark.full),  # (make test: tests/test_hf_model.py's Llama)
     pytest.param("gemma2", marks=pytest.mark.slow),  # softcapped logits, eager attention
     # a router softmax in every layer (left alone, as the declines' softmax over rows; make
     # test-full runs it: a minute of compiling on 2 cores)
@@ -65,10 +65,10 @@ def test_model_loss_rewritten_and_as_accurate_as_stock(family, record_property):
 
 
 @pytest.mark.slow
-# (Qwen3-MoE's loss-only step fuses nothing more than its test above rewrites, and Llama's
-# fuses as Gemma2's without the softcap: make test-full runs them)
-@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.full), "gemma2",
-                                    pytest.param("qwen3_moe", marks=pytest.mark.full)])
+# (make test-full: make test fuses a Llama's lm_head with its loss in tests/test_hf_model.py,
+# and Gemma2's softcap into the chunk loop in test_model_loss_rewritten_and_as_accurate_as_stock)
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
 def test_loss_only_step_as_accurate_as_stock(family, record_property):
     """The model called inside a compiled function that returns only the loss: the logits do
     not leave the graph, so the lm_head fuses: Llama's with no transform between, Gemma2's

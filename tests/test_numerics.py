@@ -74,7 +74,7 @@ CASES = [
     "cross_entropy_mean", "cross_entropy_sum", "cross_entropy_none",
     "cross_entropy_all_ignored_mean", "cross_entropy_masked_-inf",
 ]
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("case,dtype,out_rtol,grad_rtol", dtype_matrix(CASES))
 def test_no_less_accurate_than_stock(case, dtype, out_rtol, grad_rtol):
     fn, inputs, grad_pos = make_case(case, dtype)

@@ -151,7 +151,7 @@ LOW_TAKEN = {"lp_bfloat16": False, "kl_bf16_sum": False, "kl_bf16_mean": False, 
              "weight_bf16_mean": False, "sum_dtype_bf16": True, "mask_bf16": True}
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", list(LOW_TAILS))
 def test_a_16_bit_rounding_in_a_loss_tail_against_stock_inductor(name):
     chunks = (4, 8) if LOW_TAKEN[name] else (8,)  # (declined: the tail runs in the graph, no chunks)

@@ -246,7 +246,7 @@ def test_rewritten_graph_matches_fp64_reference(case: Case) -> None:
     check_transformed(case)
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("case", [
     pytest.param(c, id=name, marks=[pytest.mark.xfail(strict=True, reason=known_full_compile_bug(c))]
                  if known_full_compile_bug(c) else [])

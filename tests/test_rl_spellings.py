@@ -46,6 +46,7 @@ def _assert_rewritten(name):
     assert c.get("lm_head_fused") or any(k.startswith("row_local_lm_head") for k in c), c
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", rs.CASES)
 def test_no_fp32_logits_buffer(name):
     """Deterministic memory: the outer graph's generated code allocates no FP32 buffer

@@ -26,7 +26,7 @@ EAGER = lambda fn, options: fn  # noqa: E731  (bodies run eagerly: only the oute
 T, V, CASES, _inputs, _check = rl.T, rl.V, rl.CASES, rl.inputs, rl.check
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", CASES)
 def test_row_local_loss_rewritten_and_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _inputs(name, torch.bfloat16)

@@ -86,7 +86,7 @@ def _case(name: str, dtype=torch.bfloat16):
 CASES = ["topk_policy", "distillation", "smoothed_ce", "frozen_weight", "kl_div_linear"]
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", CASES)
 def test_the_call_runs_the_matmul_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _case(name)

@@ -57,6 +57,7 @@ def _run(fn, inputs, grad_pos, scale, up=F32):
     return [out.detach()], list(grads)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("scale", [3.0, 0.25, -0.3])
 @pytest.mark.parametrize("name", ["forward_kl", "smoothed_ce"])
 def test_an_incoming_gradient_other_than_one(name, scale):
@@ -123,6 +124,7 @@ def test_the_gpu_plan_runs_three_gemms_with_model_precision_inputs():
     assert full_gemms(gemms, T, H, V, in_dtype=torch.float32) == 0
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
                          dtype_matrix(["reverse_kl", "kl_div_linear", "per_token_kl"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):

@@ -56,6 +56,7 @@ def test_a_frozen_weight_takes_only_the_row_sweep():
 
 
 # (losses without a float global: one Dynamo pass, one rewrite)
+@pytest.mark.sampled
 @pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
                          dtype_matrix(["reverse_kl", "kl_div_linear", "smoothed_ce"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):

@@ -129,6 +129,7 @@ def test_masked_losses_skip_rows_and_match_stock(fn, plan):
         assert out - 8 < c.get("rows_skipped", 0) <= out and c.get("rows_seen") == T, (masked, c)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fn", [ce_ignore, masked_mean], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fp16_dynamic_shapes_and_an_incoming_gradient(fn, dynamic):
@@ -255,7 +256,7 @@ def test_every_entry_has_a_program():
     assert sorted(ENTRIES) == sorted(ZERO_ROWS)
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_each_entry_skips_the_masked_rows_and_matches_stock(name):
     fn = _entry(name)

@@ -231,7 +231,7 @@ def test_softmax_from_saved_statistics_is_the_forward_and_its_gradient(dim):
         assert torch.allclose(grad, want, atol=1e-12)
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", ["forward_kl", "jsd", "topk_topp", "ce_label_smoothing",
                                   "ce_weight_smoothing"])
 def test_saved_normalizers_as_accurate_as_stock(name):

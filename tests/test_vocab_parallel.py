@@ -75,6 +75,7 @@ def test_rewritten_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_r
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("head", HEADS, ids=lambda f: f.__name__)
 def test_no_fp32_shard_buffer_forward_or_backward(head):
     """Stock allocates FP32 [T, V] buffers (positive control); the rewrite none, in the
@@ -179,6 +180,7 @@ def _reference_and_stock(fn, data) -> tuple:
     return ref, run(torch.compile(fn, backend="inductor"), data, (0, 1))
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("head,dtype,out_rtol,grad_rtol", dtype_matrix(HEADS, ids=lambda f: f.__name__))
 def test_lm_head_fused_and_no_less_accurate_than_stock(head, dtype, out_rtol, grad_rtol):
     """``h @ w_shard.T`` feeding the region: every stage computes its logits per row chunk;
@@ -474,14 +476,17 @@ KEPT = ["--lm-head-plan", "kept_logits", "--head", "logprob", "entropy", "ce"]
 EVERY_RANK = {"tp2_fsdp2_dp2": (4, 2, []), "tp2_fsdp2_dp2_loss_unit": (4, 2, ["--fsdp-unit", "loss"]),
               "tp2_uneven_shards": (2, 1, UNEVEN), "tp2_uneven_shards_kept": (2, 1, UNEVEN + KEPT)}
 # (4 ranks on a 2-core machine take as long as the rest of the module: make test runs the
-# 2-rank runs, whose tensor parallelism the 4-rank runs repeat, and make test-full all)
-EVERY_RANK_IN_CI = {name for name, (ranks, _, _) in EVERY_RANK.items() if FULL_MATRIX or ranks == 2}
+# uneven shards, whose tensor parallelism the 4-rank runs repeat, on three heads, and make
+# test-full every run and head; kept_logits on uneven shards: test_kept_logits_* on one rank)
+EVERY_RANK_IN_CI = set(EVERY_RANK) if FULL_MATRIX else {"tp2_uneven_shards"}
 FULL = pytest.mark.full
 
 
 def every_rank_heads(ranks: int) -> list[str]:
     # (issue 21's spelling, the target logit gathered before the shift, on 2 ranks)
-    return ["logprob", "entropy", "ce", "logprob_unshifted"] if ranks == 2 else ["logprob", "ce"]
+    if ranks == 4:
+        return ["logprob", "ce"]
+    return ["logprob", "entropy", "ce", "logprob_unshifted"][0 if FULL_MATRIX else 1:]
 
 
 def torchrun(tmp_path: pathlib.Path) -> dict[str, list[dict]]:

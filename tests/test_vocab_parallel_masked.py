@@ -66,7 +66,7 @@ CASES = [("logprob", True, 0.5, torch.bfloat16), ("logprob", False, 0.5, torch.f
          ("entropy", False, 0.75, torch.bfloat16), ("logprob_unshifted", True, 0.25, torch.float16)]
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("head,where,masked,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_rows_left_out_give_stocks_results(head, where, masked, dtype):
     fn, data = _step(HEADS[head], where), _inputs(dtype, masked)

@@ -137,6 +137,7 @@ def test_the_masked_case_skips_rows_with_one_read(tmp_path):
         assert "check_errors" not in row, row
 
 
+@pytest.mark.full
 def test_the_masked_row_local_case_reads_once(tmp_path):
     """WDM (WD's KL as a masked mean, half the rows masked): row_local_loss skips them with
     one read a step (its forward's; the gpu plan's backward reads nothing), the option off
@@ -153,6 +154,7 @@ def test_the_masked_row_local_case_reads_once(tmp_path):
         assert "check_errors" not in row and "error" not in row, row
 
 
+@pytest.mark.full
 def test_the_masked_per_token_case_reads_once(tmp_path):
     """W4E (a masked policy loss and its masked-mean entropy metric leave the graph, half the
     rows masked): the per-token path's masked call skips them with one read (its forward's;
