@@ -74,10 +74,10 @@ def _position(mark, params: dict) -> int:
 
 def _slow_modules_first(items: list) -> list:
     """Every module with a test marked ``slow`` (that runs) first, its slow tests at its
-    head; otherwise collection order.  pytest-xdist hands each worker a contiguous half of
+    head; otherwise collection order.  pytest-xdist hands each worker a contiguous part of
     the collection, run in order, and a worker's last two tests cannot be stolen: a
     fresh-process test of a minute or more collected near the end (benchmarks/tests comes
-    last) ends the run on one worker.  At the front they overlap the other worker's half.
+    last) ends the run on one worker.  At the front they overlap the other workers' parts.
     Modules move whole, so a module-scoped fixture is still set up once per worker."""
     def slow(item) -> bool:
         return item.get_closest_marker("slow") is not None and (

@@ -33,7 +33,7 @@ def assert_clean(result: dict) -> None:
     assert result["max_err"] < 1e-4, where
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("way", ["backend", "install"])

@@ -238,6 +238,7 @@ def _policy_tail() -> str:
     return trace_tail(key, 2, [*torch.zeros(4, 3).unbind(), *[torch.zeros(())] * 3])
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("transforms, scale", [
     ("", None), (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7))], ids=["plain", "softcap"])
 def test_a_chunk_reads_its_logits_in_one_kernel(transforms, scale):

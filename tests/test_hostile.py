@@ -277,7 +277,7 @@ def _nonfinite(fn, h, w, tok):
             for t in (*outs, h.grad, w.grad)]
 
 
-@pytest.mark.sampled(4)
+@pytest.mark.sampled(8)
 @pytest.mark.parametrize("where", ["h+inf", "h-inf", "h_nan", "w+inf"])
 @pytest.mark.parametrize("fn", [ce, logprob_entropy, lse_only, plain_ce, vocab_logprob],
                          ids=lambda f: f.__name__)

@@ -351,7 +351,7 @@ def _returns_logits_runs(fn, dtype, gradient_used=False, V=V_TEST):
     return inputs, _step_using_logits(fn, inputs64, up=torch.float64), _step_using_logits(stock, inputs)
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("fn,dtype,out_rtol,grad_rtol,plan",
                          dtype_matrix(RETURNS_LOGITS, CPU_PLANS, ids=lambda f: f.__name__), indirect=["plan"])
 def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol, plan):

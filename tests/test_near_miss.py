@@ -115,7 +115,7 @@ def softcapped_shift_ce(h, w, tok, up=F32):
     return F.cross_entropy(logits.to(up).flatten(0, 1), tok[:, 1:].flatten())
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("fn", [shifted_logprob, last_k_entropy, softcapped_shift_ce],
                          ids=["shift", "last_k", "softcap_shift"])
 def test_logits_row_slice_fuses_the_lm_head(fn):

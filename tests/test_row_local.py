@@ -26,14 +26,14 @@ EAGER = lambda fn, options: fn  # noqa: E731  (bodies run eagerly: only the oute
 T, V, CASES, _inputs, _check = rl.T, rl.V, rl.CASES, rl.inputs, rl.check
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("name", CASES)
 def test_row_local_loss_rewritten_and_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _inputs(name, torch.bfloat16)
     _check(fn, inputs, grad_pos, torch.bfloat16, 2e-6, 2**-8)
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
                          dtype_matrix(["topk_topp", "forward_kl", "ce_weight_smoothing",
                                        "ce_smoothing_flattened"]))

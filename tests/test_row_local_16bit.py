@@ -108,7 +108,7 @@ def _compiled(fn, backend: str, **options) -> Result:
     return _result(torch.compile(fn, backend=backend, options=options or None), _values(), F32)
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_a_16_bit_rounding_next_to_a_row_local_body_against_stock_inductor(name):
     body, tail, left_out = PROGRAMS[name]

@@ -39,7 +39,7 @@ EAGER = sweeps.EAGER
 NEEDS = [True, True, False]  # (gradients of the hidden states and the weight; no bias)
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", list(sweeps.SPLIT))
 def test_each_loss_computes_its_gradients_in_the_forward(name):
     """Every loss of the chunked call's suite ends in a mean, a masked mean, a

@@ -41,7 +41,7 @@ from tests.sweep_cases import topp_rows as _topp_rows
 BACKWARD_SWEEPS = {"gradients_in_forward": False}
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", list(SPLIT))
 def test_each_loss_runs_the_lm_head_in_chunks_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _case(name)
@@ -56,7 +56,7 @@ def test_a_frozen_weight_takes_only_the_row_sweep():
 
 
 # (losses without a float global: one Dynamo pass, one rewrite)
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name,dtype,out_rtol,grad_rtol",
                          dtype_matrix(["reverse_kl", "kl_div_linear", "smoothed_ce"]))
 def test_dynamic_shapes_and_dtypes(name, dtype, out_rtol, grad_rtol):

@@ -102,7 +102,7 @@ def _check(fn, dtype, tol, masked, dynamic=False, scale=1.0):
     return c
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(4)
 @pytest.mark.parametrize("masked", [0.0, 0.5, 0.75])
 @pytest.mark.parametrize("fn", MASKED, ids=lambda f: f.__name__)
 def test_masked_per_token_results_skip_rows_and_match_stock(fn, masked):

@@ -57,7 +57,7 @@ def _pattern(out):
             for t in (*out[0], *out[1])]
 
 
-@pytest.mark.sampled(4)
+@pytest.mark.sampled(6)
 @pytest.mark.parametrize("plan", ["two_sweeps", "gpu"])
 @pytest.mark.parametrize("fn", MASKED, ids=lambda f: f.__name__)
 def test_masked_row_local_losses_skip_rows_and_match_stock(fn, plan):

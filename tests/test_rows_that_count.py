@@ -256,7 +256,7 @@ def test_every_entry_has_a_program():
     assert sorted(ENTRIES) == sorted(ZERO_ROWS)
 
 
-@pytest.mark.sampled(4)
+@pytest.mark.sampled(6)
 @pytest.mark.parametrize("name", sorted(ENTRIES))
 def test_each_entry_skips_the_masked_rows_and_matches_stock(name):
     fn = _entry(name)

@@ -48,7 +48,7 @@ def test_bit_order():
     assert pack_bits(mask).tolist() == [[0b1001, 0b10]]
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("name", SAVING)
 def test_saved_masks_match_recompute_and_stock(name):
     """Saving is taken (counter), the results and every gradient are bit for bit those
@@ -231,7 +231,7 @@ def test_softmax_from_saved_statistics_is_the_forward_and_its_gradient(dim):
         assert torch.allclose(grad, want, atol=1e-12)
 
 
-@pytest.mark.sampled(3)
+@pytest.mark.sampled(5)
 @pytest.mark.parametrize("name", ["forward_kl", "jsd", "topk_topp", "ce_label_smoothing",
                                   "ce_weight_smoothing"])
 def test_saved_normalizers_as_accurate_as_stock(name):

@@ -260,7 +260,7 @@ def logits_rows(monkeypatch, step):
     return forward, sum(calls) - forward
 
 
-@pytest.mark.sampled
+@pytest.mark.sampled(3)
 @pytest.mark.parametrize("head", [logprob, entropy, cross_entropy, logprob_inplace, logprob_unshifted,
                                   *NOT_ONE_PASS], ids=lambda f: f.__name__)
 def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, caplog):
@@ -299,6 +299,7 @@ def test_lm_head_stages_in_one_pass_compute_the_logits_once(head, monkeypatch, c
     pytest.param(cross_entropy, *TOLERANCES[1].values, id="cross_entropy-fp16"),  # one pass, rows skipped
     pytest.param(logprob_global_shift, *TOLERANCES[1].values, id="stages-fp16"),  # a loop per stage
 ])
+@pytest.mark.sampled
 def test_lm_head_gpu_plan_recomputes_the_logits_once(head, dtype, out_rtol, grad_rtol, monkeypatch):
     """On CUDA / XPU the backward runs the lm_head's "gpu" plan (NOTE [shard lm_head
     loops]), here through the test-only ``out_dtype`` kernels: its vocabulary blocks
@@ -355,6 +356,7 @@ def _gemms(monkeypatch):
     pytest.param(logprob, *TOLERANCES[0].values, id="logprob-bf16"),
     pytest.param(entropy, *TOLERANCES[1].values, id="entropy-fp16"),
 ])
+@pytest.mark.sampled
 def test_kept_logits_three_gemms_and_no_less_accurate(head, dtype, out_rtol, grad_rtol, monkeypatch):
     """``lm_head_plan="kept_logits"`` (NOTE [kept shard logits]): the one-pass forward keeps
     its model-precision logits shard and the backward writes their gradient in their place:
