@@ -36,13 +36,13 @@ ISA_TESTS := tests/test_numerics.py tests/test_lm_head.py tests/test_autocast_up
 	tests/test_loss_in_graph.py tests/test_saved_for_backward.py tests/test_row_local_sweeps.py \
 	tests/test_row_local_loss.py
 
-# Three pytest workers (pytest-xdist) on two cores: most of a test's time is Dynamo and
-# Inductor compiling, on one core, and a worker often waits (on g++, on a child process:
-# two workers kept the cores 186% busy); a third fills those gaps.  Each keeps torch's
-# default thread count: the batch-invariance tests need Inductor's parallel reductions.
+# Two pytest workers (pytest-xdist): most of a test's time is Dynamo and Inductor
+# compiling, on one core, so two workers share two cores well (a third made the suite
+# slower: the fresh-process tests' children then contend with three workers).  Each keeps
+# torch's default thread count: the batch-invariance tests need Inductor's parallel reductions.
 # Work stealing: an idle worker takes queued tests from the busy one (the slowest tests,
 # fresh processes of a minute or more, otherwise end the run on one worker).
-WORKERS := -n 3 --dist worksteal
+WORKERS := -n 2 --dist worksteal
 
 # The AVX2 part of `make test`: what an AVX2-only CPU runs by default, where its code or
 # kernels differ from this CPU's: numerics against stock, the lm_head plan it picks

@@ -394,6 +394,7 @@ def test_kept_logits_three_gemms_and_no_less_accurate(head, dtype, out_rtol, gra
 
 
 @pytest.mark.slow
+@pytest.mark.full  # (make test starts warm in tests/test_recompiles_cache.py)
 def test_warm_start_in_a_new_process_serves_the_one_pass_graphs(tmp_path):
     """AOTAutograd's cache holds graphs that call ``shard_lm_head_stages`` by a plan's
     name; the plan lives in the process that ran the pass.  A second process with the same
