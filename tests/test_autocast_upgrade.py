@@ -181,7 +181,9 @@ def _run_script(tmp_path, argv, **env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [pytest.param("launcher flag", marks=pytest.mark.full), "env switch",
+# (the upgrade's positive runs are make test-full's: make test upgrades in-process, above)
+@pytest.mark.parametrize("how", [pytest.param("launcher flag", marks=pytest.mark.full),
+                                 pytest.param("env switch", marks=pytest.mark.full),
                                  "env switch, option unset"])
 def test_upgrade_through_launcher_and_env_switch(tmp_path, how):
     launcher = [str(pathlib.Path(sys.executable).parent / "chunked-logits"), "run",

@@ -29,6 +29,8 @@ def batch(B=2, S=48):
     return ids, labels
 
 
+# (make test-full; make test: the SFT example, ForCausalLMLoss with labels, in test_examples)
+@pytest.mark.full
 def test_model_with_labels_fires_on_its_loss(model):
     ids, labels = batch()
     ref = model(input_ids=ids, labels=labels)

@@ -123,6 +123,7 @@ def test_lm_head_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol, 
     pytest.param("ce_bias_shift", *TOLERANCES[0].values, id="ce_bias_shift-bf16"),
     pytest.param("softcap", *TOLERANCES[1].values, id="softcap-fp16"),
 ])
+@pytest.mark.sampled
 def test_gpu_plan_numerics_no_worse_than_stock(name, dtype, out_rtol, grad_rtol):
     """The "gpu" plan (model-precision GEMM inputs, grad_hidden summed across vocabulary
     blocks through out_dtype=float32) on this CPU, through the test-only kernels of
@@ -163,6 +164,8 @@ def test_no_logits_buffer_at_all():
     assert [a for c in stock for a in allocations(c) if a[0] == (str(T), str(V))], "positive control"
 
 
+# (make test-full; make test: test_returned_logits_dynamic_lengths_one_outer_graph, below)
+@pytest.mark.full
 def test_dynamic_lengths_compile_the_outer_graph_once():
     w = WORKLOADS["W4"]
     fn = torch.compile(w.fn, backend="chunked_logits", dynamic=True)
@@ -175,6 +178,8 @@ def test_dynamic_lengths_compile_the_outer_graph_once():
     assert counters["stats"]["unique_graphs"] == compiled  # and nothing compiles per length
 
 
+# (make test-full; make test: test_loss_in_graph.py::test_loop_bodies_compile_once_across_calls)
+@pytest.mark.full
 def test_loop_bodies_compile_once_across_calls_and_grad_modes():
     """Was a gap: the bodies compiled again on the second call (a dispatch-key and a
     requires_grad guard) and at every grad-mode change.  (The recompute path's bodies:

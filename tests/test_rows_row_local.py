@@ -72,7 +72,7 @@ def test_no_some_or_every_row_masked(masked):
     assert out - 8 < c.get("rows_skipped", 0) <= out, c  # (kept rows rounded up to a multiple of 8)
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", [pytest.param(False, marks=pytest.mark.full), True])  # (static: full)
 def test_fp16_dynamic_shapes_and_an_incoming_gradient(dynamic):
     """0.3 recomputes both gradients from the scaled cotangents (over the kept rows); -2
     scales the forward's exactly; the ``gpu`` plan scales its FP32 sums on the device."""

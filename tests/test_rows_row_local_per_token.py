@@ -146,6 +146,8 @@ def _gemms(masked):
     return full_gemms(gemms, 256, H, V)
 
 
+# (make test-full; make test: the same count in test_rows_row_local.py and test_rows_per_token.py)
+@pytest.mark.full
 def test_half_the_rows_masked_half_the_gemms():
     full, half = _gemms(0.0), _gemms(0.5)
     assert 0 < half <= 0.55 * full, (half, full)

@@ -420,6 +420,7 @@ def test_warm_start_in_a_new_process_serves_the_one_pass_graphs(tmp_path):
     assert warm["bits"] == cold["bits"]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fused", [False, True], ids=["shard", "lm_head"])
 def test_dynamic_lengths_rewritten_once_and_same_as_stock(fused):
     """Was a gap: under ``dynamic=True`` Dynamo passes the temperature as a symbolic float
