@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import math
 import pathlib
 import re
 import statistics
@@ -336,9 +337,41 @@ def sync_checked(step: Callable, device: torch.device) -> str:
     return f"SYNC x{len(sites)}: " + "; ".join(dict.fromkeys(sites))
 
 
+def timeline(kernels: list[tuple[str, float, float]], is_gemm: Callable[[str], bool], top: int = 4) -> dict:
+    """Where a profiled step's device time went, from its kernels' ``(name, start us, end
+    us)``: ``span_ms`` from the first kernel's start to the last one's end, ``busy_ms`` the
+    union of their intervals (overlapping kernels count once), ``idle_ms`` the rest of the
+    span (the device waiting on the host: launches, allocations, host reads), ``gemm_ms``,
+    ``copy_ms`` (memsets and copies), ``other_ms`` (every other kernel: Inductor's row and
+    elementwise kernels) and ``top_kernels``: the ``top`` non-GEMM, non-copy kernel names
+    by their total time, ``[name, launches, ms]``.  The question a run answers with it:
+    how much of a step outside its GEMMs is kernels, and how much the device waits
+    (docs/gpu.md, "What to look at first on a GPU")."""
+    if not kernels:
+        return {}
+    busy, end, spans = 0.0, -math.inf, sorted((s, e) for _, s, e in kernels)
+    for s, e in spans:  # (the union of the intervals, in start order)
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    by = {"gemm": 0.0, "copy": 0.0, "other": 0.0}
+    others: dict[str, list] = {}
+    for name, s, e in kernels:
+        kind = "gemm" if is_gemm(name) else "copy" if name.startswith(("Memcpy", "Memset")) else "other"
+        by[kind] += e - s
+        if kind == "other":
+            acc = others.setdefault(name[:80], [name[:80], 0, 0.0])
+            acc[1], acc[2] = acc[1] + 1, acc[2] + (e - s) / 1e3
+    span = end - spans[0][0]
+    biggest = sorted(others.values(), key=lambda a: -a[2])[:top]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "gemm_ms": by["gemm"] / 1e3, "copy_ms": by["copy"] / 1e3, "other_ms": by["other"] / 1e3,
+            "top_kernels": [[n, k, round(ms, 3)] for n, k, ms in biggest]}
+
+
 def profiled(step: Callable, device: torch.device) -> dict:
-    """Kernels launched, GEMM kernel time (ms) and host-sync ops of one step.  On the CPU
-    the stand-ins: ATen ops called, the GEMM ops' CPU time."""
+    """Kernels launched, GEMM kernel time (ms), host-sync ops and the step's ``timeline``
+    of one step.  On the CPU the stand-ins: ATen ops called, the GEMM ops' CPU time, the
+    timeline of the top-level ATen ops."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts, with_flops=True) as prof:
@@ -349,14 +382,19 @@ def profiled(step: Callable, device: torch.device) -> dict:
     syncs = sorted({e.name for e in events if e.name in SYNC_OPS})
     flops = {"prof_tflop": sum(e.flops or 0 for e in events) / 1e12}  # (the profiler's count: mm, addmm, bmm)
     if device.type == "cuda":
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False)  # (record_function ranges on the GPU)
-                   and not e.name.startswith(("Memcpy", "Memset"))]
+        on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False)]  # (record_function ranges on the GPU)
+        kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
         gemm_us = sum(e.time_range.elapsed_us() for e in kernels if GEMM_KERNEL.search(e.name))
-        return {"kernels": len(kernels), "gemm_ms": gemm_us / 1e3, "syncs": syncs, **flops}
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in on_gpu]
+        return {**timeline(spans, lambda n: bool(GEMM_KERNEL.search(n))), "kernels": len(kernels),
+                "gemm_ms": gemm_us / 1e3, "syncs": syncs, **flops}
     ops = [e for e in events if e.name.startswith("aten::")]
     gemm_us = sum(e.cpu_time_total for e in ops if e.name in CPU_GEMM_OPS)
-    return {"kernels": len(ops), "gemm_ms": gemm_us / 1e3, "syncs": syncs, **flops}
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in ops if e.cpu_parent is None]
+    gemm_like = CPU_GEMM_OPS + ("aten::linear", "aten::matmul")  # (top-level ops calling a GEMM)
+    return {**timeline(spans, lambda n: n in gemm_like), "kernels": len(ops), "gemm_ms": gemm_us / 1e3,
+            "syncs": syncs, **flops}
 
 
 def gemm_flops(step: Callable) -> float:

@@ -84,6 +84,23 @@ RESULT_COLUMNS = (  # header, cell
 )
 
 
+def _top(row: dict) -> str:
+    return "; ".join(f"{name} x{n} {ms:.2f}" for name, n, ms in row.get("top_kernels") or []) or "-"
+
+
+TIMELINE_COLUMNS = (  # header, cell: the profiled step's device time (gpu_case.timeline)
+    ("case", lambda r: r["case"]),
+    ("mode", lambda r: r["mode"]),
+    ("span ms", lambda r: fmt(r.get("span_ms"), ".2f")),
+    ("busy ms", lambda r: fmt(r.get("busy_ms"), ".2f")),
+    ("idle ms", lambda r: fmt(r.get("idle_ms"), ".2f")),
+    ("GEMM ms", lambda r: fmt(r.get("gemm_ms"), ".2f")),
+    ("other kernels ms", lambda r: fmt(r.get("other_ms"), ".2f")),
+    ("memset / copy ms", lambda r: fmt(r.get("copy_ms"), ".2f")),
+    ("largest other kernels (launches, ms)", _top),
+)
+
+
 def _table(header: list[str], lines: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     return out + ["| " + " | ".join(cells) + " |" for cells in lines]
@@ -105,6 +122,12 @@ def markdown(summary: dict) -> str:
     out += [f"GPU tests (`pytest -m gpu tests/test_gpu.py`): {summary['tests']['summary']}", ""]
     out += _table([h for h, _ in RESULT_COLUMNS],
                   [[cell(r) for _, cell in RESULT_COLUMNS] for r in summary["rows"]])
+    timed = [r for r in summary["rows"] if "busy_ms" in r]
+    if timed:
+        out += ["", "Where the profiled step's time went (one step under the profiler: the span from "
+                "its first kernel to its last, the kernels' union, the device idle in between):", ""]
+        out += _table([h for h, _ in TIMELINE_COLUMNS],
+                      [[cell(r) for _, cell in TIMELINE_COLUMNS] for r in timed])
     if summary["notes"]:
         out += ["", "Notes:", ""] + [f"* {line}" for line in summary["notes"]]
     return "\n".join(out) + "\n"

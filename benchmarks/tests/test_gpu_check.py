@@ -64,6 +64,8 @@ def test_every_mode_of_the_subset_is_measured(dry_run):
         assert r["n_time_steps"] == 2 and r["t_ratio_vs_stock"] > 0
         assert r["kernels"] > 0 and r["gemm_ms"] >= 0 and isinstance(r["syncs"], list), r
         assert r["sync_mode"] == "n/a (CPU)"
+        assert r["span_ms"] >= r["busy_ms"] > 0 and r["idle_ms"] >= 0, r  # (the timeline's stand-in)
+        assert f"| {c} | {m} | {r['span_ms']:.2f} | {r['busy_ms']:.2f} |" in page
         if m != "inductor":
             assert r["chunked_logits"]["rewritten"] == 1, r
         assert (out / "cases" / f"{c}_{DRY_T}.json").exists()
@@ -92,6 +94,19 @@ def test_case_guard_skips_the_remaining_phases(tmp_path):
     assert result["notes"] == ["time guard (0 s) reached: compile and later phases skipped"]
     assert list(result["rows"]) == list(gpu_case.modes_of("WV", True))
     assert all(set(r) == {"predicted"} for r in result["rows"].values())
+
+
+def test_the_timeline_splits_the_span():
+    """A profiled step's device time: overlapping kernels count once in ``busy_ms``, the
+    gaps are ``idle_ms``, and each kernel falls in one class (GEMM, memset / copy, other)."""
+    kernels = [("nvjet_tst_gemm", 0.0, 10_000.0), ("triton_red_fused_0", 12_000.0, 15_000.0),
+               ("Memset (Device)", 14_000.0, 18_000.0), ("triton_red_fused_0", 15_000.0, 16_000.0),
+               ("triton_poi_fused_1", 20_000.0, 21_000.0)]
+    t = gpu_case.timeline(kernels, lambda n: "gemm" in n)
+    assert (t["span_ms"], t["busy_ms"], t["idle_ms"]) == (21.0, 17.0, 4.0)
+    assert (t["gemm_ms"], t["copy_ms"], t["other_ms"]) == (10.0, 4.0, 5.0)
+    assert t["top_kernels"] == [["triton_red_fused_0", 2, 4.0], ["triton_poi_fused_1", 1, 1.0]]
+    assert gpu_case.timeline([], lambda n: True) == {}
 
 
 def test_a_killed_test_run_still_counts_what_finished():
