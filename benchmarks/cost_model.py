@@ -233,12 +233,45 @@ def describe(dev: Device) -> str:
             f"{device_budget(dev) / MIB:.0f} MiB ({dev.source})")
 
 
+def auto_runs(name: str, in_forward: bool, dev: Device) -> tuple[str, bool]:
+    """(plan, gradients in forward) that ``lm_head_plan="auto"`` runs for ``name`` (no mask)
+    on ``dev``, a GPU: a log-prob keeps its logits (``tiling.keeps_logits``), a
+    cross-entropy alone recomputes them, its loss in the graph on the loss loop where its
+    FP32 sums fit under stock's peak (``tiling.holds_weight_sums``)."""
+    T, H, V, loss = WORKLOADS[name]
+    if tiling.keeps_logits(dev.kind, loss == "logprob"):
+        return "kept_logits", in_forward
+    return "gpu", in_forward and tiling.holds_weight_sums(T, V, H, dev.kind, loss == "logprob")
+
+
+def auto_table(devices=DEVICES) -> str:
+    """What ``auto`` runs at the H200 run's sizes (W4L-8k, WV-8k), loss in the graph and
+    per token, with its ratio to stock on each device and the issue's targets."""
+    lines = ["What `auto` runs on each GPU (no mask), ours / stock:", "",
+             "| workload | loss | plan, path | " + " | ".join(d.name for d in devices) + " | target |",
+             "|" + " --- |" * (4 + len(devices))]
+    for name in ("W4L-8k", "WV-8k"):
+        T, H, V, loss = WORKLOADS[name]
+        for in_forward in (True, False):
+            cells = []
+            for dev in devices:
+                plan, gif = auto_runs(name, in_forward, dev)
+                ratio = step_time(ours(T, H, V, plan, gif, device_budget(dev)), dev) / step_time(
+                    stock(T, H, V, loss), dev)
+                cells.append(f"{ratio:.2f}x")
+            bound = TARGETS.get((name, in_forward))
+            verdict = "met" if float(cells[-1][:-1]) <= bound else "**not met**"
+            lines.append(f"| {name} | {'in the graph' if in_forward else 'per token'} | {plan}, "
+                         f"{_path(H, gif, plan)} | " + " | ".join(cells) + f" | <= {bound}x: {verdict} |")
+    return "\n".join(lines)
+
+
 def report(plans_text: Optional[str] = None) -> str:
     """The H100 / H200 table as Markdown, with its assumptions (what gpu_check prints)."""
     plans, notes = parse_plans(plans_text)
     rows = predict(DEVICES, plans)
     out = ["Predicted (a model, not a measurement: benchmarks/cost_model.py), ratio = ours / stock:", ""]
-    out += [table(rows, DEVICES), ""] + [f"* {describe(d)}" for d in DEVICES]
+    out += [table(rows, DEVICES), "", auto_table(), ""] + [f"* {describe(d)}" for d in DEVICES]
     out += [f"* note: {n}" for n in notes]
     return "\n".join(out)
 

@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import memory  # noqa: E402
 from benchmarks.cases import Case, _fresh, ensure_backend, errors, pass_report, reference, snapshot  # noqa: E402
 from benchmarks.gpu_report import write_json  # noqa: E402
+from fx_passes.kernels import tiling  # noqa: E402
 from fx_passes.testing import gemms  # noqa: E402
 from fx_passes.testing.workloads import (  # noqa: E402
     ALL_WORKLOADS,
@@ -140,7 +141,8 @@ class CaseDef:
 
 _W4L, _WV = ALL_WORKLOADS["W4L"], ALL_WORKLOADS["WV"]
 # (and the forward's logits kept for the backward, 3 GEMMs on stock's structure, the loss in
-# the graph too: NOTE [kept logits]; ``auto`` picks it on a GPU only if a run shows it pays)
+# the graph too: NOTE [kept logits]; what ``auto`` runs on a GPU for W4L and W4L-tok,
+# ``tiling.keeps_logits``; ``gpu``, what it runs for WV and WV-tok and ``lm_head_plan="gpu"`` for all)
 LM_MODES = (STOCK, *(f"ours:{p}" for p in GPU_PLANS), "ours:kept_logits")
 CASES = {
     "W4L": CaseDef(_W4L, LM_MODES, model=("logprob", True)),
@@ -152,10 +154,10 @@ CASES = {
     "RO": CaseDef(_WV, ("inductor:ro", "ours:ro")),
     "WD": CaseDef(ALL_WORKLOADS["WD"], (STOCK, "ours")),
     "WP": CaseDef(ALL_WORKLOADS["WP"], (STOCK, "ours")),
-    # (``ours``: the backward's ``gpu`` loops on CUDA; ``two_sweeps``, what the 2026-12-04 run
-    # ran; ``kept_logits``: the logits shard kept for the backward, NOTE [kept shard logits])
+    # (``ours``: ``auto``, on CUDA the logits shard kept for the backward, NOTE [kept shard
+    # logits], as ``kept_logits``; ``two_sweeps``, what the 2026-12-04 run ran)
     "VP": CaseDef(Workload("VP", vocab_parallel_loss, True, _make_lm_head, (4096, 32768), (0, 1)),
-                  (STOCK, "ours", "ours:two_sweeps", "ours:kept_logits"), group=True),
+                  (STOCK, "ours", "ours:two_sweeps", "ours:gpu"), group=True),
     # WV's loss with the first half of each sequence's labels -100 (SFT prompts): ours skips
     # those rows after one host read a step; ``all_rows`` is ours with the option off, so the
     # read's cost and the rows' saving are both in one run (docs/how-it-works.md, 5c).
@@ -176,7 +178,9 @@ def modes_of(key: str, dry_run: bool) -> tuple[str, ...]:
     differ in the backward only: a compile each, most of the dry run's time)."""
     modes = CASES[key].modes
     if dry_run and key != DRY_ALL_PLANS:
-        return tuple(m for m in modes if m.partition(":")[2] not in (*GPU_PLANS[1:], "kept_logits"))
+        plain = "ours" in modes  # (its auto mode runs there: no forced plan beside it)
+        return tuple(m for m in modes if m.partition(":")[2] not in (*GPU_PLANS[1:], "kept_logits")
+                     and not (plain and m == "ours:gpu"))
     return modes
 
 
@@ -557,7 +561,10 @@ def predicted(key: str, mode: str, T: int, V: int, H: int) -> Optional[dict]:
     if mode.startswith(STOCK):
         return {"ms": 1e3 * base, "ratio": 1.0, "device": dev.name}
     variant = mode.partition(":")[2]
-    plan = "gpu" if variant in ("", *NOT_PLANS) else variant
+    # ("auto" on a GPU: VP's one-pass loop keeps its logits shard, tiling.keeps_logits; RO, W4C:
+    # a cross-entropy, the recomputing loops)
+    auto = "kept_logits" if key == "VP" and tiling.keeps_logits("cuda", True) else "gpu"
+    plan = auto if variant in ("", *NOT_PLANS) else variant
     masked = CASES[key].masked if variant != "all_rows" else 0.0
     if key == "VP":
         ours = roof.step_time(loops.vocab_parallel(budget, T, H, V, plan), dev)

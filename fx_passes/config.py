@@ -51,7 +51,10 @@ class Config:
             "kept_logits" trades memory for time: a per-token call keeps its model-precision
             logits (``2 T V`` bytes, as stock's) and the backward writes their gradient in
             their place, three GEMMs a step instead of four (NOTE [kept logits]); a loss in
-            the graph stays there, on that call (no gradients in the forward).  A
+            the graph stays there, on that call (no gradients in the forward).  "auto"
+            takes it on a GPU where stock keeps an FP32 ``[T, V]`` (a log-prob, an entropy)
+            and no mask leaves rows out (``tiling.keeps_logits``); "gpu" forces the loops
+            that recompute the logits (less memory, one GEMM more per token).  A
             vocab-parallel lm_head's loops have "gpu", "two_sweeps" and, in its one-pass
             loop with no mask, "kept_logits" (NOTE [kept shard logits]); any other runs
             "two_sweeps" (``kernels/log_softmax/shard.backward_loops``).

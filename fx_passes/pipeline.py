@@ -101,12 +101,18 @@ def _vocab_parallel(graph: Graph, config: Config, run: _Run) -> None:
         record_rewrite(where, counted(outcome, what, "vocab_parallel_lm_head"), nbytes, report_only=False)
 
 
+def _stock_keeps_fp32(region: Region) -> bool:
+    """Does stock Inductor keep the region's FP32 ``[.., V]`` tensor (anything but a
+    cross-entropy alone, whose fused kernels keep none), whatever its sizes?"""
+    return {s.role for s in region.sinks} != {Role.LOSS}
+
+
 def _bytes_avoided(region: Region) -> tuple[int, int]:
     """What stock Inductor keeps per call that a rewrite of ``region`` does not (0 if
     symbolic), read before the rewrite: the FP32 ``[.., V]`` tensor, except for a
     cross-entropy alone (stock's fused kernels keep none either); and the model-precision
     logits, which a fused lm_head also never makes."""
-    nbytes = 0 if {s.role for s in region.sinks} == {Role.LOSS} else fp32_bytes(region.z)
+    nbytes = fp32_bytes(region.z) if _stock_keeps_fp32(region) else 0
     logits = upcast_input(region.upcast)
     value = meta(logits) if logits is not None else None
     numel = value.numel() if isinstance(value, torch.Tensor) else None
@@ -221,13 +227,15 @@ def _region(graph: Graph, region: Region, config: Config, run: _Run) -> None:
         _row_local(graph, region.upcast, d, config, run.taken, run.declined)
         return
     new = sorted(fused_calls(graph) - fused, key=lambda n: n.name)
-    losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config, nbytes[0] > 0)  # (in the forward)
+    stock_fp32 = _stock_keeps_fp32(region)
+    losses = tuple(filter(None, (rewrite_loss_tail(graph, call, config, stock_fp32)  # (in the forward)
                                  for call in new)))
     kept = [call for call in new if call in fused_calls(graph)]  # (those keeping per-token results)
     why: list[str] = []  # (per-token results a mask leaves unread that every row computes: why)
     masked = sum(skip_unread_rows(graph, call, config, why) for call in kept)
-    # (lm_head_plan="kept_logits": the per-token calls still whole keep their logits, NOTE [kept logits])
-    kept_logits = sum(keep_logits(call) for call in kept if call in fused_calls(graph))
+    # (lm_head_plan="kept_logits", or "auto" on a GPU where stock keeps an FP32 [T, V]: the
+    # per-token calls still whole keep their logits, NOTE [kept logits], tiling.keeps_logits)
+    kept_logits = sum(keep_logits(call, stock_fp32) for call in kept if call in fused_calls(graph))
     outcome = dataclasses.replace(outcome, losses=outcome.losses + losses, masked_per_token=masked,
                                   rows_why=tuple(why), kept_logits=kept_logits)
     record_rewrite(where, counted(outcome, what, "lm_head_fused"), _with_lm_head(nbytes, outcome),

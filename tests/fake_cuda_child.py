@@ -56,6 +56,13 @@ def lm_per_token(hidden, weight, tok):
     return logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), -(torch.softmax(z, -1) * logp).sum(-1)
 
 
+def lm_ce_per_token(hidden, weight, labels):
+    """A cross-entropy alone, per token: stock keeps no FP32 ``[T, V]`` (its fused kernels),
+    so ``auto`` keeps no logits on a GPU (``tiling.keeps_logits``); its ignored labels
+    (``ignore_index``) make it the loop that leaves them out."""
+    return torch.nn.functional.cross_entropy((hidden @ weight.T).float(), labels, reduction="none")
+
+
 def lm_masked_per_token(hidden, weight, tok, mask):
     """Two masked means leave the graph (a loss and a metric): the per-token call that
     leaves the masked rows out (``lm_head_row_stats_masked``)."""
@@ -77,7 +84,13 @@ def paths():
         "given_logits_stats": (policy_loss, (logits, tok, adv), {}),
         "given_logits_stats_dynamic": (policy_loss, (logits, tok, adv), {"dynamic": True}),
         "lm_head_loss_in_graph": (lm_logprob_entropy, (hidden, weight, tok, adv), {}),
+        "lm_head_loss_in_graph_recompute": (lm_logprob_entropy, (hidden, weight, tok, adv),
+                                            {"lm_head_plan": "gpu"}),
         "lm_head_per_token": (lm_per_token, (hidden, weight, tok), {}),
+        "lm_head_per_token_recompute": (lm_per_token, (hidden, weight, tok), {"lm_head_plan": "gpu"}),
+        "lm_head_ce_per_token": (lm_ce_per_token, (hidden, weight, tok), {}),
+        "lm_head_ce_per_token_every_row": (lm_ce_per_token, (hidden, weight, tok),
+                                           {"skip_masked_rows": False}),
         "lm_head_per_token_masked": (lm_masked_per_token, (hidden, weight, tok, (adv > 0).float()), {}),
         "row_local_given_logits": (rl.topk_logprob, (logits, tok), {}),
         "row_local_given_logits_symbolic_scalar": (tempered_topk, (logits, tok, 0.7),

@@ -69,7 +69,13 @@ CUDA = ["cuda:0"]
 RUNS = {
     "given_logits_stats": "fx_passes.kernels.log_softmax.given.row_stats",
     "given_logits_stats_dynamic": "fx_passes.kernels.log_softmax.given.row_stats",
-    "lm_head_per_token": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
+    # ("auto" on a GPU keeps a log-prob's logits, tiling.keeps_logits; "gpu" recomputes them;
+    # a cross-entropy alone keeps its own loop: here the one that leaves ignored rows out)
+    "lm_head_per_token": "fx_passes.kernels.log_softmax.lm_head_kept.lm_head_row_stats_kept",
+    "lm_head_per_token_recompute": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
+    "lm_head_ce_per_token": "fx_passes.kernels.log_softmax.lm_head_masked.lm_head_row_stats_masked",
+    # (every row run: the recomputing loop, no logits kept)
+    "lm_head_ce_per_token_every_row": "fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats",
     # (its op's count of rows run is a host tensor: inside the call, not among its results)
     "lm_head_per_token_masked": "fx_passes.kernels.log_softmax.lm_head_masked.lm_head_row_stats_masked",
     "row_local_given_logits": "fx_passes.kernels.row_local.engine.row_local",
@@ -90,7 +96,8 @@ def result() -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = last_json(proc.stdout)
     for kind in ("as_built", "gpu_kernels"):
-        assert set(got[kind]["paths"]) == {*RUNS, *TRACED_ON_THE_DEVICE, "lm_head_loss_in_graph"}
+        assert set(got[kind]["paths"]) == {*RUNS, *TRACED_ON_THE_DEVICE, "lm_head_loss_in_graph",
+                                           "lm_head_loss_in_graph_recompute"}
     return got
 
 
@@ -124,10 +131,12 @@ def test_the_count_of_rows_run_is_a_host_tensor(result, kind):
     """The per-token call that leaves masked rows out hands its backward the count of rows
     run in host memory (one device read a step, in the forward; NOTE [per-token rows a
     mask leaves out]); every other tensor is on the device."""
-    got = result[kind]["paths"]["lm_head_per_token_masked"]
-    assert got["counters"].get("masked_rows") == 1 and got["count_devices"] == ["cpu"], got
+    masked = ("lm_head_per_token_masked", "lm_head_ce_per_token")  # (a mask; the ignored labels)
+    for name in masked:
+        got = result[kind]["paths"][name]
+        assert got["counters"].get("masked_rows") == 1 and got["count_devices"] == ["cpu"], got
     assert all(p["count_devices"] == [] for name, p in result[kind]["paths"].items()
-               if name != "lm_head_per_token_masked"), result[kind]
+               if name not in masked), result[kind]
 
 
 @pytest.mark.parametrize("kind", ["as_built", "gpu_kernels"])
@@ -139,13 +148,20 @@ def test_a_row_local_region_keeping_masked_results_runs_every_row_and_says_why(r
 
 
 def test_lm_head_loss_in_graph(result):
-    """The loss in the graph: "blocks" computes no gradient in the forward (the per-row
-    stats call); "gpu" takes the loss tail, whose rewrite traces on the device (left as
-    is here, the user's graph compiled unchanged)."""
-    blocks = result["as_built"]["paths"]["lm_head_loss_in_graph"]
+    """The loss in the graph, a log-prob's: "auto" keeps it in the graph on the call that
+    keeps its logits (``tiling.keeps_logits``: stock keeps an FP32 ``[T, V]`` there), with
+    or without ``mm.dtype``.  Forced "gpu" recomputes: without ``mm.dtype`` that runs
+    "blocks", which computes no gradient in the forward (the per-row stats call); with it
+    the loss tail, whose rewrite traces on the device (left as is here, the user's graph
+    compiled unchanged)."""
+    for kind in ("as_built", "gpu_kernels"):
+        kept = result[kind]["paths"]["lm_head_loss_in_graph"]
+        assert kept["emitted"] == [RUNS["lm_head_per_token"]] and kept["counters"]["kept_logits"] == 1, kept
+        assert kept["value_devices"] == CUDA and kept["output_devices"] == CUDA, kept
+    blocks = result["as_built"]["paths"]["lm_head_loss_in_graph_recompute"]
     assert blocks["emitted"] == ["fx_passes.kernels.log_softmax.lm_head.lm_head_row_stats"], blocks
     assert blocks["value_devices"] == CUDA and blocks["output_devices"] == CUDA, blocks
-    gpu = result["gpu_kernels"]["paths"]["lm_head_loss_in_graph"]
+    gpu = result["gpu_kernels"]["paths"]["lm_head_loss_in_graph_recompute"]
     assert gpu["unchanged"] and gpu["failed_for_no_cuda"] and gpu["counters"] == {"pass_failed": 1}, gpu
 
 

@@ -115,11 +115,15 @@ def _codes(name, backend, dynamic):
 
 
 def lm_head_op(device=CUDA) -> str:
-    """The op W4's outer graph calls on ``device``: its loss reaches the graph's output, so
-    where the auto plan computes gradients in the forward (``kernels.log_softmax.loss.PLANS``:
-    "gpu" on a GPU with ``mm(.., out_dtype=)``) the loss-in-graph op, else the per-token one."""
+    """The op W4's outer graph calls on ``device``: a log-prob's loss with no mask, whose
+    per-token call keeps its logits where ``tiling.keeps_logits`` says so (a GPU: the loss
+    stays in the graph on that call); else, its loss reaching the graph's output, where the
+    auto plan computes gradients in the forward (``kernels.log_softmax.loss.PLANS``) the
+    loss-in-graph op, else the per-token one."""
     from fx_passes.kernels.log_softmax.loss import PLANS
-    from fx_passes.kernels.tiling import backward_plan
+    from fx_passes.kernels.tiling import backward_plan, keeps_logits
+    if keeps_logits(device.type, stock_fp32=True):
+        return "lm_head_stats_kept"
     return "lm_head_loss" if backward_plan(device, torch.bfloat16) in PLANS else "lm_head_stats"
 
 

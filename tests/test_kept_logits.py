@@ -194,3 +194,57 @@ def test_the_loss_in_the_graph_keeps_the_logits_too():
     assert got["kept_logits"] == 1 and "gradients_in_forward" not in got, got
     assert full_gemms(gemms, 61, 32, 4099) == pytest.approx(3.0)
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+
+
+@pytest.fixture
+def cpu_as_a_gpu(monkeypatch):
+    """``tiling.keeps_logits`` answering for this CPU as for a GPU (the rule reads the device
+    type only), where the rewrites call it."""
+    from fx_passes.rewrite import loss_tail
+
+    def as_gpu(device_type, stock_fp32, plan="auto"):
+        return tiling.keeps_logits("cuda" if device_type == "cpu" else device_type, stock_fp32, plan)
+    monkeypatch.setattr(loss_tail, "keeps_logits", as_gpu)
+
+
+def masked_policy_loss(hidden, weight, tok, adv, up=F32):
+    """``policy_loss`` as a masked mean over the rows with a positive advantage."""
+    logp = torch.log_softmax((hidden @ weight.T).to(up) / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1)
+    mask = (adv > 0).to(up)
+    return -(logp * adv * mask).sum() / mask.sum()
+
+
+def ce_per_token(hidden, weight, tok, adv, up=F32):
+    """A cross-entropy alone, per token (its stock keeps no FP32 [T, V])."""
+    return torch.nn.functional.cross_entropy((hidden @ weight.T).to(up), tok, reduction="none") * adv
+
+
+@pytest.mark.parametrize("fn,options,kept", [
+    (policy_loss, {}, True),
+    (masked_policy_loss, {}, False),  # (its loop runs only the rows the mask keeps)
+    (ce_per_token, {"skip_masked_rows": False}, False),  # (keeping would save nothing)
+    (policy_loss, {"lm_head_plan": "two_sweeps"}, False),  # (a plan named: the user's)
+], ids=["log_prob_loss", "masked_loss", "cross_entropy_alone", "plan_named"])
+def test_auto_on_a_gpu_keeps_a_log_probs_logits(cpu_as_a_gpu, fn, options, kept):
+    """``auto`` on a GPU (``tiling.keeps_logits``, the device type the one thing this CPU
+    run changes): a log-prob's loss with no mask stays in the graph on the call that keeps
+    its logits, three GEMMs a step, against FP64 no worse than stock; a masked loss keeps
+    the loop that leaves its rows out, a cross-entropy alone and a named plan keep no logits."""
+    dtype, out_rtol, grad_rtol = TOLERANCES[0].values
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(61, 32, generator=g).to(dtype)
+    w = (torch.randn(4099, 32, generator=g) / 32**0.5).to(dtype)
+    inputs = (h, w, torch.randint(0, 4099, (61,), generator=g), torch.randn(61, generator=g))
+    torch._dynamo.reset()
+    counters.clear()
+    fused = torch.compile(fn, backend="chunked_logits", options={"chunk_budget_mib": 4099 / 50257, **options})
+    with recording() as gemms:
+        ours = run(fused, inputs, (0, 1))
+    got = dict(counters["chunked_logits"])
+    assert got["rewritten"] == 1 and bool(got.get("kept_logits")) == kept, got
+    if kept:
+        assert "gradients_in_forward" not in got and full_gemms(gemms, 61, 32, 4099) == pytest.approx(3.0)
+        ref, stock = reference(fn, inputs, (0, 1)), run(torch.compile(fn, backend="inductor"), inputs, (0, 1))
+        assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
+    elif fn is masked_policy_loss:  # (the loss loop or, where this CPU's plan has none, the per-token one)
+        assert got["rows_skipped"] > 0, got

@@ -68,9 +68,9 @@ from ..fx.graph_ops import (
     scalar_tensor,
 )
 from ..fx.placement import changes_state, first_mutation, mutation_of, same_state
-from ..kernels.log_softmax.lm_head_kept import KEPT
 from ..kernels.log_softmax.shard import gather_index_positions, shard_lm_head
 from ..kernels.ops import user_bodies
+from ..kernels.tiling import keeps_logits
 from ..match.lm_head import LMHead, producer
 from ..match.loss_tail import match_region_reads
 from ..match.masks import mask_read
@@ -228,8 +228,11 @@ def rewrite_shard_region(graph: Graph, region: ShardRegion, config: Config) -> O
         said: list[str] = []
         masked = int(_skip_masked_rows(graph, call, view, said))
         rows_why = () if masked else tuple(said[:1]) or rows_why
-    kept = one is not None and config.lm_head_plan == KEPT and call.target is shard_lm_head_stages
-    if kept:  # (NOTE [kept shard logits]; a masked call keeps its own loop)
+    # (NOTE [kept shard logits]: asked for, or "auto" on a GPU, tiling.keeps_logits: stock's
+    # stages keep FP32 copies of the shard beside its logits; a masked call keeps its own loop)
+    kept = one is not None and call.target is shard_lm_head_stages and \
+        keeps_logits(meta(head.hidden).device.type, True, config.lm_head_plan)
+    if kept:
         call.target = shard_lm_head_stages_kept
     if head is None:
         return Outcome.not_fused(why, rows_why=rows_why)

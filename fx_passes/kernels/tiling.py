@@ -21,8 +21,8 @@ import torch
 from .. import compat
 from ..reporting.report import say_once
 
-__all__ = ["forward_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "holds_weight_sums", "weight_sums_why",
-           "backward_tiles", "gpu_block_cols",
+__all__ = ["forward_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "holds_weight_sums", "keeps_logits",
+           "weight_sums_why", "backward_tiles", "gpu_block_cols",
            "sweep_sizes", "accumulator_rows",
            "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
            "resolve_budget", "ALIGN", "chunk_rows", "sweep_step", "product_cols", "spans",
@@ -321,13 +321,36 @@ def _say_no_out_dtype(device_type: str) -> None:
 # * ``"blocks"`` (GPUs whose torch has no ``mm.dtype``): as ``"gpu"``, but the FP32
 #   accumulation of ``grad_hidden`` runs on FP32 copies of the gradient and the
 #   weight block (an FP32-input GEMM: several times slower on tensor-core GPUs).
-# * ``"kept_logits"`` (a user's choice, never ``auto``'s; any device): a per-token call
+# * ``"kept_logits"`` (a user's choice on any device; ``auto``'s on a GPU where stock
+#   keeps an FP32 ``[T, V]``, below): a per-token call
 #   that returns no logits keeps its model-precision logits from the forward, and the
 #   backward writes their gradient in their place and runs stock's two GEMMs: three a
 #   step, at stock's cross-entropy memory (NOTE [kept logits], ``log_softmax/lm_head_kept.py``);
 #   a loss in the graph stays there, on that call.
 #   The loops that keep no logits (masked rows, the loss in the graph, row-local,
 #   vocab-parallel, no backward) run the device's ``"auto"`` plan.
+#
+# ``"auto"`` on a GPU keeps the logits (``keeps_logits``) where stock keeps the region's
+# FP32 ``[T, V]`` (a log-prob's gather, an entropy: anything but a cross-entropy alone) and
+# no row mask gives the loop rows to leave out: there the kept bf16 logits (``2 T V``) are
+# a third of what stock holds, no FP32 ``[T, V]`` exists (what the hand fixes in RL
+# trainers achieve), and the step runs stock's three GEMMs.  The cost model calibrated on
+# the H200 run of 2026-12-04 (docs/gpu.md) puts it at 0.98x stock's step at T 8192, V
+# 151936, H 4096, against 1.36x per token and 1.01x with the loss in the graph for the
+# recomputing ``"gpu"`` loops (0.28x and 0.52x stock's peak, against kept's 0.51x).  A
+# cross-entropy alone (stock keeps only its bf16 logits, which keeping would match) keeps
+# the recomputing loops: there they are the memory saved.  ``lm_head_plan="gpu"`` forces
+# the recomputing loops for a log-prob too.  A CPU's plans are unchanged (host memory,
+# its own GEMM costs: docs/gemms.md).
+
+
+def keeps_logits(device_type: str, stock_fp32: bool, plan: str = "auto") -> bool:
+    """Does a per-token lm_head call that returns no logits keep them for its backward
+    (``"kept_logits"``)?  ``stock_fp32``: stock keeps the region's FP32 ``[T, V]``; masked
+    rows keep their own loops (the caller's).  See NOTE [lm_head backward plans]."""
+    if plan == "kept_logits":
+        return True
+    return plan == "auto" and device_type != "cpu" and stock_fp32
 
 
 def backward_plan(device: torch.device, dtype: torch.dtype, plan: str = "auto") -> str:

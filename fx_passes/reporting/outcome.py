@@ -94,7 +94,7 @@ def counted(outcome: Outcome, what: str, fused: str) -> str:
         what += loss.describe()
     if outcome.kept_logits:
         c["kept_logits"] += outcome.kept_logits
-        what += ", its logits kept for the backward (lm_head_plan='kept_logits': no recompute)"
+        what += ", its logits kept for the backward (the kept_logits plan: no recompute, three GEMMs)"
     if outcome.masked_per_token:
         c["masked_rows"] += outcome.masked_per_token
         what += ", rows whose per-token results nothing reads (a mask) skipped"

@@ -39,7 +39,7 @@ from ..kernels.ops import user_bodies
 from ..kernels.ops.args import HeadOptions, LossOptions, head_of_node
 from ..kernels.row_local.loss import row_bytes, row_local_loss
 from ..kernels.row_local.split import Split, spec_of, split_of_spec
-from ..kernels.tiling import backward_plan, holds_weight_sums, weight_sums_why
+from ..kernels.tiling import backward_plan, holds_weight_sums, keeps_logits, weight_sums_why
 from ..match.body_mask import skip_rows_of_body
 from ..match.loss_tail import LossTail, NoTail, match_loss_tail, match_tail
 from ..match.masks import masks_among
@@ -72,13 +72,20 @@ def _plan(tail: LossTail, stock_fp32: bool) -> str:
     return plan
 
 
-def keep_logits(call: Node) -> bool:
-    """A per-token ``lm_head_row_stats`` call of plan ``"kept_logits"`` that returns no
-    logits runs ``lm_head_row_stats_kept`` (NOTE [kept logits]; the same arguments).  True
-    where it now does."""
-    if call.target is not lm_head_row_stats or bound_args(call).get("plan") != KEPT or \
-            bound_args(call).get("returned_like") is not None:
+def keep_logits(call: Node, stock_fp32: bool = False) -> bool:
+    """A per-token ``lm_head_row_stats`` call that returns no logits, of plan
+    ``"kept_logits"`` or of ``"auto"`` where ``tiling.keeps_logits`` says so (a GPU, stock
+    keeping the region's FP32 ``[T, V]``: ``stock_fp32``), runs ``lm_head_row_stats_kept``
+    (NOTE [kept logits]; the same arguments).  True where it now does."""
+    args = bound_args(call)
+    if call.target is not lm_head_row_stats or args.get("returned_like") is not None or \
+            not keeps_logits(meta(args["hidden"]).device.type, stock_fp32, args.get("plan", "auto")):
         return False
+    if args.get("plan") != KEPT:
+        say_once(logging.INFO, "chunked_logits: lm_head_plan 'auto' on %s: a per-token call keeps its "
+                 "model-precision logits for the backward (three GEMMs a step; stock keeps an FP32 [T, V] "
+                 "beside them); lm_head_plan='gpu' recomputes them instead (one GEMM more, less memory)",
+                 meta(args["hidden"]).device.type)
     call.target = lm_head_row_stats_kept
     return True
 
@@ -130,8 +137,12 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config, stock_fp32: boo
     if not config.gradients_in_forward:
         return None
     head, opts = head_of_node(stats), HeadOptions.from_node(stats)
+    keeps = opts.plan == "auto" and keeps_logits(meta(head.hidden).device.type, stock_fp32) \
+        and bound_args(stats).get("returned_like") is None
     try:
         tail = match_loss_tail(graph, stats)
+        if keeps and not (config.skip_masked_rows and skip_rows_body(tail)):  # (rows left out: the loop)
+            raise NoTail("the call keeps its logits (tiling.keeps_logits), the loss stays in the graph")
         plan = _plan(tail, stock_fp32)
         _check(graph, tail, [head.hidden, head.weight, head.bias], [])
         tail_key, final_key = _bodies(tail)  # (before the graph changes: it may still say no)

@@ -7,8 +7,9 @@ gradient GEMMs: three GEMMs a step, not four.  See NOTE [kept logits].
 # The per-token lm_head loop (:mod:`.lm_head`) keeps only per-row results, so its backward
 # recomputes the logits: four ``[T, H] x [H, V]`` GEMMs a step against stock's three (the
 # H200 run of 2026-12-04: 1.36x stock's step for per-token log-probs, docs/gpu.md).  With
-# ``lm_head_plan="kept_logits"`` (a user's choice; ``auto`` never picks it) a per-token call
-# that returns no logits runs :func:`lm_head_row_stats_kept` instead (``pipeline``: after
+# ``lm_head_plan="kept_logits"``, or ``"auto"`` on a GPU where stock keeps an FP32 ``[T, V]``
+# and no mask leaves rows out (``tiling.keeps_logits``, NOTE [lm_head backward plans]), a
+# per-token call that returns no logits runs :func:`lm_head_row_stats_kept` instead (``pipeline``: after
 # the masked-row rewrite, which keeps its own loop; a loss in the graph is not rewritten
 # into the gradients-in-the-forward loop, ``rewrite/loss_tail._plan``, but stays in the
 # graph on this call: three GEMMs there too, no FP32 ``[V, H]`` sum; the vocab-parallel
