@@ -193,13 +193,29 @@ def gif_two_sweeps(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_d
     return ks + [elementwise("backward: grad_hidden clone", 2 * T * H, 2 * T * H, new=2 * T * H)]
 
 
-def kept_logits(budget: int, T: int, H: int, V: int) -> list[Kernel]:
+def kept_forward(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                 ) -> list[Kernel]:
+    """``lm_head_kept._fill``: per row chunk (``tiling.kept_rows``: one on a GPU with its
+    budget) the logits GEMM writes its rows of the kept buffer, then one body reads them."""
+    ks = []
+    for r in splits(T, tiling.kept_rows(budget, T, V, kind, by_device)):
+        ks += tile("forward", r, V, H, backward=False)
+    return ks
+
+
+def kept_logits(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_device: bool = True
+                ) -> list[Kernel]:
     """``lm_head_kept.kept_grads``: per row chunk of the forward's kept logits
-    (``forward_rows``) one row kernel reads them and writes their gradient in their place;
-    then ``grad_hidden`` and ``grad_weight`` one GEMM each over all rows (stock's).  No
-    logits GEMM, no FP32 sum: 3 GEMMs a step with the forward's."""
-    ks = [elementwise("gradient over the kept logits", 2 * r * V, 2 * r * V, exps=r * V)
-          for r in splits(T, tiling.forward_rows(budget, T, V))]
+    (``tiling.kept_rows``) one row kernel reads them and writes their gradient in their
+    place; then ``grad_hidden`` and ``grad_weight`` one GEMM each over all rows (stock's).
+    No logits GEMM, no FP32 sum: 3 GEMMs a step with the forward's."""
+    return kept_grads(splits(T, tiling.kept_rows(budget, T, V, kind, by_device)), T, H, V)
+
+
+def kept_grads(rows: list[int], T: int, H: int, V: int) -> list[Kernel]:
+    """Per chunk of ``rows`` one row kernel writing the gradient over the kept logits, then
+    ``grad_hidden`` and ``grad_weight`` one GEMM each over all rows."""
+    ks = [elementwise("gradient over the kept logits", 2 * r * V, 2 * r * V, exps=r * V) for r in rows]
     return ks + [gemm("grad_hidden", (T, V, H)), gemm("grad_weight", (V, T, H))]
 
 
@@ -207,9 +223,9 @@ def gif_kept_logits(budget: int, T: int, H: int, V: int, kind: str = "cuda", by_
                     ) -> list[Kernel]:
     """``lm_head_plan="kept_logits"`` with the loss in the graph: no loss loop, the loss stays
     in the graph on the per-token call that keeps its logits (``rewrite/loss_tail._plan``;
-    the tail's per-row ops, a few ``[T]`` vectors, left out): ``forward_loop`` and
+    the tail's per-row ops, a few ``[T]`` vectors, left out): ``kept_forward`` and
     ``kept_logits``."""
-    return forward_loop(budget, T, H, V) + kept_logits(budget, T, H, V)
+    return kept_forward(budget, T, H, V, kind, by_device) + kept_logits(budget, T, H, V, kind, by_device)
 
 
 BACKWARDS: dict[str, Callable] = {"gpu": gpu, "blocks": blocks, "two_sweeps": two_sweeps,
@@ -249,11 +265,13 @@ def vocab_parallel(budget: int, T: int, H: int, V: int, plan: str, backwards: Op
     ``"two_sweeps"`` on every device; ``"kept_logits"``: ``kept_stages``, the forward's
     GEMMs writing the kept logits, the backward's row kernels and two GEMMs)."""
     count = len(tiling.even_splits(T, tiling.sweep_sizes(budget, T, V)[0]))
-    ks = []
-    for r in splits(T, -(-T // count)):
+    ks, rows = [], splits(T, -(-T // count))
+    for r in rows:
         ks += [gemm("forward logits", (r, H, V)), elementwise("stage body: the max", 2 * r * V),
                _all_reduce(r), elementwise("stage body: exponentials' sum, picked", 2 * r * V, exps=r * V)]
         ks += [_all_reduce(r)] * (VP_COLLECTIVES - 1)
+    if plan == "kept_logits" and backwards is None:  # (kept_stages: the forward's chunks)
+        return ks + kept_grads(rows, T, H, V) + _outputs(T, H, V, 2)
     return ks + (backwards or BACKWARDS)[plan](budget, T, H, V) + _outputs(T, H, V, 2)
 
 
@@ -279,6 +297,8 @@ def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int, build
     if in_forward:
         loops = (build.gif or GIF)[plan](budget, T, H, V, build.kind, build.by_device)
         return loops + _outputs(T, H, V, 4 if plan == "gpu" else 2)
+    if plan == "kept_logits":
+        return gif_kept_logits(budget, T, H, V, build.kind, build.by_device) + _outputs(T, H, V, 2)
     return forward_loop(budget, T, H, V) + (build.backwards or BACKWARDS)[plan](budget, T, H, V) + _outputs(
         T, H, V, 2)
 

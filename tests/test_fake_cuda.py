@@ -320,19 +320,20 @@ def test_per_token_blocks_write_then_add_the_fp32_grad_hidden(result, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_kept_logits_backward_writes_over_them_then_runs_two_gemms(result, device):
     """``lm_head_plan="kept_logits"`` (``lm_head_kept.kept_grads``, NOTE [kept logits]): no
-    logits GEMM; the gradient written over the kept logits chunk by chunk (eagerly here:
-    rounded, then copied over them), then ``grad_hidden`` and ``grad_weight`` one
-    model-precision GEMM each over all rows, from the logits' own buffer; no FP32 sum."""
+    logits GEMM; the gradient written over the kept logits in one chunk of every row (the
+    device's budget: ``tiling.kept_rows``; eagerly here: rounded, then copied over them),
+    then ``grad_hidden`` and ``grad_weight`` one model-precision GEMM each over all rows,
+    from the logits' own buffer; no FP32 sum."""
     got = result["loops"]["kept"][device]
     ops = got["ops"]
     assert _gemms(ops) == [("aten.mm.default", (T, H), BF16), ("aten.mm.default", (V, H), BF16)]
-    rows = [b - a for a, b in tiling.even_splits(T, tiling.forward_rows(got["budget"], T, V))]
+    assert tiling.kept_rows(got["budget"], T, V, "cuda") == T
     over = [o for o in ops if o["op"] == "aten.copy_.default" and got["logits"] in o["storages"]]
-    assert [tuple(o["shape"]) for o in over] == [(r, V) for r in rows]  # (each chunk's gradient in place)
+    assert [tuple(o["shape"]) for o in over] == [(T, V)]  # (the gradient in place, one chunk)
     gemms = [o for o in ops if o["op"] == "aten.mm.default"]
     assert all(got["logits"] in o["storages"] for o in gemms)  # (the gradient where the logits were)
-    # no FP32 [T, H] or [V, H] sum; the eager body's FP32 temporaries of a chunk (under Inductor:
-    # registers of one kernel, tests/test_gpu_loss_chunks.py), never of all rows
+    # no FP32 [T, H] or [V, H] sum; the eager body's FP32 temporaries are of its one chunk (under
+    # Inductor none: one kernel that writes the gradient over the logits, tests/test_gpu_loss_chunks.py)
     fp32 = {tuple(o["shape"]) for o in ops if o["dtype"] == F32}
-    assert not fp32 & {(T, H), (V, H), (T, V)} and max(map(len, fp32)) <= 2
-    assert max(math.prod(shape) for shape in fp32) == max(rows) * V
+    assert not fp32 & {(T, H), (V, H)} and max(map(len, fp32)) <= 2
+    assert max(math.prod(shape) for shape in fp32) == T * V

@@ -248,3 +248,41 @@ def test_auto_on_a_gpu_keeps_a_log_probs_logits(cpu_as_a_gpu, fn, options, kept)
         assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
     elif fn is masked_policy_loss:  # (the loss loop or, where this CPU's plan has none, the per-token one)
         assert got["rows_skipped"] > 0, got
+
+
+@pytest.mark.parametrize("transforms, scale", [
+    ("", torch.tensor(0.7)),                                              # a temperature
+    (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7)),  # a soft cap too
+], ids=["temperature", "softcap"])
+def test_the_forward_stats_read_the_kept_logits_with_no_tile(transforms, scale):
+    """The forward's body (``loss.stats_of_kept``, compiled as the loop compiles it) after the
+    GEMM wrote the chunk's logits into the kept buffer: with a temperature Inductor allocates
+    nothing of the chunk's size, so on a GPU one chunk may hold every row
+    (``tiling.kept_rows``); a soft cap's tanh, read twice, is kept in an FP32 tile (as the
+    loss loop's body keeps it: tests/test_gpu_loss_chunks.py), so there the chunks stay the
+    budget's.  Its stats are those of the GEMM and stats in one body (as before)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fx_passes.kernels.log_softmax import bodies, given, loss
+    from fx_passes.kernels.ops import body_compiler
+    from fx_passes.testing.codegen import allocations
+    g = torch.Generator().manual_seed(0)
+    r, h = 96, 32
+    hidden, weight = torch.randn(r, h, generator=g).to(BF16), (torch.randn(V, h, generator=g) / 4).to(BF16)
+    tok = torch.randint(0, V, (r,), generator=g)
+    x = torch.mm(hidden, weight.t())
+    z = bodies.transformed(x, transforms)[0]
+    want = bodies.compiled(given.stats_of_logits)(z, tok, scale, True, True)
+    with body_compiler.compiling_with(lambda fn, options: body_compiler._inductor(fn, options)):
+        body = bodies.compiled(loss.stats_of_kept)
+        got, codes = run_and_get_code(body, x, tok, scale, True, True, transforms)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    tiles = [(dims, dtype) for code in codes for dims, dtype in allocations(code)
+             if len([d for d in dims if d != "1"]) > 1]
+    assert tiles == ([] if not transforms else [(tiles[0][0], "torch.float32")]), tiles
+    b, n, v = 2**31, 8192, 151936
+    budgets = tiling.forward_rows(b, n, v)  # (the budget's rows)
+    assert tiling.kept_rows(b, n, v, "cuda", True, transforms) == (budgets if transforms else n)
+    assert tiling.kept_rows(b, n, v, "cpu") == budgets  # (and a budget the user set:)
+    assert tiling.kept_rows(b, n, v, "cuda", by_device=False) == budgets

@@ -215,9 +215,10 @@ def test_auto_on_a_gpu_keeps_a_log_probs_logits():
     assert cm.auto_runs("W4L-8k", False, dev) == ("kept_logits", False)
     assert cm.auto_runs("WV-8k", True, dev) == ("gpu", False) == cm.auto_runs("WV-8k", False, dev)
     text = cm.auto_table()
-    row = "| W4L-8k | per token | kept_logits, per-token: kept logits | 0.96x | 0.98x | <= 1.15x: met |"
+    row = "| W4L-8k | per token | kept_logits, per-token: kept logits | 0.938x | 0.954x | <= 1.15x: met |"
     assert row in text
-    assert text.count("**not met**") == 3  # (0.95x in the graph; WV's recompute, for its memory)
+    # (0.954x in the graph on the H200, 0.938x on the H100; WV's recompute, for its memory)
+    assert text.count("**not met**") == 3
     assert tiling.keeps_logits("cuda", True) and tiling.keeps_logits("xpu", True)
     assert not tiling.keeps_logits("cuda", False) and not tiling.keeps_logits("cpu", True)
     assert tiling.keeps_logits("cpu", False, "kept_logits") and not tiling.keeps_logits("cuda", True, "gpu")

@@ -13,8 +13,9 @@ without computing the logits again.  See NOTE [kept shard logits].
 # CUDA / XPU ("gpu"), five elsewhere ("two_sweeps"), against stock's three.  With
 # ``lm_head_plan="kept_logits"``, or ``"auto"`` on a GPU (``tiling.keeps_logits``: stock's
 # stages keep FP32 copies of the shard beside its logits; as for the lm_head: NOTE [kept
-# logits]; ``"gpu"`` forces the recomputing loops) the rewrite emits ``shard_lm_head_stages_kept`` for a one-pass call whose rows no mask
-# leaves out (a masked call keeps its own loop, ``masked_stages``):
+# logits]; ``"gpu"`` forces the recomputing loops) the rewrite emits
+# ``shard_lm_head_stages_kept`` for a one-pass call whose rows no mask leaves out (a masked
+# call keeps its own loop, ``masked_stages``):
 #
 # * forward: per row chunk the logits GEMM writes into one model-precision
 #   ``[T, V / world]`` buffer (stock's own logits shard), and the stages and their glue run

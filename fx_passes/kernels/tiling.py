@@ -21,8 +21,8 @@ import torch
 from .. import compat
 from ..reporting.report import say_once
 
-__all__ = ["forward_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "holds_weight_sums", "keeps_logits",
-           "weight_sums_why", "backward_tiles", "gpu_block_cols",
+__all__ = ["forward_rows", "kept_rows", "gpu_loss_rows", "MAX_LOSS_CHUNKS", "holds_weight_sums",
+           "keeps_logits", "weight_sums_why", "backward_tiles", "gpu_block_cols",
            "sweep_sizes", "accumulator_rows",
            "even_splits", "aligned", "granule", "backward_plan", "BY_DEVICE", "device_budget",
            "resolve_budget", "ALIGN", "chunk_rows", "sweep_step", "product_cols", "spans",
@@ -83,6 +83,21 @@ def _budget(budget_bytes: int, n: int, vocab: int) -> int:
 def forward_rows(budget_bytes: int, n: int, vocab: int) -> int:
     """Rows per forward chunk: one FP32 ``[rows, V]`` chunk fills the budget."""
     return aligned(_budget(budget_bytes, n, vocab) // (4 * vocab))
+
+
+def kept_rows(budget_bytes: int, n: int, vocab: int, device_type: str, by_device: bool = True,
+              transforms: str = "") -> int:
+    """Rows per chunk of the ``"kept_logits"`` loops (NOTE [kept logits]): on a GPU with
+    the device's budget (``by_device``) all ``n`` rows in one chunk, whose logits GEMM is
+    stock's own over every row and whose two row kernels (the stats, the gradient written
+    in place) read the kept buffer with no ``[r, V]`` temporary, so a chunk holds nothing
+    the kept logits do not (each more chunk costs the GPU a smaller GEMM and two launches:
+    NOTE [gpu loss chunks]); elsewhere, with a budget the user set, or with logit
+    ``transforms`` (a soft cap's tanh, which Inductor keeps in an FP32 tile that the stats
+    read twice: tests/test_kept_logits.py reads the code), ``forward_rows``."""
+    if device_type != "cpu" and by_device and not transforms:
+        return max(1, n)
+    return forward_rows(budget_bytes, n, vocab)
 
 
 # NOTE [gpu loss chunks]
@@ -335,7 +350,7 @@ def _say_no_out_dtype(device_type: str) -> None:
 # no row mask gives the loop rows to leave out: there the kept bf16 logits (``2 T V``) are
 # a third of what stock holds, no FP32 ``[T, V]`` exists (what the hand fixes in RL
 # trainers achieve), and the step runs stock's three GEMMs.  The cost model calibrated on
-# the H200 run of 2026-12-04 (docs/gpu.md) puts it at 0.98x stock's step at T 8192, V
+# the H200 run of 2026-12-04 (docs/gpu.md) puts it at 0.95x stock's step at T 8192, V
 # 151936, H 4096, against 1.36x per token and 1.01x with the loss in the graph for the
 # recomputing ``"gpu"`` loops (0.28x and 0.52x stock's peak, against kept's 0.51x).  A
 # cross-entropy alone (stock keeps only its bf16 logits, which keeping would match) keeps

@@ -16,9 +16,13 @@ gradient GEMMs: three GEMMs a step, not four.  See NOTE [kept logits].
 # one-pass loop's counterpart: NOTE [kept shard logits] in ``distributed/kept_stages.py``):
 #
 # * forward (op ``chunked_logits::lm_head_stats_kept``): per row chunk the logits GEMM
-#   writes into one model-precision ``[N, V]`` buffer, as stock's GEMM writes its logits,
-#   and the chunk's per-row results come from those values (``loss.logits_and_stats``: the
-#   recomputing loop's maths); no FP32 ``[N, V]``.
+#   writes its rows of one model-precision ``[N, V]`` buffer (``out=``, no copy), as stock's
+#   GEMM writes its logits, and one compiled body reads those values for the chunk's per-row
+#   results (``loss.stats_of_kept``: the recomputing loop's maths); no FP32 ``[N, V]``.
+# * the chunks (``tiling.kept_rows``): on a GPU with the device's budget one, all rows: the
+#   logits GEMM is stock's own and each body one row kernel over the kept buffer, which a
+#   chunk adds nothing to; on a CPU, with a budget the user set, or with a soft cap (whose
+#   tanh Inductor keeps in an FP32 tile), ``forward_rows``.
 # * backward (op ``chunked_logits::lm_head_kept_backward``): per row chunk one kernel reads
 #   the kept logits and writes their model-precision gradient in their place
 #   (``loss.logits_grad_into``), then ``grad_hidden = g @ W`` and ``grad_weight = g.T @ h``
@@ -45,11 +49,11 @@ import torch
 from ..ops.args import Cotangents, Head, HeadOptions, RowValues, args_by_name, grads_by_name
 from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..ops.registry import CUDAGRAPH_UNSAFE, UNSAFE, emitted
-from ..tiling import even_splits, forward_rows, resolve_budget
+from ..tiling import BY_DEVICE, even_splits, kept_rows, resolve_budget
 from .bodies import compiled
 from .given import per_row_inputs
-from .lm_head import _forward_loop, _shaped, lm_head_row_stats
-from .loss import logits_and_stats, logits_grad_into
+from .lm_head import _shaped, lm_head_row_stats
+from .loss import logits_grad_into, stats_of_kept
 
 __all__ = ["KEPT", "lm_head_stats_kept", "lm_head_kept_backward", "kept_grads", "lm_head_row_stats_kept"]
 
@@ -63,9 +67,36 @@ def _host_flag(flag: torch.Tensor) -> bool:
     return bool(flag.tolist()[0])
 
 
+def _chunks(hidden: torch.Tensor, vocab: int, opts: HeadOptions) -> list[tuple[int, int]]:
+    """The row chunks of both loops (``tiling.kept_rows``: one on a GPU with its budget)."""
+    n = hidden.shape[0]
+    rows = kept_rows(resolve_budget(opts.budget_bytes, hidden.device), n, vocab, hidden.device.type,
+                     opts.budget_bytes == BY_DEVICE, opts.transforms)
+    return even_splits(n, rows)
+
+
 def _fill(head: Head, opts: HeadOptions, logits: torch.Tensor):
-    """The forward's loop writing ``logits``; its per-row results."""
-    return _forward_loop(head, opts, logits, body=logits_and_stats)
+    """The forward's loop writing ``logits``; its per-row results.  Per chunk the logits
+    GEMM writes its rows of the kept buffer (``out=``: stock's GEMM, no copy), then one
+    compiled body reads them for the chunk's stats (``loss.stats_of_kept``)."""
+    hidden, weight, bias = head.hidden, head.weight, head.bias
+    n = hidden.shape[0]
+    lse, logprob, entropy = (hidden.new_zeros(n, dtype=F32) for _ in range(3))
+    body = compiled(stats_of_kept)
+    for r0, r1 in _chunks(hidden, weight.shape[0], opts):
+        chunk, x = head.rows(r0, r1), logits[r0:r1]
+        if bias is None:
+            torch.mm(chunk.hidden, weight.t(), out=x)
+        else:
+            torch.addmm(bias, chunk.hidden, weight.t(), out=x)
+        c_lse, c_lp, c_ent = body(x, chunk.tokens, head.scale, opts.scale_is_div, opts.want_entropy,
+                                  opts.transforms)
+        lse[r0:r1] = c_lse
+        if c_lp is not None:
+            logprob[r0:r1] = c_lp
+        if c_ent is not None:
+            entropy[r0:r1] = c_ent
+    return lse, logprob, entropy
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats_kept", mutates_args=(), tags=UNSAFE)
@@ -129,9 +160,9 @@ def kept_grads(head: Head, logits: torch.Tensor, saved: RowValues, grads: Cotang
     tensor for one not needed (``need_weight`` covers the bias).  ``head.tokens``: zeros
     where the forward had none; ``grads``: each a tensor (zeros for none flowing)."""
     hidden, weight, bias = head.hidden, head.weight, head.bias
-    n, vocab = hidden.shape[0], weight.shape[0]
+    vocab = weight.shape[0]
     body, logit_map = compiled(logits_grad_into), opts.logit_map(hidden.dtype, head.scale)
-    for r0, r1 in even_splits(n, forward_rows(resolve_budget(opts.budget_bytes, hidden.device), n, vocab)):
+    for r0, r1 in _chunks(hidden, vocab, opts):
         body(logits[r0:r1], head.tokens[r0:r1], saved.rows(r0, r1), grads.rows(r0, r1), logit_map)
     g = logits  # the logits' gradient, model precision, where they were
     grad_hidden = torch.mm(g, weight) if need_hidden else hidden.new_empty(0)

@@ -49,7 +49,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from .. import rows as rows_of
 from ..ops import user_bodies
@@ -80,12 +79,11 @@ COUNTER = "loss_tail_body_eager"
 F32 = torch.float32
 
 
-def logits_and_stats(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
-    """(lse, logprob or None, entropy or None, x): the chunk's stats, as ``bodies.forward_chunk``
-    computes them, and its logits ``x`` in model precision (before the transforms)."""
-    x = F.linear(h, w, b).to(h.dtype)
-    z = transformed(x, transforms)[0]
-    return (*stats_of_logits(z, tokens, scale, is_div, want_entropy), x)
+def stats_of_kept(x, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
+    """(lse, logprob or None, entropy or None) of a chunk's model-precision logits ``x``
+    (before the transforms), which the caller's GEMM wrote where they are kept: the stats
+    ``bodies.forward_chunk`` computes, without its GEMM (NOTE [kept logits])."""
+    return stats_of_logits(transformed(x, transforms)[0], tokens, scale, is_div, want_entropy)
 
 
 def logits_grad(x, tokens, saved: RowValues, grads: Cotangents, logit_map: LogitMap):
