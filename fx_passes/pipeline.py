@@ -120,7 +120,9 @@ def _bytes_avoided(region: Region) -> tuple[int, int]:
 
 
 def _with_lm_head(nbytes: tuple[int, int], outcome: Outcome) -> int:
-    fused = outcome.lm_head is LMHead.FUSED and not outcome.returns_logits
+    """The bytes avoided: the model-precision logits too where the fused call neither
+    returns nor keeps them (``kept_logits``: NOTE [kept logits])."""
+    fused = outcome.lm_head is LMHead.FUSED and not outcome.returns_logits and not outcome.kept_logits
     return nbytes[0] + (nbytes[1] if fused else 0)
 
 

@@ -184,8 +184,10 @@ def test_the_loss_in_the_graph_keeps_the_logits_too():
     inputs = (h, w, torch.randint(0, 4099, (61,), generator=g), torch.randn(61, generator=g))
     ref, stock = reference(policy_loss, inputs, (0, 1)), run(torch.compile(policy_loss, backend="inductor"),
                                                               inputs, (0, 1))
+    from fx_passes.reporting.session import session
     torch._dynamo.reset()
     counters.clear()
+    session.reset()
     fused = torch.compile(policy_loss, backend="chunked_logits",
                           options={"chunk_budget_mib": 4099 / 50257, "lm_head_plan": "kept_logits"})
     with recording() as gemms:
@@ -193,6 +195,8 @@ def test_the_loss_in_the_graph_keeps_the_logits_too():
     got = dict(counters["chunked_logits"])
     assert got["kept_logits"] == 1 and "gradients_in_forward" not in got, got
     assert full_gemms(gemms, 61, 32, 4099) == pytest.approx(3.0)
+    # the bytes the summary says it avoided: stock's FP32 [T, V], not the bf16 logits it keeps
+    assert [e.fp32_bytes_avoided for e in session.events if e.kind == "rewritten"] == [61 * 4099 * 4]
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
