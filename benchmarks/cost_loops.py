@@ -303,6 +303,27 @@ def ours(T: int, H: int, V: int, plan: str, in_forward: bool, budget: int, build
         T, H, V, 2)
 
 
+def as_built(T: int, H: int, V: int, plan: str, loss: str, in_graph: bool, budget: int, fraction: float = 0.0,
+             replay: bool = False) -> tuple[list[Kernel], float]:
+    """(the kernels, the host reads' seconds) of an lm_head step as the rewrites build it on a
+    GPU, ``plan`` forced (``"auto"``'s: ``tiling.keeps_logits``): rows a mask leaves out
+    (``fraction``) are left out after one host read, and a masked loss keeps its own loop
+    (no logits kept: a forced ``"kept_logits"`` runs the device's plan there); the loss
+    stays in the loss loop where ``plan`` has one and, for ``"gpu"``, its FP32 sums fit
+    under stock's peak (``tiling.holds_weight_sums``), else the per-token call runs it.
+    ``replay`` (``mode="reduce-overhead"``): a capture-safe loss loop replays every row (no
+    host read inside a capture); the per-token masked op, which is not, runs between the
+    captured parts."""
+    loop = in_graph and plan in ("gpu", "two_sweeps") and (
+        plan != "gpu" or tiling.holds_weight_sums(T, V, H, "cuda", loss == "logprob"))
+    if replay and loop:
+        return masked(T, H, V, plan, budget, 0.0), 0.0
+    if fraction:
+        plan = "gpu" if plan == "kept_logits" else plan
+        return masked(T, H, V, plan, budget, fraction, in_forward=loop), SYNC_S
+    return ours(T, H, V, plan, loop or (in_graph and plan == "kept_logits"), budget), 0.0
+
+
 def _outputs(T: int, H: int, V: int, size: int) -> list[Kernel]:
     """The gradients' own buffers (the loops write them in place: only their allocation
     costs, where it is ``fresh``)."""
