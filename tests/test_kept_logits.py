@@ -110,11 +110,13 @@ def test_a_graph_without_a_backward_keeps_nothing():
     logits, so the call keeps none (the recomputing plan's forward)."""
     h, w, tokens, _ = _inputs()
     torch._dynamo.reset()
+    counters.clear()
     fn = torch.compile(per_token, backend="chunked_logits", options={"lm_head_plan": "kept_logits"})
     with torch.no_grad(), tracing() as ops:
         got = fn(h, w, tokens)
     names = {o.op for o in ops}
     assert "chunked_logits.lm_head_stats.default" in names and KEPT not in names
+    assert "kept_logits" not in counters["chunked_logits"]  # (the summary says nothing is kept)
     assert not [o for o in ops if o.dtype == BF16 and torch.Size(o.shape).numel() >= T * V]  # no [T, V]
     torch.testing.assert_close(got[0], per_token(h, w, tokens)[0], atol=2e-2, rtol=2e-2)
 

@@ -76,11 +76,14 @@ def keep_logits(call: Node, stock_fp32: bool = False) -> bool:
     """A per-token ``lm_head_row_stats`` call that returns no logits, of plan
     ``"kept_logits"`` or of ``"auto"`` where ``tiling.keeps_logits`` says so (a GPU, stock
     keeping the region's FP32 ``[T, V]``: ``stock_fp32``), runs ``lm_head_row_stats_kept``
-    (NOTE [kept logits]; the same arguments).  True where it now does."""
+    (NOTE [kept logits]; the same arguments) where a backward may read them (``hidden`` or
+    ``weight`` requires grad).  True where it now does."""
     args = bound_args(call)
     if call.target is not lm_head_row_stats or args.get("returned_like") is not None or \
             not keeps_logits(meta(args["hidden"]).device.type, stock_fp32, args.get("plan", "auto")):
         return False
+    if not (requires_grad(args["hidden"]) or requires_grad(args["weight"])):
+        return False  # (no backward may read them: a scoring graph keeps nothing, and says so)
     if args.get("plan") != KEPT:
         say_once(logging.INFO, "chunked_logits: lm_head_plan 'auto' on %s: a per-token call keeps its "
                  "model-precision logits for the backward (three GEMMs a step; stock keeps an FP32 [T, V] "
