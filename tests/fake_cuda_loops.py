@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from fx_passes import Config, compat
 from fx_passes.kernels import tiling
 from fx_passes.kernels.log_softmax import loss
-from fx_passes.kernels.log_softmax.lm_head_kept import kept_grads
+from fx_passes.kernels.log_softmax.lm_head_kept import _fill, kept_grads
 from fx_passes.kernels.log_softmax.lm_head_sweeps import lm_head_grads
 from fx_passes.kernels.ops import body_compiler, registry
 from fx_passes.kernels.ops.args import Cotangents, Head, HeadOptions, RowValues
@@ -266,10 +266,30 @@ def kept_backward(mode, total_bytes: int) -> dict:
             "logits": rec.storage(logits)}
 
 
+def kept_forward(mode, total_bytes: int, transforms: str = "") -> dict:
+    """The ``"kept_logits"`` forward (``lm_head_kept._fill``) writing the kept logits,
+    recorded (its stats body runs eagerly: ``cuda_device``)."""
+    with cuda_device(total_bytes, True), torch.no_grad(), mode, WithoutDeviceGuards():
+        hidden = torch.empty(T, H, dtype=BF16, device="cuda")
+        weight = torch.empty(V, H, dtype=BF16, device="cuda")
+        logits = torch.empty(T, V, dtype=BF16, device="cuda")
+        tokens = torch.empty(T, dtype=torch.int64, device="cuda")
+        opts = HeadOptions(True, False, tiling.BY_DEVICE, transforms, "auto")
+        with Recorder() as rec:
+            _fill(Head(hidden, weight, None, tokens, None), opts, logits)
+    return {"budget": tiling.device_budget("cuda", total_bytes), "ops": rec.ops,
+            "logits": rec.storage(logits)}
+
+
+SOFTCAP = f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}"  # (Gemma2's, as lm_head_match writes it)
+
+
 def run(mode) -> dict:
     """Each loop on each device (and the loss loop with torch 2.8's ``addmm`` answer)."""
     call = _emitted_loss_call()
     return {"loss": {name: loss_loop(mode, call, total, True) for name, total in DEVICES.items()},
             "loss_addmm_2_8": loss_loop(mode, call, DEVICES["h200"], False),
             "per_token": {name: per_token_blocks(mode, total) for name, total in DEVICES.items()},
-            "kept": {name: kept_backward(mode, total) for name, total in DEVICES.items()}}
+            "kept": {name: kept_backward(mode, total) for name, total in DEVICES.items()},
+            "kept_forward": {name: kept_forward(mode, total) for name, total in DEVICES.items()},
+            "kept_forward_softcap": kept_forward(mode, DEVICES["h200"], SOFTCAP)}

@@ -318,6 +318,25 @@ def test_per_token_blocks_write_then_add_the_fp32_grad_hidden(result, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_kept_logits_forward_writes_them_in_one_gemm(result, device):
+    """``"kept_logits"``' forward (``lm_head_kept._fill``, NOTE [kept logits]) with the
+    device's budget: one chunk of every row (``tiling.kept_rows``), its GEMM writing the kept
+    buffer itself (``out=``: stock's GEMM), nothing copied into it; with a soft cap (whose
+    tanh Inductor keeps in an FP32 tile) the budget's chunks, each GEMM into its rows."""
+    got = result["loops"]["kept_forward"][device]
+    assert _gemms(got["ops"]) == [("aten.mm.out", (T, V), BF16)]
+    [mm] = [o for o in got["ops"] if o["op"] == "aten.mm.out"]
+    assert mm["writes"] == got["logits"] and mm["offset"] == 0
+    assert not [o for o in got["ops"] if o["op"] == "aten.copy_.default" and got["logits"] in o["storages"]]
+    capped = result["loops"]["kept_forward_softcap"]
+    rows = [b - a for a, b in tiling.even_splits(T, tiling.forward_rows(capped["budget"], T, V))]
+    mms = [o for o in capped["ops"] if o["op"] == "aten.mm.out"]
+    assert len(rows) > 1 and [tuple(o["shape"]) for o in mms] == [(r, V) for r in rows]
+    assert all(o["writes"] == capped["logits"] for o in mms)
+    assert [o["offset"] for o in mms] == [a * V for a, _ in tiling.even_splits(T, max(rows))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_kept_logits_backward_writes_over_them_then_runs_two_gemms(result, device):
     """``lm_head_plan="kept_logits"`` (``lm_head_kept.kept_grads``, NOTE [kept logits]): no
     logits GEMM; the gradient written over the kept logits in one chunk of every row (the
