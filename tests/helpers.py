@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes import Config, env
+from fx_passes.fx.graph_ops import attribute_view
 from fx_passes.pipeline import transform
 
 
@@ -40,13 +41,16 @@ def rewrite(fn, *args, dynamic=False, **options) -> tuple[str, str]:
 
 def ops(gm: torch.fx.GraphModule) -> str:
     """The graph's calls in order, one word each: ``.float`` for a method call
-    (``x.float()``), ``log_softmax`` for a function (``torch.log_softmax``, ``F.log_softmax``)
-    or operator (``truediv`` for ``/``).  Placeholders, outputs and the names Dynamo
-    gives nodes are left out: what a graph computes, in words that stay the same
-    across torch versions (Dynamo's printing of a graph does not)."""
+    (``x.float()``) or an attribute view (``.T``: Dynamo's ``getattr`` up to torch 2.13,
+    ``aten.numpy_T`` from 2.14), ``log_softmax`` for a function (``torch.log_softmax``,
+    ``F.log_softmax``) or operator (``truediv`` for ``/``).  Placeholders, outputs and the
+    names Dynamo gives nodes are left out: what a graph computes, in words that stay the
+    same across torch versions (Dynamo's printing of a graph does not)."""
     words = []
     for n in gm.graph.nodes:
-        if n.op == "call_method":
+        if attribute_view(n):  # ``w.T``: getattr up to torch 2.13, aten.numpy_T from 2.14
+            words.append(f".{attribute_view(n)}")
+        elif n.op == "call_method":
             words.append(f".{n.target}")
         elif n.op == "call_function":
             words.append(getattr(n.target, "__name__", str(n.target)))

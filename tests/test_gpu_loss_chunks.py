@@ -19,6 +19,7 @@ from torch._inductor.utils import run_and_get_code
 from fx_passes.kernels import tiling
 from fx_passes.testing.codegen import allocations
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, tracing
+from tests.codegen import inputs_of_rank
 
 T, H, V = 256, 64, 1024
 GIB, MIB = 2**30, 2**20
@@ -217,7 +218,7 @@ def test_the_gradient_is_written_over_the_logits_by_one_kernel(transforms, scale
         _, codes = run_and_get_code(into, x, tok, saved, cot, logit_map)
     assert x.untyped_storage().data_ptr() == storage and torch.equal(x, expected)
     [code] = codes
-    name = re.search(r"assert_size_stride\((\w+), \((\w+), (\w+)\)", code)[1]  # the logits: the one 2-D input
+    [name] = inputs_of_rank(code, 2)  # the logits: the one 2-D input
     [(kernel, args)] = _kernel_calls(code)
     assert args.count(name) == 2 or "in_out_ptr" in code, (kernel, args)
     assert allocations(code) == []
@@ -275,7 +276,7 @@ def test_a_chunk_reads_its_logits_in_one_kernel(transforms, scale):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(x, expected)
     [code] = codes
-    name = re.search(r"assert_size_stride\((\w+), \((\w+), (\w+)\)", code)[1]  # the logits: the one 2-D input
+    [name] = inputs_of_rank(code, 2)  # the logits: the one 2-D input
     [(kernel, kernel_args)] = _kernel_calls(code)
     assert kernel_args.count(name) == 2 or "in_out_ptr" in code, (kernel, kernel_args)
     tiles = [(dims, dtype) for dims, dtype in allocations(code) if len([d for d in dims if d != "1"]) > 1]

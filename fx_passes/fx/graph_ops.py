@@ -22,9 +22,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .. import compat
 
 __all__ = ["canon", "op_name", "same", "same_shape", "get_arg", "bound_args", "meta", "is_low_precision",
-           "is_metadata_query", "is_pure", "is_collective", "mutates", "is_mode_switch", "call_name",
-           "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS", "is_elementwise", "requires_grad", "is_number",
-           "is_scalar", "scaled_by_number", "scalar_tensor", "keep_meta", "graph_snapshot", "restore_graph"]
+           "is_metadata_query", "attribute_view", "is_pure", "is_collective", "mutates", "is_mode_switch",
+           "call_name", "GRAD_SWITCH", "MODE_OPENERS", "MODE_CLOSERS", "is_elementwise", "requires_grad",
+           "is_number", "is_scalar", "scaled_by_number", "scalar_tensor", "keep_meta", "graph_snapshot",
+           "restore_graph"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -241,6 +242,24 @@ def is_metadata_query(node: Node) -> bool:
         if node.target is getattr and len(node.args) > 1:
             return node.args[1] in {"shape", "dtype", "device", "ndim", "is_cuda"}
     return False
+
+
+# ``t.T``, ``t.mT``, ``t.H``, ``t.mH``: Dynamo records ``getattr(t, "T")`` up to torch 2.13
+# and the ATen op from torch 2.14 on (``torch.ops.aten.numpy_T(t)``).
+_ATTRIBUTE_VIEW_OPS = {"T": torch.ops.aten.numpy_T, "mT": torch.ops.aten.mT, "H": torch.ops.aten.matrix_H,
+                       "mH": torch.ops.aten.mH}
+_ATTRIBUTE_VIEWS = {op: name for name, packet in _ATTRIBUTE_VIEW_OPS.items()
+                    for op in (packet, packet.default)}
+
+
+def attribute_view(node: Any) -> Optional[str]:
+    """``"T"``, ``"mT"``, ``"H"`` or ``"mH"`` when ``node`` is that view of its first
+    argument, in either of Dynamo's spellings; else None."""
+    if not isinstance(node, Node) or node.op != "call_function" or not node.args:
+        return None
+    if node.target is getattr:
+        return node.args[1] if len(node.args) == 2 and node.args[1] in _ATTRIBUTE_VIEW_OPS else None
+    return _ATTRIBUTE_VIEWS.get(node.target) if len(node.args) == 1 and not node.kwargs else None
 
 
 # Calls whose only effect is telemetry; Dynamo keeps them in the graph (e.g. a loss

@@ -47,6 +47,7 @@ from .graph_ops import (
     GRAD_SWITCH,
     MODE_CLOSERS,
     MODE_OPENERS,
+    attribute_view,
     call_name,
     is_collective,
     is_mode_switch,
@@ -85,8 +86,7 @@ def _is_view(node: Node) -> bool:
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
     if node.op == "call_function":
-        return node.target in _VIEW_FUNCTIONS or (
-            node.target is getattr and len(node.args) > 1 and node.args[1] in ("T", "mT", "H", "mH"))
+        return node.target in _VIEW_FUNCTIONS or attribute_view(node) is not None
     return False
 
 

@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, is_low_precision, meta, op_name, scaled_by_number, tensor_input
+from ..fx.graph_ops import (
+    attribute_view,
+    canon,
+    is_low_precision,
+    meta,
+    op_name,
+    scaled_by_number,
+    tensor_input,
+)
 from .upcast import is_row_view
 
 __all__ = ["LMHead", "match_lm_head", "producer", "from_lm_head", "model_precision_operands",
@@ -60,14 +68,15 @@ _SWAPS = ((0, 1), (1, 0), (-1, -2), (-2, -1))  # transpose(a, b) of a 2-D weight
 
 
 def _weight_of_transpose(node) -> Optional[Node]:
-    """``W`` when ``node`` is ``W.T`` / ``W.t()`` / ``W.transpose(0, 1)`` of a 2-D W."""
-    if not isinstance(node, Node):
+    """``W`` when ``node`` is ``W.T`` / ``W.mT`` / ``W.t()`` / ``W.transpose(0, 1)`` (or
+    ``torch.t(W)`` / ``torch.transpose(W, 0, 1)``) of a 2-D W."""
+    if not isinstance(node, Node) or node.op not in ("call_function", "call_method") or node.kwargs:
         return None
-    if node.op == "call_function" and node.target is getattr and node.args[1:] in (("T",), ("mT",)):
+    if attribute_view(node) in ("T", "mT"):  # (getattr up to torch 2.13, aten.numpy_T / aten.mT from 2.14)
         src = node.args[0]
-    elif node.op == "call_method" and node.target == "t" and len(node.args) == 1:
+    elif node.target in ("t", torch.t) and len(node.args) == 1:  # (a method's target is its name)
         src = node.args[0]
-    elif node.op == "call_method" and node.target == "transpose" and tuple(node.args[1:]) in _SWAPS:
+    elif node.target in ("transpose", torch.transpose) and tuple(node.args[1:]) in _SWAPS:
         src = node.args[0]
     else:
         return None
