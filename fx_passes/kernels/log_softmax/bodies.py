@@ -53,12 +53,42 @@ def _transform_grad(grad: torch.Tensor, out: torch.Tensor, op: str, c: float) ->
     return grad / c if op == "div" else grad * c
 
 
+# NOTE [rounding FP32 to the model dtype in a body]
+# The ``"fp32_tiles"`` backward multiplies FP32 copies of the operands, so its logits tile
+# is FP32 and must be rounded to the model dtype, as the forward's model-precision GEMM
+# rounded it (else the gradient's softmax does not match the forward's lse).  ``x.to(bf16)``
+# inside a compiled body is that rounding only where Inductor keeps it: its C++ code in
+# torch 2.13 does with ``emulate_precision_casts``, in torch 2.11 it does not (it keeps
+# FP32, even through a bitcast view), and the gradient came out up to twice stock's max
+# error.  ``rounded`` writes the rounding with integer ops on the bits, which no version
+# folds away: the same values as ``x.to(dtype)`` (round to nearest, ties to even; fp16's
+# subnormals and overflow included), bit for bit (``tests/test_rounding.py``).
+_F16_TINY, _F16_MAX = 2.0**-14, 65504.0
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` for an FP32 ``x`` and a 16-bit float ``dtype``, computed on the bits
+    (NOTE [rounding FP32 to the model dtype in a body]); ``x.to(dtype)`` otherwise."""
+    if x.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+        return x.to(dtype)
+    bits = x.view(torch.int32)
+    drop = 16 if dtype == torch.bfloat16 else 13  # the mantissa bits the dtype has not
+    half, keep = (1 << (drop - 1)) - 1, -(1 << drop)
+    near = ((bits + half + ((bits >> drop) & 1)) & keep).view(torch.float32)
+    if dtype == torch.float16:  # below 2**-14 a multiple of 2**-24; above 65504 infinite
+        tiny = torch.round(x * 2.0**24) * 2.0**-24
+        near = torch.where(x.abs() < _F16_TINY, tiny, near)
+        near = torch.where(near.abs() > _F16_MAX, near * float("inf"), near)
+    return torch.where(torch.isnan(x), x, near).to(dtype)  # (exact now, whatever Inductor keeps)
+
+
 def _logits(h, w, b, dtype: torch.dtype, transforms: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The chunk's logits and each transform's output.  The matmul's output is rounded to
-    the model dtype, as the unfused graph stores it; the transforms run in FP32 on it with
+    the model dtype, as the unfused graph stores it (``rounded``: an FP32 product of the
+    ``"fp32_tiles"`` plan's copies); the transforms run in FP32 on it with
     no rounding between them, as stock Inductor's fused kernel computes them (rounding
     each to bf16, as eager does, would be less accurate than the stock compiled path)."""
-    return transformed(F.linear(h, w, b).to(dtype), transforms)
+    return transformed(rounded(F.linear(h, w, b), dtype), transforms)
 
 
 def transformed(x: torch.Tensor, transforms: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -109,7 +139,7 @@ def backward_block(h, w, b, tokens, saved: RowValues, grads: Cotangents, logit_m
     dtype = logit_map.dtype
     x, outs = _logits(h, w, b, dtype, logit_map.transforms)
     if g_x is not None:
-        x = x.to(dtype).float()  # the returned values, in FP32: no rounding of the gradient yet
+        x = rounded(x, dtype).float()  # the returned values, in FP32: no rounding of the gradient yet
     grad = grad_of_logits(x, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div)
     if g_x is not None:
         grad = grad + g_x.float()
