@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 import fx_passes
-from fx_passes import Config, env
+from fx_passes import Config, compat, env
 from fx_passes.entry import install as hook
 from fx_passes.reporting.session import session
 from tests.codegen import full_fp32_buffers
@@ -71,12 +71,19 @@ class Recorder(CustomGraphPass):
         return f"recorder-{self.name}-{id(self)}-{os.getpid()}-{RUN}"
 
 
+# Inductor's pre-grad pass timing, where torch has the setting (>= 2.12: compat.PRE_GRAD_PASS_TIMING)
+DEFAULT_TIMING = {"pre_grad_pass_timing": "default"} if compat.PRE_GRAD_PASS_TIMING else {}
+# install() chains with a user's own pre-grad pass where Inductor takes lists (>= 2.13)
+needs_pass_lists = pytest.mark.skipif(not compat.PASS_LISTS, reason="torch < 2.13: no pass lists")
+needs_timing = pytest.mark.skipif(not compat.PRE_GRAD_PASS_TIMING, reason="torch < 2.12: no timing setting")
+
+
 @pytest.fixture(autouse=True)
 def _clean_install():
     """No install, no user pass and no event leaks out of a test."""
     session.reset()
     with inductor_config.patch(pre_grad_custom_pass=None, joint_custom_pre_pass=None,
-                               post_grad_custom_post_pass=None, pre_grad_pass_timing="default"):
+                               post_grad_custom_post_pass=None, **DEFAULT_TIMING):
         try:
             yield
         finally:
@@ -96,9 +103,7 @@ def chunked() -> dict:
 
 
 def ours() -> list:
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
-
-    return [p for p in get_custom_graph_passes(inductor_config.pre_grad_custom_pass)
+    return [p for p in compat.custom_graph_passes(inductor_config.pre_grad_custom_pass)
             if isinstance(p, hook.InstalledPass)]
 
 
@@ -117,7 +122,7 @@ def test_install_rewrites_under_stock_inductor():
     assert [e.kind for e in session.events] == ["rewritten"]
     assert fx_passes.uninstall() is True
     assert inductor_config.pre_grad_custom_pass is None
-    assert inductor_config.pre_grad_pass_timing == "default"
+    assert getattr(inductor_config, "pre_grad_pass_timing", "default") == "default"
     assert fx_passes.installed_config() is None
     assert fx_passes.uninstall() is False  # nothing left to remove
 
@@ -148,6 +153,7 @@ def test_backend_options_win_over_installed_ones():
     assert chunked() == {"rewritten": 1}
 
 
+@needs_pass_lists
 @pytest.mark.parametrize("container", ["single", "list", "tuple"])
 def test_user_pre_grad_pass_is_chained_and_restored(container):
     mine = Recorder("pre")
@@ -165,6 +171,7 @@ def test_user_pre_grad_pass_is_chained_and_restored(container):
         assert inductor_config.pre_grad_custom_pass is mine
 
 
+@needs_pass_lists
 def test_user_pass_set_after_install_is_kept_by_a_second_install():
     fx_passes.install()
     mine = Recorder("late")
@@ -176,6 +183,7 @@ def test_user_pass_set_after_install_is_kept_by_a_second_install():
     assert inductor_config.pre_grad_custom_pass is mine
 
 
+@needs_pass_lists
 def test_plain_callable_user_pass_is_chained():
     calls = []
     inductor_config.pre_grad_custom_pass = lambda graph: calls.append(graph)
@@ -238,6 +246,7 @@ def test_context_manager_and_nesting():
     assert chunked() == {"rewritten": 1}
 
 
+@needs_timing
 def test_explicit_late_timing_is_left_alone():
     with inductor_config.patch(pre_grad_pass_timing="late"):
         with fx_passes.install():
