@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
@@ -134,6 +135,33 @@ def test_loss_tails_take_the_gradients_in_the_forward(fn):
 @pytest.mark.parametrize("fn", [pg_entropy_bonus, ce_mean], ids=lambda f: f.__name__)
 def test_the_gpu_plan_on_this_cpu(fn):
     _check(fn, *BF16, "gpu", compiled_bodies=fn is pg_entropy_bonus)
+
+
+def test_the_token_logit_is_read_before_the_gradient_overwrites_it():
+    """NOTE [a body that writes over its logits]: the cross-entropy with ignored labels on the
+    ``gpu`` plan with its chunk body compiled (torch 2.11's Inductor loaded the token's logit
+    after the gradient's stores over the row: the loss 3% off, its gradients right), and the
+    body reads no logit by a gather (every op of the bodies seen, run eagerly)."""
+    _check(ce_mean, *BF16, "gpu", compiled_bodies=True)
+    gathered = []
+
+    class Gathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.gather.default and args[0].shape[-1] == V:
+                gathered.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    def watched(fn, options):
+        def run(*args, **kwargs):
+            with Gathers():
+                return fn(*args, **kwargs)
+        return run
+    torch._dynamo.reset()
+    counters.clear()
+    fused = torch.compile(ce_mean, backend="chunked_logits", options={"lm_head_plan": "gpu"})
+    with cpu_out_dtype_kernels(), compiling_with(watched):
+        _run(fused, _inputs(torch.bfloat16))
+    assert counters["chunked_logits"]["gradients_in_forward"] == 1 and gathered == []
 
 
 @pytest.mark.sampled

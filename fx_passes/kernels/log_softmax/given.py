@@ -96,13 +96,20 @@ def _grad_logits(logp, tokens, entropy, grads, scale: Scale, scale_is_div: bool)
 
 
 def stats_of_logits(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scale, scale_is_div: bool,
-                    want_entropy: bool):
+                    want_entropy: bool, picked_in_the_sweep: bool = False):
     """(lse, token logprob or None, entropy or None) per row of ``z = x.float() / t``:
-    the maths of every forward (``RowStats`` here, the lm_head loop's chunks)."""
+    the maths of every forward (``RowStats`` here, the lm_head loop's chunks).
+    ``picked_in_the_sweep``: the token's logit read by the row's reduction sweep (a sum
+    with one term) instead of a gather (NOTE [a body that writes over its logits])."""
     z = _scaled(x, scale, scale_is_div)
     m, log_s = _shift_and_log_sum(z)
     logprob = None
-    if tokens is not None:
+    if tokens is not None and picked_in_the_sweep:
+        columns = torch.arange(x.shape[-1], device=x.device)
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        picked = torch.where(columns == tokens.unsqueeze(-1), x, zero).sum(-1, dtype=x.dtype)
+        logprob = _log_probs(_scaled(picked, scale, scale_is_div), m, log_s)
+    elif tokens is not None:
         picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         logprob = _log_probs(_scaled(picked, scale, scale_is_div), m, log_s)
     entropy = None

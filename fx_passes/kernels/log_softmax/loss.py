@@ -100,6 +100,19 @@ def logits_grad_into(x, tokens, saved: RowValues, grads: Cotangents, logit_map: 
     x.copy_(logits_grad(x, tokens, saved, grads, logit_map))
 
 
+# NOTE [a body that writes over its logits]
+# The loss loop's chunk body reads its logits for the row stats and then writes their
+# gradient over them, in one compiled function (one kernel).  The token's logit was a
+# gather, an indirect load that Inductor may place where its value is first used: in the
+# gradient's loop, after that loop has stored the gradient over some of the row.  Inductor
+# of torch 2.11 did so in its C++ code, and the loss came out wrong (the cross-entropy of
+# WV with ignored labels: 0.238 off, its gradients right; torch 2.13 orders the load
+# first).  The body reads the token's logit in the row's reduction sweep instead (a sum
+# whose one term is that logit: exact), which every version finishes before the gradient
+# loop starts (its results feed it).  tests/test_loss_in_graph.py::
+# test_the_token_logit_is_read_before_the_gradient_overwrites_it.
+
+
 def chunk_body(tail_key: str):
     """One row chunk's work after its logits' GEMM, compiled by Inductor once per loss tail
     (``tail_key``): ``(x, tokens, logit_map, want_entropy, log_softmax, *rows, *whole,
@@ -114,7 +127,8 @@ def chunk_body(tail_key: str):
 
     def loss_chunk(x, tokens, logit_map: LogitMap, want_entropy: bool, log_softmax: bool, *rest):
         z = transformed(x, logit_map.transforms)[0]
-        lse, lp, ent = stats_of_logits(z, tokens, logit_map.scale, logit_map.is_div, want_entropy)
+        lse, lp, ent = stats_of_logits(z, tokens, logit_map.scale, logit_map.is_div, want_entropy,
+                                       picked_in_the_sweep=True)  # (NOTE [a body that writes over ...])
         zeros = lse.new_zeros(lse.shape)
         lp_, ent_ = (v if v is not None else zeros for v in (lp, ent))
         c_lse, c_lp, c_ent, *part = tail(lse, lp_, ent_, *rest)
