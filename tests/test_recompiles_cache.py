@@ -23,6 +23,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fx_passes
+import fx_passes.compat
 import fx_passes.pipeline
 from fx_passes import ChunkedLogitsPass, Config
 from fx_passes.entry.backend import chunked_logits
@@ -157,6 +158,12 @@ def hits(mode: dict) -> tuple[int, int]:
 
 
 ALL_DEFAULT = {"train": {}, "score": {}, "pre_grad": {}, "installed": {}}
+# Which modes AOTAutograd's cache stores: the backend and install() mark the functions a
+# rewritten graph calls cacheable; a ChunkedLogitsPass set by hand marks nothing.  From
+# torch 2.12 (pre_grad_pass_timing) that cache checks the graph before the pre-grad passes
+# (the pass's uuid in its key), so the hand-set pass's graphs are stored too; before, it
+# checks the rewritten graph, and bypasses them (docs/enabling.md).
+AOT_STORED = [m for m in ALL_DEFAULT if m != "pre_grad" or fx_passes.compat.PRE_GRAD_PASS_TIMING]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +179,9 @@ def cold(tmp_path_factory):
     assert hits(first["pre_grad"]) == (0, 1)
     assert hits(first["installed"]) == (0, 1)
     for mode in ALL_DEFAULT:  # AOTAutograd's cache stores them too (row_stats is marked cacheable)
-        assert first[mode]["aot_autograd"] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}, mode
+        stored = {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+        bypassed = {"autograd_cache_bypass": 1}
+        assert first[mode]["aot_autograd"] == (stored if mode in AOT_STORED else bypassed), mode
     return cache, first
 
 
@@ -197,7 +206,8 @@ def test_fx_graph_cache_hit_in_a_new_process(cold, warm) -> None:
     assert hits(warm["installed"]) == (1, 0)
     for mode in ALL_DEFAULT:
         assert warm[mode]["checksum"] == first[mode]["checksum"], mode
-        assert warm[mode]["aot_autograd"] == {"autograd_cache_hit": 1}, mode  # a warm start
+        warm_start = {"autograd_cache_hit": 1} if mode in AOT_STORED else {"autograd_cache_bypass": 1}
+        assert warm[mode]["aot_autograd"] == warm_start, mode
     assert warm["uuid"] == first["uuid"] == warm["pre_grad"]["uuid"]
 
 
@@ -233,4 +243,7 @@ def test_fx_graph_cache_missed_when_the_pass_code_changes(cold, tmp_path) -> Non
     assert loss == first["train"]["checksum"][0]
     assert grad == pytest.approx(2 * first["train"]["checksum"][1], rel=1e-2)  # the new code ran
     assert changed["uuid"] != first["uuid"]  # the source hash is part of the pre-grad key
-    assert hits(changed["pre_grad"]) == (0, 1)
+    if fx_passes.compat.PRE_GRAD_PASS_TIMING:  # the lookup before the pass: its uuid in the key
+        assert hits(changed["pre_grad"]) == (0, 1)
+    else:  # (torch < 2.12: the key is the graph the pass wrote, which a backward's change leaves)
+        assert changed["pre_grad"]["checksum"] == first["pre_grad"]["checksum"]
