@@ -106,6 +106,65 @@ def test_the_split_rebuilds_the_whole_row_gradient_block_by_block():
         torch.testing.assert_close(split.block(*picked, *got[1:]), want[:, v0:v1], rtol=2**-7, atol=1e-7)
 
 
+def _soft_target_ce_rows(x, teacher):
+    return (torch.nn.functional.cross_entropy(x.float(), teacher.float().softmax(-1), reduction="none"),)
+
+
+def _ce_reading_sizes_as_numbers(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """ATen's ``cross_entropy_loss`` as torch 2.11 and 2.12 trace it: the input's sizes
+    read as numbers (``int``: the trace makes the vocabulary a constant)."""
+    rows, vocab = int(x.shape[0]), int(x.shape[1])
+    return -(torch.log_softmax(x, 1) * target.expand(rows, vocab)).sum(1)
+
+
+@pytest.mark.filterwarnings("ignore:Warning only once for all operators")  # (the kernel replaced)
+@pytest.mark.parametrize("sizes_as_numbers", [False, True], ids=["aten", "aten_reading_sizes_as_numbers"])
+def test_a_soft_target_cross_entropy_splits_however_aten_reads_its_sizes(sizes_as_numbers):
+    """A cross-entropy on a teacher's probabilities splits (NOTE [a soft-target
+    cross-entropy traced with symbolic sizes]), also where ATen's composite reads the
+    input's sizes as numbers (torch 2.11 and 2.12; here its kernel replaced by one that
+    does, which keeps the logits whole without the NOTE's formula), and the split rebuilds
+    the body's gradient block by block."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        if sizes_as_numbers:
+            lib.impl("cross_entropy_loss", _ce_reading_sizes_as_numbers, "CompositeImplicitAutograd")
+        key = user_bodies.register(symbolic_trace(_soft_target_ce_rows))
+        x = rl.distinct_logits(T, V, torch.bfloat16, seed=1)
+        teacher = rl.distinct_logits(T, V, torch.bfloat16, seed=2)
+        # (``__wrapped__``: traced here, not the other case's split from the cache)
+        split = row_split._traced_split.__wrapped__(key, (0,), (0,), 0, row_split._spec([x, teacher], 1), (),
+                                                    False)
+    finally:
+        lib._destroy()
+    assert isinstance(split, row_split.Split), split
+    g = torch.randn(T, generator=torch.Generator().manual_seed(3))
+    got = split.stats(x, teacher, g)
+    want = user_bodies.vjp_function(_soft_target_ce_rows, 2, (0,), (0,))(x, teacher, g)[0]
+    torch.testing.assert_close(got[0], want, rtol=2**-7, atol=1e-7)
+    args = [x, teacher, g]
+    for v0, v1 in [(0, 100), (100, 101), (101, V)]:
+        picked = [args[i][..., v0:v1] if sliced else args[i] for i, sliced in split.inputs]
+        torch.testing.assert_close(split.block(*picked, *got[1:]), want[:, v0:v1], rtol=2**-7, atol=1e-7)
+
+
+def test_the_soft_target_formula_is_atens():
+    """:func:`split.soft_target_cross_entropy` against ``F.cross_entropy`` in FP64, with and
+    without label smoothing; any other call (class weights, a reduction, class indices) is
+    left to ``F.cross_entropy`` (None)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 50, generator=g, dtype=torch.float64) * 3
+    t = torch.randn(7, 50, generator=g, dtype=torch.float64).softmax(-1)
+    F = torch.nn.functional
+    for smoothing in (0.0, 0.1):
+        want = F.cross_entropy(x, t, reduction="none", label_smoothing=smoothing)
+        got = row_split.soft_target_cross_entropy(x, t, reduction="none", label_smoothing=smoothing)
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    assert row_split.soft_target_cross_entropy(x, t) is None  # (the mean)
+    assert row_split.soft_target_cross_entropy(x, t, weight=torch.ones(50), reduction="none") is None
+    assert row_split.soft_target_cross_entropy(x, t.argmax(-1), reduction="none") is None
+
+
 def test_the_stats_graph_writes_the_gradient_over_the_logits():
     """``sweeps.stats_into``, compiled by Inductor as the row sweeps compile it (WD's loop,
     plan ``"gpu"``, and the sweeps' row sweep): the logits' gradient lands in the logits'

@@ -35,6 +35,21 @@ split.  See NOTE [row split].
 # the gradient (top-k / top-p masks, a cross-entropy's picked logit) does not split; its
 # call keeps the logits whole (``row_local_head``), with the reason in the log.
 
+# NOTE [a soft-target cross-entropy traced with symbolic sizes]
+#
+# ``F.cross_entropy`` with class probabilities as its target is an ATen composite whose
+# C++ body reads the input's sizes as numbers in torch 2.11 and 2.12: traced with
+# symbolic sizes, the vocabulary becomes the example's constant (an ``expand`` to
+# ``[13, 256]`` in the product), the logits' gradient no longer spans the symbolic
+# vocabulary, and a distillation loss on a teacher's probabilities kept its logits whole
+# there (2.13 reads symbolic sizes).  The trace runs the body through
+# :class:`_SymbolicSizes`, which computes such a call (per-row results, no class weights)
+# by ATen's own formula, ``-(log_softmax(x, 1) * target).sum(1)`` with a smoothed target
+# ``target * (1 - e) + e / V``: the same ops in the same order, on symbolic sizes.  A
+# smoothed target reads ``V`` as a value, so it still keeps its rows whole, as on 2.13.
+# tests/test_op_rules.py (the soft-target bodies split as their rule says) fails on 2.11
+# without it; tests/test_row_split.py makes 2.13's ATen read sizes as numbers too.
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +57,8 @@ import functools
 from typing import Any, Optional, Union
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from ...fx.op_rules import RESHAPES as _RESHAPES
 from ...fx.op_rules import Kind, block_rule, reads_row_length
@@ -160,6 +176,32 @@ class _NoSplit(Exception):
     pass
 
 
+def soft_target_cross_entropy(x: torch.Tensor, target: Any, weight: Any = None, size_average: Any = None,
+                              ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                              label_smoothing: float = 0.0) -> Optional[torch.Tensor]:
+    """``F.cross_entropy(x, target, ...)`` of ``[R, V]`` logits and class probabilities,
+    per row and without class weights, as ATen computes it, on symbolic sizes; None for
+    any other call (NOTE [a soft-target cross-entropy traced with symbolic sizes])."""
+    if not (isinstance(target, torch.Tensor) and target.is_floating_point() and x.dim() == 2
+            and target.dim() == 2 and weight is None and size_average is None and reduce is None
+            and reduction == "none"):
+        return None
+    if label_smoothing > 0.0:
+        target = target * (1 - label_smoothing) + label_smoothing / x.shape[1]
+    return -(torch.log_softmax(x, 1) * target).sum(1)
+
+
+class _SymbolicSizes(Interpreter):
+    """A body run op by op, its soft-target cross-entropies by their formula."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is F.cross_entropy:
+            out = soft_target_cross_entropy(*args, **kwargs)
+            if out is not None:
+                return out
+        return super().call_function(target, args, kwargs)
+
+
 def _examples(rows: list, whole: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Zeros of each ``(dtype, shape, device)``, the rows' first size ``_ROWS``, on the
     inputs' devices (the traced graphs' constants, a scatter's zeros, are made there)."""
@@ -191,7 +233,8 @@ def _traced_split(key: str, wanted: tuple[int, ...], outputs: tuple[int, ...], i
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import _disable_current_modes
 
-    fn = user_bodies.function(key)
+    body = user_bodies.function(key)
+    fn = _SymbolicSizes(body).run
     ex_rows, ex_whole = _examples(list(rows), list(whole))
     results = fn(*ex_rows, *ex_whole)
     grads = [torch.zeros_like(results[i]) for i in outputs]
