@@ -14,6 +14,8 @@ five the docs count.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -163,6 +165,68 @@ def test_the_soft_target_formula_is_atens():
     assert row_split.soft_target_cross_entropy(x, t) is None  # (the mean)
     assert row_split.soft_target_cross_entropy(x, t, weight=torch.ones(50), reduction="none") is None
     assert row_split.soft_target_cross_entropy(x, t.argmax(-1), reduction="none") is None
+
+
+def _picked_rows(x, tok):
+    """A token's log-prob beside a term of the whole row: a result that reads a gathered
+    logit, which the gradient does not need (its gather stays in the results' part)."""
+    lp = torch.log_softmax(x.float(), -1)
+    return (lp.gather(-1, tok[:, None]).squeeze(-1) + 0.01 * (lp.exp() * lp).sum(-1),)
+
+
+def _indexed_rows(x, tok):
+    lp = torch.log_softmax(x.float(), -1)
+    return (lp[torch.arange(lp.shape[0]), tok] + 0.01 * (lp.exp() * lp).sum(-1),)
+
+
+def test_a_gathered_logit_is_read_before_the_gradient_overwrites_it():
+    """NOTE [a body that writes over its logits]: the loss's row sweep (``stats_into``, the
+    gradient written over the logits) reads a gathered logit as a sum with one term, so no
+    gather of a logits row runs (every op seen, run eagerly); compiled by Inductor, its
+    results are the out-of-place graph's, bitwise (torch 2.11's Inductor loaded the gather
+    after the gradient's stores: token log-probs
+    off by up to 7 nats here).  Another indirect
+    read of the logits (an index) keeps the gradient beside them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fx_passes.kernels.ops import body_compiler
+    from fx_passes.kernels.row_local.sweeps import compiled, stats_into
+
+    r, vocab = 64, 1000
+    x = rl.distinct_logits(r, vocab, torch.bfloat16, seed=1)
+    tok = torch.randint(0, vocab, (r,), generator=torch.Generator().manual_seed(2))
+    g = torch.randn(r, generator=torch.Generator().manual_seed(3))
+    key = user_bodies.register(symbolic_trace(_picked_rows))
+    split = row_split.split_of(key, [0], [0], 0, [x, tok], [], with_outputs=True)
+    assert isinstance(split, row_split.Split), split
+    gathered = []
+
+    class Gathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.gather.default and args[0].shape[-1] == vocab:
+                gathered.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with compiling_with(EAGER), Gathers():
+        eager = stats_into(split, ("test_picked", key), 0)(x.clone(), tok, g)
+    assert gathered == []
+    inductor = lambda fn, options: body_compiler._inductor(fn, options)  # noqa: E731  (its own compiles)
+    with compiling_with(inductor):
+        want = compiled(split.stats, ("test_picked", key))(x.clone(), tok, g)
+        got = stats_into(split, ("test_picked", key), 0)(x.clone(), tok, g)
+    for a, b, c in zip(got, want, eager):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=2**-7, atol=1e-5)
+
+    # (an index does not split, its gradient being an index_put: its graph traced here)
+    from torch.fx.experimental.proxy_tensor import make_fx
+    indexed = make_fx(user_bodies.vjp_function(_indexed_rows, 2, (0,), (0,), with_outputs=True))(x, tok, g)
+    with compiling_with(EAGER):
+        logits = x.clone()
+        into = stats_into(types.SimpleNamespace(stats=indexed), ("test_indexed", id(indexed)), 0)
+        got = into(logits, tok, g)
+    assert torch.equal(logits, x) and got[0].data_ptr() != logits.data_ptr()
+    torch.testing.assert_close(got, tuple(indexed(x, tok, g)), rtol=0, atol=0)
 
 
 def test_the_stats_graph_writes_the_gradient_over_the_logits():

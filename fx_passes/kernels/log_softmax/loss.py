@@ -110,7 +110,13 @@ def logits_grad_into(x, tokens, saved: RowValues, grads: Cotangents, logit_map: 
 # first).  The body reads the token's logit in the row's reduction sweep instead (a sum
 # whose one term is that logit: exact), which every version finishes before the gradient
 # loop starts (its results feed it).  tests/test_loss_in_graph.py::
-# test_the_token_logit_is_read_before_the_gradient_overwrites_it.
+# test_the_token_logit_is_read_before_the_gradient_overwrites_it.  A row-local body's
+# row sweep (``row_local.sweeps.stats_into``: the traced user body, its gradient written
+# over the logits) had the same hazard, its token log-probs wrong on 2.11 where a result
+# but not the gradient reads them: its gathers of one column a row are rewritten into the
+# same one-term sums (``sweeps.picked_in_the_sweep``), and a graph with another indirect
+# read of the logits writes its gradient beside them.  tests/test_row_local_sweeps.py::
+# test_a_gathered_logit_is_read_before_the_gradient_overwrites_it.
 
 
 def chunk_body(tail_key: str):

@@ -59,7 +59,7 @@ from .engine import (
 from .split import COLUMNS, Split, split_of
 
 __all__ = ["row_local_sweeps", "row_local_sweeps_backward", "row_sweep", "block_sweep", "compiled",
-           "stats_into", "flat"]
+           "stats_into", "picked_in_the_sweep", "flat"]
 
 
 def flat(hidden: torch.Tensor) -> torch.Tensor:
@@ -92,18 +92,61 @@ def stats_into(split, key: tuple, index: int):
     gradient of the logits (argument ``index``, a chunk the loop owns), written over those
     logits and returned in their place: Inductor's last kernel reads each logit and writes
     its gradient into the same buffer, so a chunk holds one ``[r, V]`` tile, not two
-    (tests/test_loop_memory.py, tests/test_row_local_memory_code.py).  A gradient of
-    another dtype or shape than the logits (not expected) is returned as it is."""
-    gm = split.stats
+    (tests/test_loop_memory.py, tests/test_row_local_memory_code.py).  A gathered logit is
+    read by the row's sweep first (:func:`picked_in_the_sweep`); a graph with another
+    indirect read of the logits, and a gradient of another dtype or shape than the logits
+    (not expected), returns the gradient as it is, beside them."""
+    gm = picked_in_the_sweep(split.stats, index)
+    in_place = gm is not None
+    gm = gm if in_place else split.stats
 
     def graph(*args):
         g, *rest = gm(*args)
         x = args[index]
-        if g.dtype != x.dtype or g.shape != x.shape:
+        if not in_place or g.dtype != x.dtype or g.shape != x.shape:
             return (g, *rest)
         x.copy_(g)
         return (x, *rest)
     return compile_body((*key, "into", index), graph, f"{key[0]}_{key[1]}_into", COUNTER)
+
+
+_INDIRECT = (torch.ops.aten.gather.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default,
+             torch.ops.aten.take.default, torch.ops.aten._unsafe_index.Tensor)
+
+
+def picked_in_the_sweep(gm: torch.fx.GraphModule, index: int) -> Optional[torch.fx.GraphModule]:
+    """``gm`` with each gather of one column a row from its argument ``index`` (the
+    logits) or a value computed from it read as a sum with one term (exact), which Inductor
+    computes in a sweep over the row before a loop that writes over the logits can start;
+    None where another indirect read of the logits remains (NOTE [a body that writes over
+    its logits] in ``kernels/log_softmax/loss.py``: torch 2.11's Inductor placed a gather's
+    load after the gradient's stores)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    from_logits = {places[index]}
+    for n in graph.nodes:
+        if n not in from_logits and any(a in from_logits for a in n.all_input_nodes):
+            from_logits.add(n)
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in _INDIRECT or n.args[0] not in from_logits:
+            continue
+        src, idx = n.args[0].meta.get("val"), n.args[2].meta.get("val") if len(n.args) > 2 else None
+        if n.target is not torch.ops.aten.gather.default or not isinstance(src, torch.Tensor) \
+                or not isinstance(idx, torch.Tensor) or src.dim() != 2 or n.args[1] not in (-1, 1) \
+                or idx.dim() != 2 or idx.shape[-1] != 1 or n.kwargs.get("sparse_grad", False):
+            return None
+        with graph.inserting_before(n):
+            vocab = graph.call_function(torch.ops.aten.sym_size.int, (n.args[0], 1))
+            columns = graph.call_function(torch.ops.aten.arange.default, (vocab,),
+                                          {"dtype": idx.dtype, "device": src.device})
+            hit = graph.call_function(torch.ops.aten.eq.Tensor, (columns, n.args[2]))
+            one = graph.call_function(torch.where, (hit, n.args[0], 0.0))
+            picked = graph.call_function(torch.ops.aten.sum.dim_IntList, (one, [-1], True))
+        n.replace_all_uses_with(picked)
+        graph.erase_node(n)
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _say_whole(key: str, why: str) -> None:
