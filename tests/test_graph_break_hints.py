@@ -154,3 +154,16 @@ def test_custom_autograd_function_on_fp32_logits_is_a_near_miss_naming_it():
     p = torch.softmax((h.double() @ w.double().T), -1)  # (the Function is run as written)
     expected = -(p * p.log()).sum(-1).mean()
     assert abs(loss.item() - expected.item()) < 1e-3
+
+
+def test_the_function_is_named_from_its_call_line_with_or_without_carets():
+    """Dynamo's stack trace ends with the call's source line, then (torch 2.13) a line of
+    carets under it (2.11 and 2.12 write none): the Function's name is read either way."""
+    from types import SimpleNamespace
+
+    from fx_passes.match.near_miss import _function_name
+    frames = '  File "a.py", line 3, in outer\n    return model.apply(x)\n  File "a.py", line 9, in step\n' \
+             '    return _VocabEntropy.apply(logits).mean()\n'
+    for trace in (frames, frames + "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"):
+        assert _function_name(SimpleNamespace(meta={"stack_trace": trace})) == "_VocabEntropy"
+    assert _function_name(SimpleNamespace(meta={})) == "(its name unknown)"

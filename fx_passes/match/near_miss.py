@@ -120,8 +120,10 @@ def custom_function(graph: Graph) -> None:
 
 
 def _function_name(call: Node) -> str:
+    """The Function's name as the call's source line spells it (``Name.apply(``): the last
+    line of the stack trace that has one (torch 2.13 adds a line of carets after it)."""
     lines = (call.meta.get("stack_trace") or "").strip().splitlines()
-    found = re.search(r"([\w.]+)\.apply\(", lines[-2] if len(lines) > 1 else "")
+    found = next((m for m in map(re.compile(r"([\w.]+)\.apply\(").search, reversed(lines)) if m), None)
     return found.group(1) if found else "(its name unknown)"
 
 
