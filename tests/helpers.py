@@ -108,6 +108,20 @@ class LargestFP32(TorchDispatchMode):
         return watched
 
 
+class RowGathers(TorchDispatchMode):
+    """Appends to ``seen`` the shape of each ``aten.gather`` from a tensor whose last size is
+    ``width`` (a logits row: NOTE [a body that writes over its logits])."""
+
+    def __init__(self, width: int, seen: list) -> None:
+        super().__init__()
+        self.width, self.seen = width, seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.gather.default and args[0].shape[-1] == self.width:
+            self.seen.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def auto_plan_computes_gradients_in_forward(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the lm_head loop's ``"auto"`` plan on this CPU computes the gradients in the
     forward: ``two_sweeps`` on CPUs with bf16 units does (the loss in the graph runs as

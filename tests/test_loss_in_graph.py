@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, full_gemms, recording
-from tests.helpers import ops, rewrite_graphs
+from tests.helpers import RowGathers, ops, rewrite_graphs
 from tests.numerics import F32, TOLERANCES, assert_no_less_accurate
 
 T, H, V = 96, 64, 1024
@@ -145,15 +144,9 @@ def test_the_token_logit_is_read_before_the_gradient_overwrites_it():
     _check(ce_mean, *BF16, "gpu", compiled_bodies=True)
     gathered = []
 
-    class Gathers(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.gather.default and args[0].shape[-1] == V:
-                gathered.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
     def watched(fn, options):
         def run(*args, **kwargs):
-            with Gathers():
+            with RowGathers(V, gathered):
                 return fn(*args, **kwargs)
         return run
     torch._dynamo.reset()

@@ -28,7 +28,7 @@ from fx_passes.kernels.row_local.head import _row_local_head, _row_local_head_ba
 from fx_passes.kernels.row_local.sweeps import _row_local_sweeps, row_local_sweeps_backward
 from fx_passes.reporting.session import session
 from tests import row_local_cases as rl
-from tests.helpers import assert_retained_backward_repeats, chunked_counters
+from tests.helpers import RowGathers, assert_retained_backward_repeats, chunked_counters
 from tests.numerics import F32, dtype_matrix
 from tests.sweep_cases import EAGER, SPLIT, H, T, V, topp_policy
 from tests.sweep_cases import Wide as _Wide
@@ -187,8 +187,6 @@ def test_a_gathered_logit_is_read_before_the_gradient_overwrites_it():
     after the gradient's stores: token log-probs
     off by up to 7 nats here).  Another indirect
     read of the logits (an index) keeps the gradient beside them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from fx_passes.kernels.ops import body_compiler
     from fx_passes.kernels.row_local.sweeps import compiled, stats_into
 
@@ -200,14 +198,7 @@ def test_a_gathered_logit_is_read_before_the_gradient_overwrites_it():
     split = row_split.split_of(key, [0], [0], 0, [x, tok], [], with_outputs=True)
     assert isinstance(split, row_split.Split), split
     gathered = []
-
-    class Gathers(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.gather.default and args[0].shape[-1] == vocab:
-                gathered.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
-    with compiling_with(EAGER), Gathers():
+    with compiling_with(EAGER), RowGathers(vocab, gathered):
         eager = stats_into(split, ("test_picked", key), 0)(x.clone(), tok, g)
     assert gathered == []
     inductor = lambda fn, options: body_compiler._inductor(fn, options)  # noqa: E731  (its own compiles)
