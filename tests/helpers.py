@@ -108,6 +108,16 @@ class LargestFP32(TorchDispatchMode):
         return watched
 
 
+def made_otherwise_before(version: str, why: str):
+    """A test that reads what torch ``version`` and later make (generated code, Dynamo's
+    names, stock's buffers), marked as failing before it, saying what older ones make
+    (strict: one that passes there is reported)."""
+    import pytest
+    from torch.torch_version import TorchVersion
+    return pytest.mark.xfail(TorchVersion(torch.__version__) < version, strict=True,
+                             reason=f"torch < {version}: {why}")
+
+
 class RowGathers(TorchDispatchMode):
     """Appends to ``seen`` the shape of each ``aten.gather`` from a tensor whose last size is
     ``width`` (a logits row: NOTE [a body that writes over its logits])."""

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes.testing.workloads import Workload
 from tests.codegen import allocations, full_fp32_buffers, step_codes
-from tests.helpers import chunked_counters, clean_env, last_json, rewrite
+from tests.helpers import chunked_counters, clean_env, last_json, made_otherwise_before, rewrite
 
 
 def ce_autocast(x, y):
@@ -114,6 +114,7 @@ def test_upgrade_gives_fp32_accuracy(big, fn):
         assert (before.double() - r).abs().max() > 1e-2  # what the bf16 path gave
 
 
+@made_otherwise_before("2.13", "stock's bf16 graph keeps one FP32 [T] vector less")
 def test_upgrade_allocates_no_more_than_the_bf16_graph():
     w = Workload("bf16", bf16_logprob_entropy, False, None, (0, 0))
     g = torch.Generator().manual_seed(0)

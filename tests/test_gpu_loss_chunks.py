@@ -20,6 +20,7 @@ from fx_passes.kernels import tiling
 from fx_passes.testing.codegen import allocations
 from fx_passes.testing.gemms import cpu_out_dtype_kernels, tracing
 from tests.codegen import inputs_of_rank
+from tests.helpers import made_otherwise_before
 
 T, H, V = 256, 64, 1024
 GIB, MIB = 2**30, 2**20
@@ -241,7 +242,11 @@ def _policy_tail() -> str:
 
 @pytest.mark.sampled
 @pytest.mark.parametrize("transforms, scale", [
-    ("", None), (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7))], ids=["plain", "softcap"])
+    ("", None),
+    pytest.param(f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7),
+                 marks=made_otherwise_before("2.13", "Inductor keeps no soft cap tile, and the fused "
+                                             "body's gradient is not the separate bodies'"))],
+    ids=["plain", "softcap"])
 def test_a_chunk_reads_its_logits_in_one_kernel(transforms, scale):
     """``loss._loop``'s work on a chunk after its GEMM (``loss.chunk_body``: the stats, the
     loss tail's cotangents and sums, the gradient written over the logits) is one compiled

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 from fx_passes.kernels import tiling
 from fx_passes.testing.gemms import full_gemms, recording, tracing
+from tests.helpers import made_otherwise_before
 from tests.numerics import TOLERANCES, assert_no_less_accurate, reference, run
 
 T, H, V = 256, 64, 1024
@@ -258,7 +259,8 @@ def test_auto_on_a_gpu_keeps_a_log_probs_logits(cpu_as_a_gpu, fn, options, kept)
 
 @pytest.mark.parametrize("transforms, scale", [
     ("", torch.tensor(0.7)),                                              # a temperature
-    (f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7)),  # a soft cap too
+    pytest.param(f"div:{(30.0).hex()},tanh,mul:{(30.0).hex()}", torch.tensor(0.7),  # a soft cap too
+                 marks=made_otherwise_before("2.13", "Inductor keeps no soft cap tile")),
 ], ids=["temperature", "softcap"])
 def test_the_forward_stats_read_the_kept_logits_with_no_tile(transforms, scale):
     """The forward's body (``loss.stats_of_kept``, compiled as the loop compiles it) after the
