@@ -393,6 +393,7 @@ def program_source(case: Case, reference: bool = False) -> str:
         # The program's logits are the model-precision matmul output: round the exact ones
         # the same way, so that the reference differs from the program only downstream.
         emit(f"h = h.to({DTYPES[c.dtype]}).double()")
+        emit("h = keep_grad(h)  # (the exact gradient of the logits: term_scales)")
     if c.mask == "graph":
         emit("h = h.masked_fill(mask, float('-inf'))")
     if c.twist == "ce_3d":
@@ -544,11 +545,18 @@ def program_source(case: Case, reference: bool = False) -> str:
 def make_program(case: Case, reference: bool = False) -> Callable:
     """The program (see :func:`program_source`) as a function."""
     source = program_source(case, reference)
-    namespace: dict[str, Any] = {"torch": torch, "F": F}
+    kept: list[torch.Tensor] = []
+
+    def keep_grad(h: torch.Tensor) -> torch.Tensor:
+        if h.requires_grad:
+            h.register_hook(lambda g: kept.append(g.detach()))
+        return h
+
+    namespace: dict[str, Any] = {"torch": torch, "F": F, "keep_grad": keep_grad}
     filename = f"<chunked_logits property program {'reference' if reference else 'under test'}>"
     exec(compile(source, filename, "exec"), namespace)
     fn = namespace["program"]
-    fn.source = source
+    fn.source, fn.logits_grads = source, kept
     return fn
 
 
@@ -637,6 +645,20 @@ class Result:
     outputs: tuple[torch.Tensor, ...]
     grads: dict[str, torch.Tensor]
     requires_grad: tuple[bool, ...] = ()
+    term_scales: dict[str, float] = dataclasses.field(default_factory=dict)  # (the reference's)
+
+
+def term_scales(dz: torch.Tensor, args: dict[str, Any]) -> dict[str, float]:
+    """The lm_head's gradients sum one term per row (``lm_w``, ``lm_b``) or per vocabulary
+    column (``hidden``) of the logits' gradient ``dz``, each rounded to model precision
+    first, by stock and the pass alike, which may round a term to different sides: the
+    largest root sum of squares of an element's terms (at least its largest term), which
+    that difference scales with where the sum cancels (a saturated softmax's bias gradient,
+    far smaller than its terms)."""
+    h, w = args["hidden"].detach().double(), args["lm_w"].detach().double()
+    a = dz.reshape(-1, dz.shape[-1]).square()
+    return {"lm_w": (a.t() @ h.reshape(-1, h.shape[-1]).square()).max().sqrt().item(),
+            "lm_b": a.sum(0).max().sqrt().item(), "hidden": (a @ w.square()).max().sqrt().item()}
 
 
 def cotangent(out: torch.Tensor, i: int, seed: int) -> torch.Tensor:
@@ -649,6 +671,8 @@ def execute(fn: Callable, inputs: dict[str, Any], case: Case) -> Result:
     that requires grad."""
     args = fresh(inputs)
     call = lambda: fn(*(args[k] for k in ARGS))  # noqa: E731
+    kept = getattr(fn, "logits_grads", [])
+    kept.clear()
     if not case.train:
         with torch.no_grad():
             outs = call()
@@ -660,7 +684,8 @@ def execute(fn: Callable, inputs: dict[str, Any], case: Case) -> Result:
         sum(terms).backward()
     grads = {k: v.grad for k, v in args.items()
              if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None}
-    return Result(tuple(o.detach() for o in outs), grads, tuple(o.requires_grad for o in outs))
+    scales = term_scales(kept[0], args) if len(kept) == 1 and kept[0].numel() else {}
+    return Result(tuple(o.detach() for o in outs), grads, tuple(o.requires_grad for o in outs), scales)
 
 
 # ---- comparison -----------------------------------------------------------------------------------
@@ -705,9 +730,10 @@ def _errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def assert_no_worse(got: Result, stock: Result, ref: Result, what: str = "", scale: float = 0.0,
                     rows: int = 1) -> None:
-    """Element by element: |got - ref| <= |stock - ref| + TOL[dtype] * max|ref| (at least
-    ``SUBNORMAL_SPACINGS`` of the dtype's subnormal spacing; + for FP32 outputs TOL_LOGITS *
-    ``scale`` (the logits' scale) * rows summed into the element)."""
+    """Element by element: |got - ref| <= |stock - ref| + TOL[dtype] * max|ref| (for the
+    lm_head's gradients, the magnitude of the terms they sum if larger: ``term_scales``; at
+    least ``SUBNORMAL_SPACINGS`` of the dtype's subnormal spacing; + for FP32 outputs
+    TOL_LOGITS * ``scale`` (the logits' scale) * rows summed into the element)."""
     pairs = [(f"output {i}", g, s, r) for i, (g, s, r) in
              enumerate(zip(got.outputs, stock.outputs, ref.outputs))]
     assert len(got.outputs) == len(stock.outputs) == len(ref.outputs), what
@@ -716,6 +742,7 @@ def assert_no_worse(got: Result, stock: Result, ref: Result, what: str = "", sca
     assert got.grads.keys() == stock.grads.keys() == ref.grads.keys(), \
         f"{what}: gradients for {sorted(got.grads)} vs stock {sorted(stock.grads)}"
     pairs += [(f"grad of {k}", got.grads[k], stock.grads[k], ref.grads[k]) for k in got.grads]
+    terms = {f"grad of {k}": v for k, v in ref.term_scales.items()}
     for name, g, s, r in pairs:
         assert g.shape == s.shape, f"{what}: {name} has shape {tuple(g.shape)}, stock {tuple(s.shape)}"
         assert g.dtype == s.dtype, f"{what}: {name} has dtype {g.dtype}, stock {s.dtype}"
@@ -723,7 +750,8 @@ def assert_no_worse(got: Result, stock: Result, ref: Result, what: str = "", sca
         finite_ref = r.detach().double()[r.detach().isfinite()]
         ref_scale = finite_ref.abs().max().item() if finite_ref.numel() else 0.0
         fi = torch.finfo(g.dtype)
-        tol = max(TOL[g.dtype] * ref_scale, SUBNORMAL_SPACINGS * fi.smallest_normal * fi.eps)
+        tol = max(TOL[g.dtype] * max(ref_scale, terms.get(name, 0.0)),
+                  SUBNORMAL_SPACINGS * fi.smallest_normal * fi.eps)
         if name.startswith("output") and g.dtype == torch.float32:
             tol += TOL_LOGITS * scale * max(1, rows // max(1, g.numel()))
         bad = eg > es + tol
