@@ -7,12 +7,14 @@ import logging
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import fx_passes
 from fx_passes.reporting import summary as exit_summary
 from fx_passes.reporting.report import record_near_miss
+from fx_passes.reporting.session import Session
 from tests.helpers import chunked_counters, clean_env
 
 
@@ -44,6 +46,33 @@ def test_one_region_compiled_static_then_dynamic_is_one_region():
     text = fx_passes.summary_text()
     assert "1 region rewritten" in text and "(x2 compiles)" in text
 
+
+
+def entropy_at_a_float_temperature(hidden, weight, t):
+    p = ((hidden @ weight.T).float() / t).softmax(-1)
+    return -(p * p.log()).sum(-1)
+
+
+@pytest.mark.parametrize("way", ["backend", "install"])
+def test_a_compile_dynamo_restarts_is_counted_once(way, monkeypatch):
+    """NOTE [a restarted compile]: under ``dynamic=True`` Inductor specializes the float
+    ``t`` by restarting Dynamo's analysis after the passes ran; the abandoned attempt's
+    rewrite is taken back (it was counted twice, "x2 compiles")."""
+    attempts = []
+    real = Session.start_attempt
+    monkeypatch.setattr(Session, "start_attempt", lambda self, cid, attempt, counts: (
+        attempts.append(attempt), real(self, cid, attempt, counts))[1])
+    args = torch.randn(4, 8).bfloat16(), torch.randn(16, 8).bfloat16(), 0.7
+    with torch.no_grad():
+        if way == "backend":
+            torch.compile(entropy_at_a_float_temperature, backend="chunked_logits", dynamic=True)(*args)
+        else:
+            with fx_passes.install():
+                torch.compile(entropy_at_a_float_temperature, dynamic=True)(*args)
+    assert attempts == [0, 1]  # (the restart reached the passes: else this tests nothing)
+    assert chunked_counters() == {"rewritten": 1, "row_local": 1, "row_local_lm_head": 1}
+    s = fx_passes.summary()
+    assert s["regions_rewritten"] == 1 and s["rewritten"][0]["compiles"] == 1 and s["graphs_compiled"] == 1
 
 def test_two_calls_in_one_graph_are_two_regions():
     a, tokens = data()

@@ -15,7 +15,7 @@ from ..config import Config
 from ..kernels.ops import body_compiler
 from ..pipeline import transform, with_cacheable_marks
 from ..reporting.containment import contained
-from ..reporting.session import session
+from ..reporting.report import note_graph
 from .install import backend_compiling
 
 __all__ = ["chunked_logits", "settings", "OptionError"]
@@ -111,13 +111,14 @@ def chunked_logits(
         config, inductor_options = settings(options, mode)
     except ValueError as e:
         raise OptionError(str(e), inspect.currentframe()) from None
+    if not env.disabled():  # (before the snapshot below: NOTE [a restarted compile])
+        note_graph()
     # Created before the transform: if Inductor fails on the rewritten graph, the
     # transform's counters and events are taken back too (the untouched graph is compiled).
     attempt = contained(config.strict, "Inductor failed on the rewritten graph",
                         "Inductor failed on the rewritten graph")
     rewritten = gm
     if not env.disabled():
-        session.count_graph()
         rewritten = transform(gm, config)
     patches = inductor_options or None
     # (the chunk bodies' settings: kernels/ops/body_compiler.py)

@@ -45,6 +45,7 @@ from torch.fx import Graph
 
 from .. import compat, env
 from ..config import Config
+from ..reporting.report import note_graph
 from ..reporting.session import session
 
 __all__ = ["install", "uninstall", "installed_config", "Installation", "InstalledPass",
@@ -81,7 +82,7 @@ class InstalledPass(CustomGraphPass):
             from ..pipeline import ChunkedLogitsPass
 
             self._impl = ChunkedLogitsPass(self.config)
-        session.count_graph()
+        note_graph()
         self._impl(graph)  # its fall-back keeps the graph's own placeholders (fx.graph_ops.restore_graph)
 
     def uuid(self) -> str:

@@ -14,12 +14,13 @@ import enum
 import functools
 import logging
 
+import torch._guards
 from torch._dynamo.utils import counters
 
 from .session import Event, session
 
 __all__ = ["Decline", "Reason", "Event", "log", "COUNTER", "record_rewrite", "record_decline",
-           "record_left_to_stock", "record_near_miss", "say_once"]
+           "record_left_to_stock", "record_near_miss", "say_once", "note_graph"]
 
 COUNTER = "chunked_logits"
 log = logging.getLogger("fx_passes")
@@ -103,3 +104,27 @@ def record_near_miss(where: str, message: str) -> None:
     counters[COUNTER]["near_miss"] += 1
     session.record(Event("near_miss", where, message))
     log.warning("chunked_logits: near miss at %s: %s", where, message)
+
+
+# NOTE [a restarted compile]
+# Dynamo may restart a frame's analysis after the backend (or Inductor's pre-grad passes)
+# ran on its graph: Inductor's pass that turns Python float arguments into tensors raises
+# RestartAnalysis to specialize one (``torch.compile(..., dynamic=True)`` on ``z / t`` with
+# a float ``t``), and the frame is traced and compiled again under the same compile id, one
+# attempt later.  The abandoned attempt's rewrites never run; without this, the summary and
+# the counters would claim each twice ("x2 compiles").  Each graph the passes look at notes
+# its compile id and attempt (``torch._guards.CompileContext.current_trace_id``); a later
+# attempt of the same id takes back what the earlier one recorded.  The backend notes its
+# graph before its containment's snapshot, so a failure of the new attempt rolls back to it.
+
+
+def note_graph() -> None:
+    """Count a graph the passes look at (the backend's or the installed pass's), after
+    taking back what an attempt Dynamo abandoned recorded: NOTE [a restarted compile]."""
+    trace = torch._guards.CompileContext.current_trace_id()
+    if trace is not None and trace.compile_id is not None:
+        back = session.start_attempt(str(trace.compile_id), trace.attempt, dict(counters[COUNTER]))
+        if back is not None:
+            counters[COUNTER].clear()
+            counters[COUNTER].update(back)
+    session.count_graph()
