@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import fx_passes
 from fx_passes.reporting import summary as exit_summary
@@ -57,22 +58,26 @@ def entropy_at_a_float_temperature(hidden, weight, t):
 def test_a_compile_dynamo_restarts_is_counted_once(way, monkeypatch):
     """NOTE [a restarted compile]: under ``dynamic=True`` Inductor specializes the float
     ``t`` by restarting Dynamo's analysis after the passes ran; the abandoned attempt's
-    rewrite is taken back (it was counted twice, "x2 compiles")."""
+    rewrite is taken back (it was counted twice, "x2 compiles").  Twice, with
+    ``torch._dynamo.reset()`` between (compile ids start over; the property tests do so)."""
     attempts = []
     real = Session.start_attempt
-    monkeypatch.setattr(Session, "start_attempt", lambda self, cid, attempt, counts: (
-        attempts.append(attempt), real(self, cid, attempt, counts))[1])
+    monkeypatch.setattr(Session, "start_attempt", lambda self, compile, attempt, counts: (
+        attempts.append(attempt), real(self, compile, attempt, counts))[1])
     args = torch.randn(4, 8).bfloat16(), torch.randn(16, 8).bfloat16(), 0.7
-    with torch.no_grad():
-        if way == "backend":
-            torch.compile(entropy_at_a_float_temperature, backend="chunked_logits", dynamic=True)(*args)
-        else:
-            with fx_passes.install():
-                torch.compile(entropy_at_a_float_temperature, dynamic=True)(*args)
-    assert attempts == [0, 1]  # (the restart reached the passes: else this tests nothing)
-    assert chunked_counters() == {"rewritten": 1, "row_local": 1, "row_local_lm_head": 1}
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            if way == "backend":
+                torch.compile(entropy_at_a_float_temperature, backend="chunked_logits", dynamic=True)(*args)
+            else:
+                with fx_passes.install():
+                    torch.compile(entropy_at_a_float_temperature, dynamic=True)(*args)
+        assert chunked_counters() == {"rewritten": 1, "row_local": 1, "row_local_lm_head": 1}
+    assert attempts == [0, 1, 0, 1]  # (the restarts reached the passes: else this tests nothing)
     s = fx_passes.summary()
-    assert s["regions_rewritten"] == 1 and s["rewritten"][0]["compiles"] == 1 and s["graphs_compiled"] == 1
+    assert s["regions_rewritten"] == 1 and s["rewritten"][0]["compiles"] == 2 and s["graphs_compiled"] == 2
 
 def test_two_calls_in_one_graph_are_two_regions():
     a, tokens = data()

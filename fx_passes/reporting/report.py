@@ -113,17 +113,20 @@ def record_near_miss(where: str, message: str) -> None:
 # a float ``t``), and the frame is traced and compiled again under the same compile id, one
 # attempt later.  The abandoned attempt's rewrites never run; without this, the summary and
 # the counters would claim each twice ("x2 compiles").  Each graph the passes look at notes
-# its compile id and attempt (``torch._guards.CompileContext.current_trace_id``); a later
-# attempt of the same id takes back what the earlier one recorded.  The backend notes its
-# graph before its containment's snapshot, so a failure of the new attempt rolls back to it.
+# its compile's context and attempt (``torch._guards.CompileContext``: one object per
+# compile, its ``attempt`` counted up by each restart; compile ids start over after
+# ``torch._dynamo.reset()``, so the object, not its id, says which compile); a later attempt
+# of the compile the passes saw last takes back what the earlier one recorded.  The backend
+# notes its graph before its containment's snapshot, so a failure of the new attempt rolls
+# back to it.
 
 
 def note_graph() -> None:
     """Count a graph the passes look at (the backend's or the installed pass's), after
     taking back what an attempt Dynamo abandoned recorded: NOTE [a restarted compile]."""
-    trace = torch._guards.CompileContext.current_trace_id()
-    if trace is not None and trace.compile_id is not None:
-        back = session.start_attempt(str(trace.compile_id), trace.attempt, dict(counters[COUNTER]))
+    context = torch._guards.CompileContext.try_get()
+    if context is not None and context.compile_id is not None:
+        back = session.start_attempt(context, context.attempt, dict(counters[COUNTER]))
         if back is not None:
             counters[COUNTER].clear()
             counters[COUNTER].update(back)

@@ -48,8 +48,9 @@ class Session:
     installed: Any = None  # the Config of the last install(), kept after uninstall()
     handoffs: list[Handoff] = dataclasses.field(default_factory=list)  # FP32 logits returned at a break
     _dropped: Optional[Callable[[], bool]] = None  # install()'s check: was its pass replaced?
-    # compile id -> (its attempt, and what the session and the counters held when it began)
-    _attempts: dict = dataclasses.field(default_factory=dict)
+    # the last compile the passes saw: its context, its attempt, and what the session and the
+    # counters held when that attempt began (a restart follows its abandoned attempt at once)
+    _attempt: Optional[tuple] = None
 
     def record(self, event: Event) -> None:
         event.run = self.runs
@@ -66,24 +67,25 @@ class Session:
     def count_graph(self) -> None:
         self.graphs_seen += 1
 
-    def start_attempt(self, compile_id: str, attempt: int, counts: dict) -> Optional[dict]:
-        """The passes are about to look at a graph of Dynamo's compile ``compile_id``, on its
-        ``attempt``; ``counts`` are the counters now.  Where Dynamo restarted that compile's
-        analysis after the passes ran on an earlier attempt (Inductor specializing a float
-        argument does), the abandoned attempt's events, handoffs and graphs are taken back,
-        and the counters it began from are returned for the caller to restore (else None):
-        the new attempt records them anew.  NOTE [a restarted compile]."""
-        prev = self._attempts.get(compile_id)
-        if prev is not None and attempt <= prev[0]:
-            return None  # (the same attempt again: its first call's snapshot stands)
+    def start_attempt(self, compile: Any, attempt: int, counts: dict) -> Optional[dict]:
+        """The passes are about to look at a graph of Dynamo's compile ``compile`` (its
+        context object: one per compile, across its attempts), on its ``attempt``;
+        ``counts`` are the counters now.  Where Dynamo restarted that compile's analysis
+        after the passes ran on an earlier attempt (Inductor specializing a float argument
+        does), the abandoned attempt's events, handoffs and graphs are taken back, and the
+        counters it began from are returned for the caller to restore (else None): the new
+        attempt records them anew.  NOTE [a restarted compile]."""
+        prev = self._attempt
+        if prev is not None and prev[0] is compile and attempt <= prev[1]:
+            return None  # (the same attempt again, e.g. DDP's next bucket: its first snapshot stands)
         back = None
-        if prev is not None:
-            _, events, handoffs, graphs, back = prev
+        if prev is not None and prev[0] is compile:
+            _, _, events, handoffs, graphs, back = prev
             del self.events[events:]
             del self.handoffs[handoffs:]
             self.graphs_seen = graphs
-        self._attempts[compile_id] = (attempt, len(self.events), len(self.handoffs), self.graphs_seen,
-                                      dict(back if back is not None else counts))
+        self._attempt = (compile, attempt, len(self.events), len(self.handoffs), self.graphs_seen,
+                         dict(back if back is not None else counts))
         return back
 
     def note_installed(self, config: Any, dropped: Callable[[], bool]) -> None:
@@ -107,7 +109,7 @@ class Session:
         self.handoffs.clear()
         self.graphs_seen = self.runs = 0
         self.installed, self._dropped = None, None
-        self._attempts.clear()
+        self._attempt = None
 
 
 session = Session()
