@@ -235,8 +235,14 @@ def check_full(case: Case) -> None:
             and case.rows_of_z() >= 2:
         # (fx_passes/testing/codegen.py flags any FP32 buffer with two symbolic dims under dynamic shapes:
         # the per-row results of [B, S, V] logits are such a buffer, so those cases skip this;
-        # and at toy sizes small FP32 buffers of other kinds reach rows * V elements.)
-        assert full_fp32_buffers(codes, case.rows_of_z(), case.vocab) == [], what
+        # and at toy sizes small FP32 buffers of other kinds reach rows * V elements.  In a
+        # static case a symbolic buffer is a chunk body's, compiled for any chunk size: the
+        # "fp32_tiles" plan's FP32 tile of a row chunk and a vocabulary block on a CPU without
+        # bf16 units, bounded by the budget (tests/test_loop_memory.py).)
+        flagged = full_fp32_buffers(codes, case.rows_of_z(), case.vocab)
+        if not case.dynamic:
+            flagged = [dims for dims in flagged if all(d.isdigit() for d in dims)]
+        assert flagged == [], what
     torch._dynamo.reset()
 
 
