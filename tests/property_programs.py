@@ -110,7 +110,7 @@ KNOWN_FULL_COMPILE_BUGS: dict[str, str] = {}  # none open (fixed: lm_head roundi
 
 
 def known_full_compile_bug(case: "Case") -> Optional[str]:
-    return None
+    return KNOWN_FULL_COMPILE_BUGS.get(case.twist)
 
 
 def known_bug(case: "Case") -> Optional[str]:

@@ -175,11 +175,6 @@ def distinct_logits(rows: int, vocab: int, dtype, seed: int = 0, top: float = 8.
     return torch.stack([values[torch.randperm(vocab, generator=g)] for _ in range(rows)])
 
 
-def noisy_logits(rows, vocab, dtype, seed=0, scale=2.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
-
-
 def kept_tokens(logits: torch.Tensor, rank: int = 1) -> torch.Tensor:
     """The ``rank``-th most likely token of each row: kept by every filter above."""
     return logits.float().topk(rank + 1, -1).indices[:, rank].contiguous()

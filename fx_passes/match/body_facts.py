@@ -109,9 +109,9 @@ class _BodyInterpreter(_VocabRules, _Interpreter):
                     and kind in ("row", "whole") and all(a in self.exact for a in ins) \
                     and (kind == "row" or all(self.kind[a] == "whole" for a in ins)):
                 self.exact.add(n)
-                if self._integral(n) or (n.op != "placeholder" and ins and ins[0] in self.masks
-                                         and (ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW)
-                                              or _column(n))):
+                integral = self._integral(n) and not only_indices(n)
+                if integral or (n.op != "placeholder" and ins and ins[0] in self.masks
+                                and (ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW) or _column(n))):
                     self.masks.add(n)
             else:
                 self.inner.add(n)
@@ -135,7 +135,7 @@ class _BodyInterpreter(_VocabRules, _Interpreter):
             return "wide"
         return "other" if _N in s else "whole"
 
-    def _integral(self, n: Node) -> bool:
+    def _integral(self, n: Node) -> bool:  # (a possible mask, NOTE [why every row runs])
         v = self.values.get(n)
         return isinstance(v, torch.Tensor) and not v.is_floating_point()
 
@@ -289,3 +289,18 @@ def _body_backward(run: _BodyInterpreter, body: GraphModule, seeds: list[tuple[N
             for a in n.all_input_nodes:
                 add(a, False, math.inf)
     return Zc
+
+
+def only_indices(n: Node, depth: int = 4) -> bool:
+    """Is ``n`` read only as the indices of a ``gather`` / ``take_along_dim``, through
+    ``unsqueeze`` / ``view`` / ``long`` (a token's id picks a column: an integer tensor,
+    but no mask)?"""
+    if depth == 0 or not n.users:
+        return False
+    for u in n.users:
+        if op_name(u) in ("gather", "take_along_dim") and u.args and u.args[0] is not n:
+            continue
+        if op_name(u) in ("unsqueeze", "view", "reshape", "long", "to") and only_indices(u, depth - 1):
+            continue
+        return False
+    return True

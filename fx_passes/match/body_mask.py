@@ -51,7 +51,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..kernels.ops import user_bodies
 from ..kernels.rows import inside
-from .body_facts import BodyExample, _body_backward, _BodyInterpreter, _shapes
+from .body_facts import BodyExample, _body_backward, _BodyInterpreter, _shapes, only_indices
 from .loss_tail import LossTail
 from .masks import masks_among, why_every_row
 from .skip_graph import _Facts
@@ -76,7 +76,7 @@ def _run_body(body_key: str, index: int, rows: tuple, whole: tuple,
     g = f.g
     width, z = g.placeholder("width"), g.placeholder("z")
     run = _BodyInterpreter(f, BodyExample(body, values, places[index], rows[index][1][-1]), width,
-                           {places[i] for i in masks if i < len(rows)})
+                           {places[i] for i in masks if i < len(rows) and not only_indices(places[i])})
     for i, p in enumerate(places):
         run.env[p] = x = z if i == index else g.placeholder(f"input{i}")
         if p not in run.exact:

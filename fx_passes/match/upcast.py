@@ -131,15 +131,15 @@ def implicit_root(head: Node, upgrade: bool) -> Optional[Node]:
     return None
 
 
-def _upcast_back(node: Node, depth: int, follow: Callable[[Node], bool]) -> Optional[Node]:
+def _upcast_back(node: Node, depth: int, follow: Callable[[Node, Node], bool]) -> Optional[Node]:
     """The nearest upcast of model-precision logits among ``node``'s inputs, breadth
-    first up to ``depth`` ops back, through the inputs ``follow`` accepts."""
+    first up to ``depth`` ops back, through the inputs ``follow(input, reader)`` accepts."""
     frontier, seen = [node], {node}
     for _ in range(depth):
         nxt = []
         for n in frontier:
             for src in n.all_input_nodes:
-                if src in seen or not follow(src):
+                if src in seen or not follow(src, n):
                     continue
                 if upcast_input(src) is not None:
                     return src
@@ -151,17 +151,20 @@ def _upcast_back(node: Node, depth: int, follow: Callable[[Node], bool]) -> Opti
 
 def upcast_behind(node: Node, depth: int = 8) -> Optional[Node]:
     """An upcast of model-precision logits that ``node`` (FP32, not itself an upcast)
-    is computed from through FP32 tensors of the same shape, a few ops back: then an op
-    the pass does not know sits between the upcast and the head."""
-    shape = meta(node).shape
-    return _upcast_back(node, depth, lambda src: is_fp32(src) and getattr(meta(src), "shape", None) == shape)
+    is computed from through FP32 tensors of the same shape and row views (``z[:-1]``),
+    a few ops back: then an op the pass does not know sits between the upcast and the
+    head."""
+    def follow(src: Node, reader: Node) -> bool:
+        return is_fp32(src) and (getattr(meta(src), "shape", None) == getattr(meta(reader), "shape", None)
+                                 or is_row_view(reader, src))
+    return _upcast_back(node, depth, follow)
 
 
 def upcast_ancestor(node: Node, depth: int = 16) -> Optional[Node]:
     """The nearest upcast of model-precision logits that ``node`` is computed from, a few
     ops back through anything (a sort's tuple, a mask): an FP32 tensor inside the region
     of that upcast, declined or rewritten with it, not a region of its own."""
-    return _upcast_back(node, depth, lambda src: True)
+    return _upcast_back(node, depth, lambda src, reader: True)
 
 
 # Ops that reduce rows over the last dim: a candidate whose FP32 tensors reach none of
