@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..ops.args import Cotangents, LogitMap, RowValues
 from ..ops.body_compiler import compile_body
-from .given import grad_of_logits, stats_of_logits
+from .given import grad_of_logits, stats_and_residual
 
 __all__ = ["compiled", "forward_chunk", "forward_chunk_logits", "backward_block", "parse_transforms",
            "transformed", "grad_through_transforms"]
@@ -109,9 +109,10 @@ def grad_through_transforms(grad: torch.Tensor, outs: list[torch.Tensor], transf
 
 
 def forward_chunk(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
-    """(lse, logprob or None, entropy or None) of this chunk's rows: the logits are
-    computed in model precision, then reduced as the unfused region reduces them."""
-    return stats_of_logits(_logits(h, w, b, h.dtype, transforms)[0], tokens, scale, is_div, want_entropy)
+    """(lse, logprob or None, entropy or None, lse's residual) of this chunk's rows: the
+    logits are computed in model precision, then reduced as the unfused region reduces
+    them (``given.stats_and_residual``)."""
+    return stats_and_residual(_logits(h, w, b, h.dtype, transforms)[0], tokens, scale, is_div, want_entropy)
 
 
 def forward_chunk_logits(h, w, b, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
@@ -120,7 +121,7 @@ def forward_chunk_logits(h, w, b, tokens, scale, is_div: bool, want_entropy: boo
     Inductor stores the returned tensor, and the reductions read those rounded values,
     as stock's loss then reads the stored tensor."""
     x = _logits(h, w, b, h.dtype, transforms)[0].to(h.dtype)
-    return (*stats_of_logits(x, tokens, scale, is_div, want_entropy), x)
+    return (*stats_and_residual(x, tokens, scale, is_div, want_entropy), x)
 
 
 def backward_block(h, w, b, tokens, saved: RowValues, grads: Cotangents, logit_map: LogitMap, g_x=None):
@@ -140,7 +141,8 @@ def backward_block(h, w, b, tokens, saved: RowValues, grads: Cotangents, logit_m
     x, outs = _logits(h, w, b, dtype, logit_map.transforms)
     if g_x is not None:
         x = rounded(x, dtype).float()  # the returned values, in FP32: no rounding of the gradient yet
-    grad = grad_of_logits(x, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div)
+    grad = grad_of_logits(x, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div,
+                          saved.lse_lo)
     if g_x is not None:
         grad = grad + g_x.float()
     return grad_through_transforms(grad, outs, logit_map.transforms).to(dtype)

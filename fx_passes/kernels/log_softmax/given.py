@@ -21,7 +21,8 @@ from ..ops.registry import emitted
 
 Scale = Union[float, int, torch.Tensor, torch.SymFloat, torch.SymInt, None]
 
-__all__ = ["row_stats", "RowStats", "stats_of_logits", "grad_of_logits", "softmax_lse", "per_row_inputs"]
+__all__ = ["row_stats", "RowStats", "stats_of_logits", "stats_and_residual", "grad_of_logits", "softmax_lse",
+           "lse_residual", "per_row_inputs"]
 
 
 def _scaled(x: torch.Tensor, scale: Scale, scale_is_div: bool) -> torch.Tensor:
@@ -46,6 +47,31 @@ def _logsumexp(m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
     """``torch.logsumexp``'s value from (m, log s): +inf for a row holding +inf (and no
     NaN), -inf for a row of -inf only, NaN for a row holding NaN."""
     return torch.where(m.isinf(), m, m + log_s)
+
+
+# NOTE [the rounding of lse]
+# The forward forms a token's log-prob as ``(z - m) - log s`` (``_log_probs``): at a
+# confident row's top token ``z - m`` is 0 and the log-prob, about ``-(1 - p)``, keeps its
+# relative accuracy.  A backward that formed ``log p = z - lse`` from the FP32 ``lse`` alone
+# lost it: ``lse`` is rounded to half a spacing of its value (1e-6 at logits of 20), as
+# much as ``1 - p`` itself in a row whose top token has p = 1 - 1e-6, so that token's
+# ``1 - p`` (a log-prob's gradient) and ``log p + H`` (an entropy's) came out several times
+# stock's error there (stock's backward reads the log-probs its forward computed), though
+# the largest error over the whole gradient stayed stock's.  So each forward also returns
+# the residual ``(m - lse) + log s``, exactly what the rounding of ``m + log s`` took away
+# (``m`` is the larger term), a per-row FP32 value its backward alone reads: ``log p =
+# (z - lse) - residual``, where ``z - lse`` is exact near the top token.  The ops carry it
+# last among their results, after the values the graph reads (``lm_head_stats``, its
+# ``_logits``, ``_kept`` and ``_masked`` variants; ``lm_head_loss`` keeps it with its
+# per-row values for the ``two_sweeps`` backward); ``tests/test_confident_rows.py``.
+
+
+def lse_residual(m: torch.Tensor, log_s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """What the FP32 ``lse = m + log s`` rounded away, ``(m - lse) + log s`` (exact: the
+    error of one rounded sum, ``m`` the larger term), 0 where ``lse`` is not finite: a
+    backward that reads it forms ``log p = (z - lse) - residual`` as the forward formed
+    ``(z - m) - log s`` (NOTE [the rounding of lse])."""
+    return torch.where(lse.isfinite(), (m - lse) + log_s, 0.0)
 
 
 def softmax_lse(lse: torch.Tensor, log_softmax: bool) -> torch.Tensor:
@@ -101,6 +127,12 @@ def stats_of_logits(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scal
     the maths of every forward (``RowStats`` here, the lm_head loop's chunks).
     ``picked_in_the_sweep``: the token's logit read by the row's reduction sweep (a sum
     with one term) instead of a gather (NOTE [a body that writes over its logits])."""
+    return stats_and_residual(x, tokens, scale, scale_is_div, want_entropy, picked_in_the_sweep)[:3]
+
+
+def stats_and_residual(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scale, scale_is_div: bool,
+                       want_entropy: bool, picked_in_the_sweep: bool = False):
+    """:func:`stats_of_logits` and, fourth, the residual of ``lse`` (:func:`lse_residual`)."""
     z = _scaled(x, scale, scale_is_div)
     m, log_s = _shift_and_log_sum(z)
     logprob = None
@@ -116,14 +148,19 @@ def stats_of_logits(x: torch.Tensor, tokens: Optional[torch.Tensor], scale: Scal
     if want_entropy:
         logp = _log_probs(z, m.unsqueeze(-1), log_s.unsqueeze(-1))
         entropy = -(logp.exp() * logp).sum(dim=-1)
-    return _logsumexp(m, log_s), logprob, entropy
+    lse = _logsumexp(m, log_s)
+    return lse, logprob, entropy, lse_residual(m, log_s, lse)
 
 
-def grad_of_logits(x, tokens, lse, entropy, grads, scale: Scale, scale_is_div: bool) -> torch.Tensor:
+def grad_of_logits(x, tokens, lse, entropy, grads, scale: Scale, scale_is_div: bool,
+                   lse_lo: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gradient w.r.t. the model-precision logits ``x``, in ``x``'s dtype, from the
     forward's ``lse`` (and ``entropy``) and the ``grads`` flowing into the per-row results
-    (g_lse, g_logprob, g_entropy): the maths of every backward."""
+    (g_lse, g_logprob, g_entropy): the maths of every backward.  ``lse_lo``: what the
+    FP32 ``lse`` rounded away (:func:`lse_residual`), where the forward saved it."""
     logp = _scaled(x, scale, scale_is_div) - lse.unsqueeze(-1)
+    if lse_lo is not None:
+        logp = logp - lse_lo.unsqueeze(-1)
     grad_z = _grad_logits(logp, tokens, entropy, grads, scale, scale_is_div)
     return grad_z.to(x.dtype)
 
@@ -139,18 +176,18 @@ class RowStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tokens, scale, scale_is_div, want_entropy):
-        lse, logprob, entropy = stats_of_logits(x, tokens, scale, scale_is_div, want_entropy)
+        lse, logprob, entropy, lse_lo = stats_and_residual(x, tokens, scale, scale_is_div, want_entropy)
         ctx.scale = scale
         ctx.scale_is_div = scale_is_div
-        ctx.save_for_backward(x, tokens, lse, entropy)
+        ctx.save_for_backward(x, tokens, lse, entropy, lse_lo)
         return lse, logprob, entropy
 
     @staticmethod
     def backward(ctx, g_lse, g_logprob, g_entropy):
-        x, tokens, lse, entropy = ctx.saved_tensors
+        x, tokens, lse, entropy, lse_lo = ctx.saved_tensors
         lse = softmax_lse(lse, log_softmax=tokens is not None or entropy is not None)
         grad = grad_of_logits(x, tokens, lse, entropy, (g_lse, g_logprob, g_entropy), ctx.scale,
-                              ctx.scale_is_div)
+                              ctx.scale_is_div, lse_lo)
         return grad, None, None, None, None
 
 

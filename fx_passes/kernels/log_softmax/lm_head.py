@@ -55,13 +55,14 @@ __all__ = ["lm_head_row_stats", "lm_head_stats", "lm_head_stats_logits", "lm_hea
 
 
 def _forward_loop(head: Head, opts: HeadOptions, logits: Optional[torch.Tensor] = None, body=None):
-    """The forward's loop over row chunks: per-row (lse, logprob, entropy); with
+    """The forward's loop over row chunks: per-row (lse, logprob, entropy, lse's residual
+    (``given.lse_residual``)); with
     ``logits`` given (a model-precision ``[N, V]`` buffer) each chunk's logits are
     written there too, the same values the chunk's reductions read (``body``, compiled:
     the chunk's function, by default ``forward_chunk`` or ``forward_chunk_logits``)."""
     hidden = head.hidden
     n, vocab = hidden.shape[0], head.weight.shape[0]
-    lse, logprob, entropy = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(3))
+    lse, logprob, entropy, lse_lo = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(4))
     rows = forward_rows(resolve_budget(opts.budget_bytes, hidden.device), n, vocab)
     body = compiled(body or (forward_chunk if logits is None else forward_chunk_logits))
     for r0 in range(0, n, rows):
@@ -69,22 +70,25 @@ def _forward_loop(head: Head, opts: HeadOptions, logits: Optional[torch.Tensor] 
         chunk = head.rows(r0, r1)
         out = body(chunk.hidden, head.weight, head.bias, chunk.tokens, head.scale, opts.scale_is_div,
                    opts.want_entropy, opts.transforms)
-        c_lse, c_lp, c_ent = out[:3]
+        c_lse, c_lp, c_ent, c_lo = out[:4]
         lse[r0:r1] = c_lse
+        lse_lo[r0:r1] = c_lo
         if c_lp is not None:
             logprob[r0:r1] = c_lp
         if c_ent is not None:
             entropy[r0:r1] = c_ent
         if logits is not None:
-            logits[r0:r1] = out[3]
-    return lse, logprob, entropy
+            logits[r0:r1] = out[4]
+    return lse, logprob, entropy, lse_lo
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats", mutates_args=())
 def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                   want_entropy: bool, budget_bytes: int,
-                  transforms: str, plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  transforms: str,
+                  plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, logprob, entropy, lse's residual: for the backward only)."""
     return _forward_loop(Head(hidden, weight, bias, tokens, scale),
                          HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan))
 
@@ -93,7 +97,7 @@ def lm_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
     backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     n = hidden.shape[0]
-    return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+    return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(4))
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats_logits", mutates_args=())
@@ -101,21 +105,24 @@ def lm_head_stats_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                          tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                          want_entropy: bool, budget_bytes: int,
                          transforms: str,
-                         plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                             torch.Tensor]:
     """``lm_head_stats`` that also returns the model-precision logits ``[N, V]`` (the
-    graph returns them): written chunk by chunk, and never an input of the backward."""
+    graph returns them): written chunk by chunk, and never an input of the backward.
+    (lse, logprob, entropy, logits, lse's residual)."""
     logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    stats = _forward_loop(Head(hidden, weight, bias, tokens, scale),
-                          HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan), logits)
-    return (*stats, logits)
+    lse, logprob, entropy, lse_lo = _forward_loop(Head(hidden, weight, bias, tokens, scale),
+                                                  HeadOptions(scale_is_div, want_entropy, budget_bytes,
+                                                              transforms, plan), logits)
+    return lse, logprob, entropy, logits, lse_lo
 
 
 @lm_head_stats_logits.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
     backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     n = hidden.shape[0]
-    return (*(hidden.new_empty(n, dtype=torch.float32) for _ in range(3)),
-            hidden.new_empty(n, weight.shape[0]))
+    rows = [hidden.new_empty(n, dtype=torch.float32) for _ in range(4)]
+    return (*rows[:3], hidden.new_empty(n, weight.shape[0]), rows[3])
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats_backward", mutates_args=())
@@ -125,8 +132,9 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
                            transforms: str, g_logits: Optional[torch.Tensor] = None,
                            need_hidden: bool = True, need_weight: bool = True, plan: str = "auto",
+                           lse_lo: Optional[torch.Tensor] = None,
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return lm_head_grads(Head(hidden, weight, bias, tokens, scale), RowValues(lse, entropy),
+    return lm_head_grads(Head(hidden, weight, bias, tokens, scale), RowValues(lse, entropy, lse_lo),
                          Cotangents(g_lse, g_logprob, g_entropy),
                          HeadOptions(scale_is_div, entropy is not None, budget_bytes, transforms, plan),
                          g_logits, need_hidden, need_weight)
@@ -134,7 +142,7 @@ def lm_head_stats_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
 
 @lm_head_stats_backward.register_fake
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-      budget_bytes, transforms, g_logits=None, need_hidden=True, need_weight=True, plan="auto"):
+      budget_bytes, transforms, g_logits=None, need_hidden=True, need_weight=True, plan="auto", lse_lo=None):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
@@ -143,21 +151,22 @@ def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, s
 def _setup(ctx, inputs, output):
     lse, _, entropy = output[:3]  # (not the returned logits: the backward recomputes them)
     want_entropy = args_by_name(lm_head_stats, inputs)["want_entropy"]
-    save_inputs(ctx, lm_head_stats, inputs, extra=(lse, entropy if want_entropy else None))
-    ctx.returned = len(output) == 4  # lm_head_stats_logits: its lse was taken from the returned logits
+    save_inputs(ctx, lm_head_stats, inputs, extra=(lse, entropy if want_entropy else None, output[-1]))
+    ctx.returned = len(output) == 5  # lm_head_stats_logits: its lse was taken from the returned logits
 
 
-def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None):
+def _backward(ctx, g_lse, g_logprob, g_entropy, *g_rest):
     """``g_logits``: the gradient of the returned logits (``lm_head_stats_logits``), added
     per tile.  Under AOTAutograd it is always a tensor: when nothing reads the logits'
     gradient the autograd engine passes zeros (``[T, V]``, allocated before the compiled
     backward runs), and adding them changes no bit of the result."""
-    args, (lse, entropy) = saved_inputs(ctx)
+    g_logits = g_rest[0] if ctx.returned else None  # (not the residual's: nothing reads it)
+    args, (lse, entropy, lse_lo) = saved_inputs(ctx)
     hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     if ctx.returned and g_logits is None:  # (AOTAutograd always passes it) zeros, without a [T, V] buffer
         g_logits = hidden.new_zeros(()).expand(hidden.shape[0], weight.shape[0])
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    gh, gw, gb = call_by_name(lm_head_stats_backward, args, entropy=entropy, g_logits=g_logits,
+    gh, gw, gb = call_by_name(lm_head_stats_backward, args, entropy=entropy, g_logits=g_logits, lse_lo=lse_lo,
                               **per_row_inputs(args["tokens"], lse, entropy, g_lse, g_logprob, g_entropy),
                               need_hidden=need_hidden, need_weight=need_weight or need_bias)
     return grads_by_name(lm_head_stats, {}, hidden=gh if need_hidden else None,
@@ -190,9 +199,9 @@ def lm_head_row_stats(hidden, weight, bias, tokens, scale, scale_is_div: bool, w
 
 def _shaped(results, rows_shape, has_tokens: bool, want_entropy: bool, returned_like) -> tuple:
     """The op's flat results in the caller's row shape (None for those not computed)."""
-    lse, logprob, entropy, *logits = results
+    lse, logprob, entropy, *rest = results  # (rest: the logits if returned, then lse's residual)
     stats = (lse.reshape(rows_shape), logprob.reshape(rows_shape) if has_tokens else None,
              entropy.reshape(rows_shape) if want_entropy else None)
     if returned_like is None:
         return stats
-    return (*stats, logits[0].reshape(*returned_like.shape[:-1], logits[0].shape[-1]))
+    return (*stats, rest[0].reshape(*returned_like.shape[:-1], rest[0].shape[-1]))

@@ -81,7 +81,7 @@ def _fill(head: Head, opts: HeadOptions, logits: torch.Tensor):
     compiled body reads them for the chunk's stats (``loss.stats_of_kept``)."""
     hidden, weight, bias = head.hidden, head.weight, head.bias
     n = hidden.shape[0]
-    lse, logprob, entropy = (hidden.new_zeros(n, dtype=F32) for _ in range(3))
+    lse, logprob, entropy, lse_lo = (hidden.new_zeros(n, dtype=F32) for _ in range(4))
     body = compiled(stats_of_kept)
     for r0, r1 in _chunks(hidden, weight.shape[0], opts):
         chunk, x = head.rows(r0, r1), logits[r0:r1]
@@ -89,14 +89,15 @@ def _fill(head: Head, opts: HeadOptions, logits: torch.Tensor):
             torch.mm(chunk.hidden, weight.t(), out=x)
         else:
             torch.addmm(bias, chunk.hidden, weight.t(), out=x)
-        c_lse, c_lp, c_ent = body(x, chunk.tokens, head.scale, opts.scale_is_div, opts.want_entropy,
-                                  opts.transforms)
+        c_lse, c_lp, c_ent, c_lo = body(x, chunk.tokens, head.scale, opts.scale_is_div, opts.want_entropy,
+                                        opts.transforms)
         lse[r0:r1] = c_lse
+        lse_lo[r0:r1] = c_lo
         if c_lp is not None:
             logprob[r0:r1] = c_lp
         if c_ent is not None:
             entropy[r0:r1] = c_ent
-    return lse, logprob, entropy
+    return lse, logprob, entropy, lse_lo
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats_kept", mutates_args=(), tags=UNSAFE)
@@ -104,21 +105,23 @@ def lm_head_stats_kept(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
                        tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                        want_entropy: bool, budget_bytes: int, transforms: str,
                        plan: str
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
     """``lm_head_stats``' per-row results, the model-precision logits ``[N, V]`` (before the
-    transforms) that only its backward reads, and a host flag: 1 until a backward writes
-    the logits' gradient over them."""
+    transforms) that only its backward reads, a host flag: 1 until a backward writes
+    the logits' gradient over them, and lse's residual (for the backward only)."""
     logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    stats = _fill(Head(hidden, weight, bias, tokens, scale),
-                  HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan), logits)
-    return (*stats, logits, torch.ones(1, dtype=torch.uint8))
+    lse, logprob, entropy, lse_lo = _fill(Head(hidden, weight, bias, tokens, scale),
+                                          HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms,
+                                                      plan), logits)
+    return lse, logprob, entropy, logits, torch.ones(1, dtype=torch.uint8), lse_lo
 
 
 @lm_head_stats_kept.register_fake
 def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_bytes, transforms, plan):
     n = hidden.shape[0]
     return (*(hidden.new_empty(n, dtype=F32) for _ in range(3)), hidden.new_empty(n, weight.shape[0]),
-            torch.empty(1, dtype=torch.uint8))
+            torch.empty(1, dtype=torch.uint8), hidden.new_empty(n, dtype=F32))
 
 
 @torch.library.custom_op("chunked_logits::lm_head_kept_backward", mutates_args=(), tags=UNSAFE)
@@ -127,7 +130,8 @@ def lm_head_kept_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
                           entropy: Optional[torch.Tensor], g_lse: torch.Tensor, g_logprob: torch.Tensor,
                           g_entropy: torch.Tensor, scale: Optional[torch.Tensor], scale_is_div: bool,
                           budget_bytes: int, transforms: str, need_hidden: bool = True,
-                          need_weight: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          need_weight: bool = True, lse_lo: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # ``logits`` (which this call's forward made and only it reads) and ``flag`` are
     # written in place: no graph value reads them after this op (their version counters
     # are kept: autograd checks them when a retained graph's backward unpacks them again,
@@ -138,15 +142,15 @@ def lm_head_kept_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     with keep(logits), keep(flag):
         if not _host_flag(flag):  # a second backward: the first wrote the gradient over the logits
             _fill(head, opts, logits)
-        got = kept_grads(head, logits, RowValues(lse, entropy), Cotangents(g_lse, g_logprob, g_entropy), opts,
-                         need_hidden, need_weight)
+        saved, grads = RowValues(lse, entropy, lse_lo), Cotangents(g_lse, g_logprob, g_entropy)
+        got = kept_grads(head, logits, saved, grads, opts, need_hidden, need_weight)
         flag.zero_()
     return got
 
 
 @lm_head_kept_backward.register_fake
 def _(hidden, weight, bias, tokens, logits, flag, lse, entropy, g_lse, g_logprob, g_entropy, scale,
-      scale_is_div, budget_bytes, transforms, need_hidden=True, need_weight=True):
+      scale_is_div, budget_bytes, transforms, need_hidden=True, need_weight=True, lse_lo=None):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
@@ -173,18 +177,20 @@ def kept_grads(head: Head, logits: torch.Tensor, saved: RowValues, grads: Cotang
 
 
 def _setup(ctx, inputs, output):
-    lse, _, entropy, logits, flag = output
+    lse, _, entropy, logits, flag, lse_lo = output
     want_entropy = args_by_name(lm_head_stats_kept, inputs)["want_entropy"]
-    save_inputs(ctx, lm_head_stats_kept, inputs, extra=(lse, entropy if want_entropy else None, logits, flag))
+    save_inputs(ctx, lm_head_stats_kept, inputs,
+                extra=(lse, entropy if want_entropy else None, logits, flag, lse_lo))
 
 
-def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None, g_flag=None):
-    """``g_logits``, ``g_flag``: of the kept logits and the flag, which nothing reads (the
-    caller never sees them): not used."""
-    args, (lse, entropy, logits, flag) = saved_inputs(ctx)
+def _backward(ctx, g_lse, g_logprob, g_entropy, g_logits=None, g_flag=None, g_lse_lo=None):
+    """``g_logits``, ``g_flag``, ``g_lse_lo``: of the kept logits, the flag and lse's
+    residual, which nothing reads (the caller never sees them): not used."""
+    args, (lse, entropy, logits, flag, lse_lo) = saved_inputs(ctx)
     bias = args["bias"]
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     gh, gw, gb = call_by_name(lm_head_kept_backward, args, logits=logits, flag=flag, entropy=entropy,
+                              lse_lo=lse_lo,
                               **per_row_inputs(args["tokens"], lse, entropy, g_lse, g_logprob, g_entropy),
                               need_hidden=need_hidden, need_weight=need_weight or need_bias)
     return grads_by_name(lm_head_stats_kept, {}, hidden=gh if need_hidden else None,

@@ -57,12 +57,13 @@ def _masked_forward(head: Head, opts: HeadOptions, mask_key: str, operands: list
     n, dev = head.hidden.shape[0], head.hidden.device
     kept = _kept_rows(head, opts, mask_key, operands)
     if kept is None:
-        return (*_forward_loop(head, opts), torch.arange(n, device=dev), torch.tensor(n, device=HOST))
-    results = tuple(head.hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, kept, r)
-                    for r in _forward_loop(head.take(kept), opts))
+        lse, logprob, entropy, lse_lo = _forward_loop(head, opts)
+        return lse, logprob, entropy, torch.arange(n, device=dev), torch.tensor(n, device=HOST), lse_lo
+    lse, logprob, entropy, lse_lo = (head.hidden.new_zeros(n, dtype=torch.float32).index_copy_(0, kept, r)
+                                     for r in _forward_loop(head.take(kept), opts))
     index = kept.new_zeros(n)
     index[:kept.shape[0]] = kept
-    return (*results, index, torch.tensor(kept.shape[0], device=HOST))
+    return lse, logprob, entropy, index, torch.tensor(kept.shape[0], device=HOST), lse_lo
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats_masked", mutates_args=(), tags=UNSAFE)
@@ -70,10 +71,11 @@ def lm_head_stats_masked(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                          tokens: Optional[torch.Tensor], scale: Optional[torch.Tensor], scale_is_div: bool,
                          want_entropy: bool, budget_bytes: int, transforms: str, plan: str, mask_key: str,
                          operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor, torch.Tensor]:
+                                                                torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lm_head_stats`` on the rows the skip graph ``mask_key`` cannot leave out (its
     ``operands``: the tensors it reads); (lse, logprob, entropy: 0 on the rows left out,
-    index: the rows run first, count: how many, 0-d, in host memory)."""
+    index: the rows run first, count: how many, 0-d, in host memory, lse's residual: for
+    the backward only)."""
     return _masked_forward(Head(hidden, weight, bias, tokens, scale),
                            HeadOptions(scale_is_div, want_entropy, budget_bytes, transforms, plan), mask_key,
                            operands)
@@ -85,14 +87,15 @@ def _(hidden, weight, bias, tokens, scale, scale_is_div, want_entropy, budget_by
     backward_plan(hidden.device, hidden.dtype, plan)
     n = hidden.shape[0]
     return (*(hidden.new_empty(n, dtype=torch.float32) for _ in range(3)),
-            hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64, device=HOST))
+            hidden.new_empty(n, dtype=torch.int64), hidden.new_empty((), dtype=torch.int64, device=HOST),
+            hidden.new_empty(n, dtype=torch.float32))
 
 
 def _setup_masked(ctx, inputs, output):
-    lse, _, entropy, index, count = output
+    lse, _, entropy, index, count, lse_lo = output
     want_entropy = args_by_name(lm_head_stats_masked, inputs)["want_entropy"]
     save_inputs(ctx, lm_head_stats_masked, inputs,
-                extra=(lse, entropy if want_entropy else None, index, count), names=Head._fields)
+                extra=(lse, entropy if want_entropy else None, index, count, lse_lo), names=Head._fields)
 
 
 def _masked_grads(head: Head, saved: RowValues, grads: Cotangents, opts: HeadOptions, need: tuple[bool, bool],
@@ -108,8 +111,8 @@ def _masked_grads(head: Head, saved: RowValues, grads: Cotangents, opts: HeadOpt
     lse = softmax_lse(run(saved.lse), log_softmax=tokens is not None or saved.entropy is not None)
     tok = run(tokens) if tokens is not None else torch.zeros(k, dtype=torch.long, device=lse.device)
     gh, gw, gb = lm_head_grads(head._replace(hidden=run(hidden), tokens=tok),
-                               RowValues(lse, run(saved.entropy)), Cotangents(*(run(g) for g in grads)), opts,
-                               None, *need)
+                               RowValues(lse, run(saved.entropy), run(saved.lse_lo)),
+                               Cotangents(*(run(g) for g in grads)), opts, None, *need)
     if k == n:
         return gh, gw, gb
     left = torch.ones(n, dtype=torch.bool, device=hidden.device).index_fill_(0, rows, False)
@@ -127,12 +130,13 @@ def lm_head_stats_masked_backward(hidden: torch.Tensor, weight: torch.Tensor, bi
                                   g_logprob: torch.Tensor, g_entropy: torch.Tensor,
                                   scale: Optional[torch.Tensor], scale_is_div: bool, budget_bytes: int,
                                   transforms: str, need_hidden: bool, need_weight: bool, plan: str,
-                                  index: torch.Tensor,
-                                  count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  index: torch.Tensor, count: torch.Tensor,
+                                  lse_lo: Optional[torch.Tensor] = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lm_head_stats_backward`` over the rows run (``index[:count]``); a row left out gets
     stock's gradient from its cotangent: exactly 0, or NaN where that is not 0 (NOTE
     [per-token rows a mask leaves out])."""
-    return _masked_grads(Head(hidden, weight, bias, tokens, scale), RowValues(lse, entropy),
+    return _masked_grads(Head(hidden, weight, bias, tokens, scale), RowValues(lse, entropy, lse_lo),
                          Cotangents(g_lse, g_logprob, g_entropy),
                          HeadOptions(scale_is_div, entropy is not None, budget_bytes, transforms, plan),
                          (need_hidden, need_weight), (index, count))
@@ -140,7 +144,7 @@ def lm_head_stats_masked_backward(hidden: torch.Tensor, weight: torch.Tensor, bi
 
 @lm_head_stats_masked_backward.register_fake
 def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, scale, scale_is_div,
-      budget_bytes, transforms, need_hidden, need_weight, plan, index, count):
+      budget_bytes, transforms, need_hidden, need_weight, plan, index, count, lse_lo=None):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
@@ -148,7 +152,7 @@ def _(hidden, weight, bias, tokens, lse, entropy, g_lse, g_logprob, g_entropy, s
 
 def _backward_masked(ctx, g_lse, g_logprob, g_entropy, *_):
     """``_backward`` over the rows the forward ran (``lm_head_stats_masked_backward``)."""
-    args, (lse, entropy, index, count) = saved_inputs(ctx)
+    args, (lse, entropy, index, count, lse_lo) = saved_inputs(ctx)
     bias, tokens = args["bias"], args["tokens"]
     zeros = lse.new_zeros(lse.shape)
     g_lse = g_lse if g_lse is not None else zeros
@@ -157,7 +161,8 @@ def _backward_masked(ctx, g_lse, g_logprob, g_entropy, *_):
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     gh, gw, gb = call_by_name(lm_head_stats_masked_backward, args, lse=lse, entropy=entropy, g_lse=g_lse,
                               g_logprob=g_logprob, g_entropy=g_entropy, need_hidden=need_hidden,
-                              need_weight=need_weight or need_bias, index=index, count=count)
+                              need_weight=need_weight or need_bias, index=index, count=count,
+                              lse_lo=lse_lo)
     return grads_by_name(lm_head_stats_masked, ctx.lengths, hidden=gh if need_hidden else None,
                          weight=gw if need_weight else None,
                          bias=gb if bias is not None and need_bias else None)

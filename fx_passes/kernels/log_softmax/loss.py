@@ -66,7 +66,7 @@ from ..ops.pair import call_by_name, save_inputs, saved_inputs
 from ..ops.registry import CAPTURE_SAFE, emitted
 from ..tiling import BY_DEVICE, even_splits, forward_rows, gpu_loss_rows, resolve_budget
 from .bodies import grad_through_transforms, transformed
-from .given import grad_of_logits, softmax_lse, stats_of_logits
+from .given import grad_of_logits, softmax_lse, stats_and_residual
 from .gpu_plan import fp32_chunk_grads
 from .lm_head_sweeps import lm_head_grads
 from .loss_parts import final_loss, loss_of_sums, reductions_of, row_weights, scaled_exactly
@@ -80,16 +80,17 @@ F32 = torch.float32
 
 
 def stats_of_kept(x, tokens, scale, is_div: bool, want_entropy: bool, transforms: str):
-    """(lse, logprob or None, entropy or None) of a chunk's model-precision logits ``x``
-    (before the transforms), which the caller's GEMM wrote where they are kept: the stats
-    ``bodies.forward_chunk`` computes, without its GEMM (NOTE [kept logits])."""
-    return stats_of_logits(transformed(x, transforms)[0], tokens, scale, is_div, want_entropy)
+    """(lse, logprob or None, entropy or None, lse's residual) of a chunk's model-precision
+    logits ``x`` (before the transforms), which the caller's GEMM wrote where they are
+    kept: the stats ``bodies.forward_chunk`` computes, without its GEMM (NOTE [kept logits])."""
+    return stats_and_residual(transformed(x, transforms)[0], tokens, scale, is_div, want_entropy)
 
 
 def logits_grad(x, tokens, saved: RowValues, grads: Cotangents, logit_map: LogitMap):
     """``bodies.backward_block``'s gradient from the chunk's logits ``x`` (no matmul)."""
     z, outs = transformed(x, logit_map.transforms)
-    grad = grad_of_logits(z, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div)
+    grad = grad_of_logits(z, tokens, saved.lse, saved.entropy, grads, logit_map.scale, logit_map.is_div,
+                          saved.lse_lo)
     return grad_through_transforms(grad, outs, logit_map.transforms).to(x.dtype)
 
 
@@ -122,7 +123,7 @@ def logits_grad_into(x, tokens, saved: RowValues, grads: Cotangents, logit_map: 
 def chunk_body(tail_key: str):
     """One row chunk's work after its logits' GEMM, compiled by Inductor once per loss tail
     (``tail_key``): ``(x, tokens, logit_map, want_entropy, log_softmax, *rows, *whole,
-    *weights) -> (lse, entropy, g_lse, g_logprob, g_entropy, *sums)``, the stats, the
+    *weights) -> (lse, entropy, lse's residual, g_lse, g_logprob, g_entropy, *sums)``, the stats, the
     tail's cotangents for a unit loss and its sums over the chunk, the logits gradient
     written over ``x``.  One compiled function, so Inductor fuses the row reductions with the
     gradient's pointwise loop: the logits are read in one kernel that also writes their
@@ -133,15 +134,15 @@ def chunk_body(tail_key: str):
 
     def loss_chunk(x, tokens, logit_map: LogitMap, want_entropy: bool, log_softmax: bool, *rest):
         z = transformed(x, logit_map.transforms)[0]
-        lse, lp, ent = stats_of_logits(z, tokens, logit_map.scale, logit_map.is_div, want_entropy,
-                                       picked_in_the_sweep=True)  # (NOTE [a body that writes over ...])
+        lse, lp, ent, lse_lo = stats_and_residual(z, tokens, logit_map.scale, logit_map.is_div, want_entropy,
+                                                  picked_in_the_sweep=True)  # (NOTE [a body that writes ...])
         zeros = lse.new_zeros(lse.shape)
         lp_, ent_ = (v if v is not None else zeros for v in (lp, ent))
         c_lse, c_lp, c_ent, *part = tail(lse, lp_, ent_, *rest)
         lse = softmax_lse(lse, log_softmax)
         cot = Cotangents(c_lse, c_lp if tokens is not None else None, c_ent if want_entropy else None)
-        logits_grad_into(x, tokens, RowValues(lse, ent), cot, logit_map)
-        return (lse, ent, *cot, *part)
+        logits_grad_into(x, tokens, RowValues(lse, ent, lse_lo), cot, logit_map)
+        return (lse, ent, lse_lo, *cot, *part)
     return compile_body(("lm_head_loss_chunk", tail_key), loss_chunk, f"loss_chunk_{tail_key}", COUNTER,
                         {"emulate_precision_casts": True})
 
@@ -165,7 +166,7 @@ def _forward(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.
         if loss.need_hidden:
             gh = gh.new_zeros(n, gh.shape[1]).index_copy_(0, kept, gh)
         keep = [_first(k, n) for k in keep]
-    return (value, gh, gw, gb, *keep, index, count)
+    return (value, gh, gw, gb, *keep[:5], index, count, keep[5])
 
 
 def _first(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -205,7 +206,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
     # (the gpu plan's FP32 sums: written by the first chunk's GEMM, no zero-fill; gpu_plan.fp32_chunk_grads)
     gw = hidden.new_empty(vocab, width, dtype=F32) if gpu and need_weight else _empty(hidden)
     gb = hidden.new_empty(vocab, dtype=F32) if gpu and need_weight and bias is not None else _empty(hidden)
-    keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
+    keep = [hidden.new_zeros(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(6)]
     log_softmax = head.tokens is not None or opts.want_entropy
     body = chunk_body(loss.tail_key)
     logit_map = opts.logit_map(hidden.dtype, head.scale)
@@ -219,8 +220,8 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
         h, tok = chunk.hidden, chunk.tokens
         # g: the chunk's logits (a buffer of the loop's own), then their gradient in their place
         g = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
-        lse, ent, *cot_part = body(g, tok, logit_map, opts.want_entropy, log_softmax,
-                                   *(r[r0:r1] for r in rows), *whole, *weights)
+        lse, ent, lse_lo, *cot_part = body(g, tok, logit_map, opts.want_entropy, log_softmax,
+                                           *(r[r0:r1] for r in rows), *whole, *weights)
         cot, part = cot_part[:3], cot_part[3:]
         if gpu:
             fp32_chunk_grads(g, h, weight, gh[r0:r1] if need_hidden else None, gw if need_weight else None,
@@ -228,7 +229,7 @@ def _loop(head: Head, opts: HeadOptions, loss: LossOptions, rows: list[torch.Ten
         else:
             if need_hidden:
                 torch.mm(g, weight, out=gh[r0:r1])
-            for buf, value in zip(keep, (lse, ent, *cot)):
+            for buf, value in zip(keep, (lse, ent, *cot, lse_lo)):
                 if value is not None:
                     buf[r0:r1] = value
         for s, p in zip(sums, part):  # (after the GEMMs: nothing between the gradient and them)
@@ -244,9 +245,9 @@ def _lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                   final_key: str, kinds: str, need_hidden: bool, need_weight: bool, rows: list[torch.Tensor],
                   whole: list[torch.Tensor], mask_key: str) -> tuple[
                       torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias, lse, entropy, g_lse, g_logprob, g_entropy,
-    rows, count): ``"gpu"``: the gradients in FP32, the per-row values empty;
+    rows, count, lse's residual): ``"gpu"``: the gradients in FP32, the per-row values empty;
     ``"two_sweeps"``: ``grad_hidden`` in model precision, no weight gradients, the per-row
     values the backward's sweep reads (of the rows run: ``rows[:count]``, ``count`` 0-d;
     ``mask_key``: the skip graph, "" for none)."""
@@ -272,9 +273,9 @@ def _fake(hidden, weight, bias, gpu: bool, loss: LossOptions, whole) -> tuple:
     want_w = gpu and loss.need_weight
     gw = hidden.new_empty(vocab, width, dtype=F32) if want_w else _empty(hidden)
     gb = hidden.new_empty(vocab, dtype=F32) if want_w and bias is not None else _empty(hidden)
-    keep = [hidden.new_empty(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(5)]
-    return (torch.empty_like(value), gh, gw, gb, *keep, hidden.new_empty(n, dtype=torch.int64),
-            hidden.new_empty((), dtype=torch.int64))
+    keep = [hidden.new_empty(n, dtype=F32) if not gpu else _empty(hidden) for _ in range(6)]
+    return (torch.empty_like(value), gh, gw, gb, *keep[:5], hidden.new_empty(n, dtype=torch.int64),
+            hidden.new_empty((), dtype=torch.int64), keep[5])
 
 
 @torch.library.custom_op("chunked_logits::lm_head_loss_backward", mutates_args=())
@@ -284,7 +285,8 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
                            transforms: str, lse: torch.Tensor, entropy: Optional[torch.Tensor],
                            c_lse: torch.Tensor, c_lp: torch.Tensor, c_ent: torch.Tensor,
                            need_hidden: bool, need_weight: bool, index: torch.Tensor,
-                           count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           count: torch.Tensor, lse_lo: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``"two_sweeps"`` backward: the forward's ``grad_hidden`` times ``g`` and one
     vocabulary sweep for ``grad_weight`` from the cotangents times ``g`` when that scaling is
     exact (``g`` a power of two, 1 and -1 included, and no scaled element rounded: a
@@ -293,7 +295,7 @@ def _lm_head_loss_backward(g: torch.Tensor, grad_hidden: torch.Tensor, hidden: t
     the forward ran (``index[:count]``, the others' gradients exact zeros)."""
     opts = HeadOptions(scale_is_div, entropy is not None, budget_bytes, transforms, "two_sweeps")
     return _sweeps_backward(g, grad_hidden, Head(hidden, weight, bias, tokens, scale),
-                            RowValues(lse, entropy), Cotangents(c_lse, c_lp, c_ent), opts,
+                            RowValues(lse, entropy, lse_lo), Cotangents(c_lse, c_lp, c_ent), opts,
                             (need_hidden, need_weight), (index, count))
 
 
@@ -326,7 +328,7 @@ def _sweeps_backward(g: torch.Tensor, grad_hidden: torch.Tensor, head: Head, sav
 
 @_lm_head_loss_backward.register_fake
 def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_bytes, transforms, lse,
-      entropy, c_lse, c_lp, c_ent, need_hidden, need_weight, index, count):
+      entropy, c_lse, c_lp, c_ent, need_hidden, need_weight, index, count, lse_lo=None):
     return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_weight else weight.new_empty(0),
             weight.new_empty(weight.shape[0] if bias is not None and need_weight else 0))
@@ -334,7 +336,7 @@ def _(g, grad_hidden, hidden, weight, bias, tokens, scale, scale_is_div, budget_
 
 # the forward's results past the loss, saved for the backward (its inputs of these names)
 _MADE = ("grad_hidden", "grad_weight", "grad_bias", "lse", "entropy", "c_lse", "c_lp", "c_ent", "index",
-         "count")
+         "count", "lse_lo")
 
 
 def _setup(ctx, inputs, output):

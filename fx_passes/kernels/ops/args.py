@@ -102,10 +102,12 @@ class LogitMap(NamedTuple):
 
 class RowValues(NamedTuple):
     """The per-row values a backward reads: the forward's lse and entropy (None when the
-    forward computed none)."""
+    forward computed none), and what the FP32 lse rounded away where the forward kept it
+    (``given.lse_residual``; None: not kept)."""
 
     lse: Any
     entropy: Any = None
+    lse_lo: Any = None
 
     def rows(self, r0: int, r1: int) -> "RowValues":
         return RowValues(*(v[r0:r1] if v is not None else None for v in self))
