@@ -57,7 +57,7 @@ from .rewrite.loss_tail import fused_calls, keep_logits, rewrite_loss_tail
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.row_slices import merge_row_slices
 from .rewrite.skip_rows import skip_unread_rows
-from .rewrite.slice_first import slice_first
+from .rewrite.slice_first import Moves, slice_first, sliced_upcasts
 from .rewrite.unit_scale import remove_div_by_one
 from .rewrite.upcast_region import fp32_bytes, rewrite_region
 
@@ -146,31 +146,33 @@ def _row_local(graph: Graph, node: Node, decline: Decline, config: Config, taken
     if not config.row_local or decline.reason not in ROW_LOCAL_RETRIES or seed is None or seed in taken:
         record_decline(_where(node), decline)
         return
-    moved = slice_first(graph, seed)  # (logits.float()[:-1]: the slice first, NOTE [slice first])
+    moves = Moves()  # (logits.float()[:-1]: the slice first, a teacher's too; NOTE [slice first])
+    start = moves.add(slice_first(graph, seed))
+    start = start.seed if start is not None else seed
     try:
-        region = find_row_region(graph, moved.seed if moved else seed)
+        region = find_row_region(graph, start)
+        if [moves.add(slice_first(graph, up)) for up in sliced_upcasts(region.rows)] and moves.made:
+            region = find_row_region(graph, start)
         where, what, nbytes = _where(seed), region.describe(), sum(fp32_bytes(s) for s in region.seeds)
         why = left_to_stock(region) if config.leave_to_stock else None
         if why is not None or config.report_only or not config.rewrite:
-            if moved:
-                moved.undo(Decline(Reason.NOT_ROW_LOCAL, ""))
+            moves.undo(Decline(Reason.NOT_ROW_LOCAL, ""))
             if why is None:
                 record_rewrite(where, what, nbytes, report_only=True)
                 return
             declined.difference_update((node, seed))  # (can, but should not: one region, one outcome)
-            taken.update([*region.nodes, *(moved.old if moved else ())])
+            taken.update([*region.nodes, *moves.old])
             record_left_to_stock(where, what, why, config.report_only or not config.rewrite)
             return
         outcome = rewrite_row_region(graph, region, config)
-    except Decline as d:  # raised before the graph is touched (but for the move, undone)
-        d = moved.undo(d) if moved else d
+    except Decline as d:  # raised before the graph is touched (but for the moves, undone)
+        d = moves.undo(d)
         # (the same reason twice: the hand-derived path's words, which docs/declines.md shows)
         record_decline(_where(node), decline if d.reason is decline.reason else d)
         return
     declined.difference_update((node, seed))
-    taken.update([*region.nodes, *(moved.old if moved else ())])
-    if moved:
-        moved.finish()
+    taken.update([*region.nodes, *moves.old])
+    moves.finish()
     counters[COUNTER]["row_local"] += 1
     record_rewrite(where, counted(outcome, what, "row_local_lm_head"), nbytes, report_only=False)
 

@@ -4,8 +4,10 @@ the upcast, in ``[T, V]``.  The slice is moved before the upcast and before the 
 matmul, so the region is rewritten with its lm_head run chunk by chunk, where it was
 declined (and, before, declined with a wrong reason: "FP32 already"); a row view of the
 lm_head's logits before the upcast (``F.linear(h, w)[:, :-1].float()``) is moved before
-the matmul too.  Each is no further from FP64 than stock Inductor (outputs and gradients)
-and its generated code holds no FP32 ``[T, V]`` buffer (stock's holds one).  A region
+the matmul too, and a teacher's upcast the region reads sliced the same way
+(``teacher.float()[:-1]``) before its upcast.  Each is no further from FP64 than stock
+Inductor (outputs and gradients) and its generated code holds no FP32 ``[T, V]`` buffer
+(stock's holds one).  A region
 that is declined after the move leaves the graph as it was, with the reason naming the
 user's own nodes.
 
@@ -59,12 +61,20 @@ def given_logits_shift_after(logits, tokens, temps, up=F32):
     return torch.log_softmax(z, -1).gather(-1, tokens[1:, None]).squeeze(-1)
 
 
+def distillation_shift_after(hidden, weight, teacher, temps, up=F32):
+    """KL to a teacher, both logits shifted after their upcast (the teacher's slice moves too)."""
+    s = F.linear(hidden, weight).to(up)[:-1] / temps[:-1, None]
+    t = teacher.to(up)[:-1]
+    return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="batchmean")
+
+
 CASES = {  # name -> (function, 3-D, an lm_head, the lm_head's counter)
     "shift_after": (shift_after, False, "row_local_lm_head"),
     "policy_loss_shift_after": (policy_loss_shift_after, False, "row_local_lm_head"),
     "shift_after_3d": (shift_after_3d, True, "row_local_lm_head_in_call"),
     "shift_before_3d": (shift_before_3d, True, "row_local_lm_head_in_call"),
     "given_logits_shift_after": (given_logits_shift_after, False, None),
+    "distillation_shift_after": (distillation_shift_after, False, "row_local_lm_head"),
 }
 
 
@@ -73,6 +83,8 @@ def _inputs(name: str):
     g = torch.Generator().manual_seed(3)
     rows = (B, S) if three_d else (T,)
     tokens = torch.randint(0, V, rows, generator=g)
+    if name.startswith("distillation"):  # (the teacher's bf16 logits where the tokens go)
+        tokens = torch.randn(*rows, V, generator=g).bfloat16()
     temps = torch.rand(rows[0], generator=g) + 0.5
     if head is None:
         return fn, (torch.randn(*rows, V, generator=g).bfloat16(), tokens, temps), (0,)
@@ -103,13 +115,13 @@ def test_sliced_upcast_rewritten_and_as_accurate_as_stock(name):
     assert_no_less_accurate(ours, stock, ref, torch.bfloat16, 2e-6, 2**-8)
 
 
-@pytest.mark.parametrize("name", ["shift_after", "shift_before_3d"])
+@pytest.mark.parametrize("name", ["shift_after", "shift_before_3d", "distillation_shift_after"])
 def test_no_fp32_logits_buffer(name):
     """The outer graph's generated code allocates no FP32 buffer of the sliced logits
     (stock's does), and the chunk bodies (run eagerly under a dispatch mode that sees
     every op, forward and backward) no FP32 tensor of more than a quarter of them."""
     fn, inputs, grad_pos = _inputs(name)
-    rows, vocab = (T - 1, V) if name == "shift_after" else (S - 1, V)  # (3-D: one sequence's)
+    rows, vocab = (S - 1, V) if name == "shift_before_3d" else (T - 1, V)  # (3-D: one sequence's)
     torch._dynamo.reset()
     _, stock_codes = compiled_codes(run, torch.compile(fn, backend="inductor"), inputs, grad_pos)
     assert full_fp32_buffers(stock_codes, rows, vocab) != []  # (what the check below would see)

@@ -109,7 +109,9 @@ class _BodyInterpreter(_VocabRules, _Interpreter):
                     and kind in ("row", "whole") and all(a in self.exact for a in ins) \
                     and (kind == "row" or all(self.kind[a] == "whole" for a in ins)):
                 self.exact.add(n)
-                integral = self._integral(n) and not only_indices(n)
+                # (an integer row input may be a mask; a token id a gather reads, or a count
+                # read whole, is not one: NOTE [why every row runs])
+                integral = self._integral(n) and kind == "row" and not only_indices(n)
                 if integral or (n.op != "placeholder" and ins and ins[0] in self.masks
                                 and (ZERO_ROWS.get(op_name(n)) in (Kind.SAME, Kind.ROW_VIEW) or _column(n))):
                     self.masks.add(n)

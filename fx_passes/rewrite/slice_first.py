@@ -18,13 +18,16 @@ the lm_head chunk by chunk.  The move is undone when the region is not rewritten
 # differently: no more error than stock's, as every GEMM the pass makes, and
 # ``tests/test_row_local_slices.py`` checks it against FP64).
 #
-# The move is made when the one reader of the upcast is a row view (``is_row_view``: basic
-# indexing that keeps each row's V entries whole, here a getitem of static slices and ints
-# that does not keep dim 0 whole) and, for the matmul, when the upcast is its only reader and the
-# matmul's only reader (the logits read nowhere else, as the lm_head fusion requires).  It
-# adds the new nodes beside the old and points the view's readers at them; ``undo`` points
-# them back and erases the new nodes (the graph as it was), ``finish`` erases the old ones
-# once the region is rewritten.
+# The move is made when the one reader of the upcast is a row view that does not keep dim
+# 0 whole (``is_row_view``: basic indexing that keeps each row's V entries whole, here a
+# getitem of static slices and ints), or when the upcast reads such a view (any, dim 0
+# whole or not) of an lm_head matmul's logits; through the matmul only when nothing else
+# reads its logits (as the lm_head fusion requires).  It adds the new nodes beside the old
+# and points the readers at them.  A region that reads another upcast's row slice as an
+# FP32 row input (a teacher's ``teacher.float()[:-1]`` in a distillation loss) gets that
+# slice moved the same way (``sliced_upcasts``), and the region is found again.  ``undo``
+# points the readers back and erases the new nodes (the graph as it was, the decline naming
+# the user's nodes), ``finish`` erases the old ones once the region is rewritten.
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from ..match.upcast import is_row_view, upcast_input
 from ..reporting.report import Decline
 from .row_slices import example_value
 
-__all__ = ["SliceFirst", "slice_first"]
+__all__ = ["SliceFirst", "slice_first", "Moves", "sliced_upcasts"]
 
 
 @dataclasses.dataclass
@@ -69,6 +72,44 @@ class SliceFirst:
         for n in self.old:
             if not n.users:
                 self.graph.erase_node(n)
+
+
+class Moves:
+    """The moves made for one region (its own upcast's, a teacher's): undone, or finished,
+    together."""
+
+    def __init__(self) -> None:
+        self.made: list[SliceFirst] = []
+
+    def add(self, move: Optional[SliceFirst]) -> Optional[SliceFirst]:
+        if move is not None:
+            self.made.append(move)
+        return move
+
+    @property
+    def old(self) -> list[Node]:
+        return [n for m in self.made for n in m.old]
+
+    def undo(self, decline: Decline) -> Decline:
+        for m in reversed(self.made):
+            decline = m.undo(decline)
+        self.made = []
+        return decline
+
+    def finish(self) -> None:
+        for m in self.made:
+            m.finish()
+
+
+def sliced_upcasts(rows: list[Any]) -> list[Node]:
+    """The upcasts whose row slice a region reads as an FP32 row input (a teacher's
+    ``teacher.float()[:-1]``, read by nothing else): :func:`slice_first` moves them too."""
+    ups = []
+    for r in rows:
+        up = tensor_input(r) if isinstance(r, Node) else None
+        if isinstance(up, Node) and upcast_input(up) is not None and _row_view(r, up, rows=True) is not None:
+            ups.append(up)
+    return ups
 
 
 def _index(view: Node, rows: bool) -> Optional[Any]:
