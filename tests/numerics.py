@@ -76,6 +76,21 @@ def reference(fn, inputs, grad_pos):
     return outs, grads
 
 
+def ours_stock_reference(fn, inputs, grad_pos, **options):
+    """(ours, stock, FP64 reference) of ``fn`` on ``inputs``: chunked_logits with
+    ``options`` (the rewrite's counters cleared before it, so they are its alone), stock
+    Inductor, and ``fn``'s FP64 maths (:func:`reference`)."""
+    from torch._dynamo.utils import counters
+
+    ref = reference(fn, inputs, grad_pos)
+    torch._dynamo.reset()
+    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
+    torch._dynamo.reset()
+    counters.clear()
+    ours = run(torch.compile(fn, backend="chunked_logits", options=options), inputs, grad_pos)
+    return ours, stock, ref
+
+
 def assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol, mean_ratio=1.1):
     """Each (outputs, gradients) of ours is no further from FP64 than stock's, plus the
     per-dtype tolerance; gradients land in the model dtype; each gradient's mean error at

@@ -17,7 +17,7 @@ from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.testing import rl_spellings as rs
 from tests.codegen import compiled_codes, full_fp32_buffers
 from tests.helpers import LargestFP32, chunked_counters, rewrite_graphs
-from tests.numerics import assert_no_less_accurate, reference, run
+from tests.numerics import assert_no_less_accurate, ours_stock_reference, run
 
 B, S, H, V = 4, 16, 32, 1024
 CANONICAL = {"in_place_temperature": "in_place_made_out_of_place"}
@@ -27,14 +27,7 @@ CANONICAL = {"in_place_temperature": "in_place_made_out_of_place"}
 @pytest.mark.parametrize("name", rs.CASES)
 def test_spelling_rewritten_fused_and_as_accurate_as_stock(name):
     fn, inputs = rs.inputs(name, B, S, H, V)
-    grad_pos = (0, 1)
-    ref = reference(fn, inputs, grad_pos)
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits", options={"leave_to_stock": False})
-    ours = run(compiled, inputs, grad_pos)
+    ours, stock, ref = ours_stock_reference(fn, inputs, (0, 1), leave_to_stock=False)
     _assert_rewritten(name)
     assert_no_less_accurate(ours, stock, ref, torch.bfloat16, 2e-6, 2**-8)
 

@@ -26,7 +26,7 @@ from fx_passes.kernels.ops.body_compiler import compiling_with
 from fx_passes.reporting.session import session
 from tests.codegen import compiled_codes, full_fp32_buffers
 from tests.helpers import LargestFP32, chunked_counters, rewrite_graphs
-from tests.numerics import F32, assert_no_less_accurate, reference, run
+from tests.numerics import F32, assert_no_less_accurate, ours_stock_reference, run
 
 T, H, V = 64, 32, 512
 B, S = 4, 16
@@ -104,13 +104,7 @@ def _assert_rewritten(name: str) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_sliced_upcast_rewritten_and_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _inputs(name)
-    ref = reference(fn, inputs, grad_pos)
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor"), inputs, grad_pos)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits", options={"leave_to_stock": False})
-    ours = run(compiled, inputs, grad_pos)
+    ours, stock, ref = ours_stock_reference(fn, inputs, grad_pos, leave_to_stock=False)
     _assert_rewritten(name)
     assert_no_less_accurate(ours, stock, ref, torch.bfloat16, 2e-6, 2**-8)
 
