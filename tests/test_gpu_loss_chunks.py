@@ -268,16 +268,16 @@ def test_a_chunk_reads_its_logits_in_one_kernel(transforms, scale):
 
     # the three bodies the loop ran before (stats; the tail; the gradient over the logits)
     z = bodies.transformed(x, transforms)[0]
-    lse, lp, ent = bodies.compiled(given.stats_of_logits)(z, tok, scale, True, True)
+    lse, lp, ent, lse_lo = bodies.compiled(given.stats_and_residual)(z, tok, scale, True, True)
     c_lse, c_lp, c_ent, *sums = user_bodies.body(tail_key)(lse, lp, ent, mask, coef, *weights)
     lse = given.softmax_lse(lse, True)
-    expected = bodies.compiled(loss.logits_grad)(x, tok, RowValues(lse, ent), Cotangents(c_lse, c_lp, c_ent),
-                                                 logit_map)
+    expected = bodies.compiled(loss.logits_grad)(x, tok, RowValues(lse, ent, lse_lo),
+                                                 Cotangents(c_lse, c_lp, c_ent), logit_map)
     with body_compiler.compiling_with(lambda fn, options: body_compiler._inductor(fn, options)):
         storage = x.untyped_storage().data_ptr()
         got, codes = run_and_get_code(loss.chunk_body(tail_key), x, tok, *args)
     assert x.untyped_storage().data_ptr() == storage
-    for a, b in zip(got, (lse, ent, c_lse, c_lp, c_ent, *sums)):
+    for a, b in zip(got, (lse, ent, lse_lo, c_lse, c_lp, c_ent, *sums), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(x, expected)
     [code] = codes

@@ -280,7 +280,7 @@ def test_the_forward_stats_read_the_kept_logits_with_no_tile(transforms, scale):
     tok = torch.randint(0, V, (r,), generator=g)
     x = torch.mm(hidden, weight.t())
     z = bodies.transformed(x, transforms)[0]
-    want = bodies.compiled(given.stats_of_logits)(z, tok, scale, True, True)
+    want = bodies.compiled(given.stats_and_residual)(z, tok, scale, True, True)
     with body_compiler.compiling_with(lambda fn, options: body_compiler._inductor(fn, options)):
         body = bodies.compiled(loss.stats_of_kept)
         got, codes = run_and_get_code(body, x, tok, scale, True, True, transforms)

@@ -16,7 +16,16 @@ from fx_passes.testing.workloads import WORKLOADS, run_step
 from tests.cases import lm_logprob_entropy
 from tests.codegen import allocations, compiled_codes, step_codes
 from tests.helpers import LargestFP32
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, dtype_matrix, max_err, reference, run
+from tests.numerics import (
+    F32,
+    TOLERANCES,
+    assert_no_less_accurate,
+    assert_stock_logits,
+    dtype_matrix,
+    max_err,
+    reference,
+    run,
+)
 
 
 def lm_ce_bias_shift(hidden, weight, bias, labels, up=F32):
@@ -361,13 +370,13 @@ def _returns_logits_runs(fn, dtype, gradient_used=False, V=V_TEST):
                          dtype_matrix(RETURNS_LOGITS, CPU_PLANS, ids=lambda f: f.__name__), indirect=["plan"])
 def test_returned_logits_fused_and_no_less_accurate(fn, dtype, out_rtol, grad_rtol, plan):
     """Only the loss's gradient is used (the logits' is the autograd engine's zeros): the
-    lm_head fuses, the returned logits (softcapped too) are stock's bit for bit, and the
+    lm_head fuses, the returned logits (softcapped too) are stock's (``assert_stock_logits``), and the
     loss and gradients are no further from FP64 than stock's."""
     inputs, ref, stock = _returns_logits_runs(fn, dtype)
     c, ours, _ = _ours_returning_logits(fn, dtype, plan)
     assert c.get("lm_head_fused") == 1, c
     assert c.get("lm_head_returns_logits") == 1, c
-    assert torch.equal(ours[0][1], stock[0][1]), "the returned logits differ from stock's"
+    assert_stock_logits(ours[0][1], stock[0][1])
     assert_no_less_accurate(ours, stock, ref, dtype, out_rtol, grad_rtol)
 
 
@@ -447,14 +456,14 @@ def test_returned_logits_not_fused_when_the_region_reads_a_slice(caplog):
 
 def test_returned_logits_dynamic_lengths_one_outer_graph():
     """dynamic=True: the returned logits' shape is symbolic; one outer graph for every length,
-    the logits stock's bit for bit (stock's forward: the only results read of it)."""
+    the logits stock's (``assert_stock_logits``; stock's forward: the only results read of it)."""
     fn = torch.compile(lm_ce_returns_logits, backend="chunked_logits", dynamic=True)
     stock = torch.compile(lm_ce_returns_logits, backend="inductor", dynamic=True)
     graphs = None
     for S in (37, 50, 23):
         inputs = _returns_logits_inputs(torch.bfloat16, S=S, V=5000)
         ours, st = run(fn, inputs, (0, 1)), run(stock, inputs, ())
-        assert torch.equal(ours[0][1], st[0][1])
+        assert_stock_logits(ours[0][1], st[0][1])
         graphs = graphs or counters["stats"]["unique_graphs"]
     assert counters["chunked_logits"]["lm_head_returns_logits"] == 1
     assert counters["stats"]["unique_graphs"] == graphs

@@ -16,11 +16,13 @@ declines keeps the recompute path: the same check holds, and the counters say wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
 
 from fx_passes import Config
 from fx_passes.fx.op_rules import TAIL as TAIL_RULES
@@ -31,6 +33,7 @@ from tests.op_rule_programs import (
     LOW_TAILS,
     ROW_LOCAL_BUDGETS,
     TAILS,
+    V,
     body_program,
     inputs,
     tail_program,
@@ -41,6 +44,7 @@ from tests.property_programs import (
     as_reference,
     assert_no_worse,
     eager_lm_head_chunks,
+    term_scales,
 )
 from tests.property_programs import fresh as _fresh
 
@@ -58,15 +62,39 @@ def _run(fn, values: dict, up: torch.dtype) -> Result:
 _baseline: dict = {}
 
 
+class _LogitsGrad(TorchFunctionMode):
+    """Keeps the gradient of the lm_head's logits (``h @ w.T``, ``[T, V]``) of the FP64
+    reference: the terms its ``w`` and ``h`` gradients sum (``property_programs.term_scales``;
+    a tail that sums ``lp * sign`` makes those gradients cancel to 0 exactly, where each
+    side's error is the rounding of its terms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grads: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in ("matmul", "__matmul__") and isinstance(out, torch.Tensor) \
+                and out.requires_grad and out.shape[-1] == V:
+            out.register_hook(self.grads.append)
+        return out
+
+
 def _reference_and_stock(fn, inductor: bool = False) -> tuple[Result, Result]:
     """(FP64, stock): stock eager, or with ``inductor`` stock Inductor (a tail that rounds to
     16 bits: Inductor's fused kernel skips those roundings, eager does not)."""
     if fn.__name__ not in _baseline:
         values = inputs()
-        ref = as_reference({k: v.requires_grad_(k in GRAD) if k in GRAD else v for k, v in values.items()})
+        ref_inputs = as_reference({k: v.requires_grad_(k in GRAD) if k in GRAD else v
+                                   for k, v in values.items()})
         torch._dynamo.reset()
         stock = _run(torch.compile(fn, backend="inductor") if inductor else fn, values, torch.float32)
-        _baseline[fn.__name__] = (_run(fn, ref, torch.float64), stock)
+        with _LogitsGrad() as kept:
+            ref = _run(fn, ref_inputs, torch.float64)
+        if len(kept.grads) == 1:
+            scales = term_scales(kept.grads[0], {"hidden": ref_inputs["h"], "lm_w": ref_inputs["w"]})
+            ref = dataclasses.replace(ref, term_scales={"w": scales["lm_w"], "h": scales["hidden"]})
+        _baseline[fn.__name__] = (ref, stock)
     return _baseline[fn.__name__]
 
 

@@ -101,6 +101,7 @@ def _assert_rewritten(name: str) -> None:
     assert not c.get("masked_rows_not_skipped"), c  # (a token id is no mask)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", CASES)
 def test_sliced_upcast_rewritten_and_as_accurate_as_stock(name):
     fn, inputs, grad_pos = _inputs(name)
