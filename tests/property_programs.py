@@ -179,12 +179,17 @@ class Case:
         retries the hand path's decline of it) in the plain layout only (``[T, V]`` logits
         read whole, no lm_head: a shift or a flatten in other layouts indexes or regroups
         rows), its decline too: the reason it meets first, which for a twist it declines
-        anyway (``late_index``: ``ORDER``) may be the shift's ``NOT_ROW_LOCAL``."""
+        anyway (``late_index``: ``ORDER``) may be the shift's ``NOT_ROW_LOCAL``; two tokens
+        picked a row from a vocabulary of two make a result of the logits' shape, which the
+        row-local path declines (``ESCAPES``: it does not tell them apart)."""
         plain = self.layout == "TV" and self.shift == "none" and self.lm_head == "none"
         retried = self.row_local and (self.by_row_local or self.reason in ROW_LOCAL_RETRIES)
+        out = [self.expected_counters()]
         if retried and not plain:
-            return [self.expected_counters(), {"declined": 1, "declined:NOT_ROW_LOCAL": 1}]
-        return [self.expected_counters()]
+            out.append({"declined": 1, "declined:NOT_ROW_LOCAL": 1})
+        if retried and self.twist == "index2" and self.vocab == 2:  # (two tokens a row of two: a result
+            out.append({"declined": 1, "declined:ESCAPES": 1})  # [rows, V] by its shape, as the logits)
+        return out
 
     def expected_counters(self) -> dict[str, int]:
         if self.by_row_local:
