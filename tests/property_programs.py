@@ -179,17 +179,26 @@ class Case:
         retries the hand path's decline of it) in the plain layout only (``[T, V]`` logits
         read whole, no lm_head: a shift or a flatten in other layouts indexes or regroups
         rows), its decline too: the reason it meets first, which for a twist it declines
-        anyway (``late_index``: ``ORDER``) may be the shift's ``NOT_ROW_LOCAL``; two tokens
-        picked a row from a vocabulary of two make a result of the logits' shape, which the
-        row-local path declines (``ESCAPES``: it does not tell them apart)."""
+        anyway (``late_index``: ``ORDER``) may be the shift's ``NOT_ROW_LOCAL``; and
+        ``ESCAPES`` where a result has the logits' shape (:attr:`results_like_logits`)."""
         plain = self.layout == "TV" and self.shift == "none" and self.lm_head == "none"
         retried = self.row_local and (self.by_row_local or self.reason in ROW_LOCAL_RETRIES)
         out = [self.expected_counters()]
         if retried and not plain:
             out.append({"declined": 1, "declined:NOT_ROW_LOCAL": 1})
-        if retried and self.twist == "index2" and self.vocab == 2:  # (two tokens a row of two: a result
-            out.append({"declined": 1, "declined:ESCAPES": 1})  # [rows, V] by its shape, as the logits)
+        if retried and self.results_like_logits:
+            out.append({"declined": 1, "declined:ESCAPES": 1})
         return out
+
+    @property
+    def results_like_logits(self) -> bool:
+        """Does a per-row result end in a dim of the vocabulary's size (two tokens picked a
+        row from a vocabulary of two; ``[B, S]`` results of ``[B, S, V]`` logits with S = V),
+        so that by its shape it is an FP32 ``[rows, .., V]`` tensor the row-local path
+        declines to return (``ESCAPES``)?"""
+        seq = self.rows - (1 if self.shift in ("before", "after") else 0)
+        return (self.twist == "index2" and self.vocab == 2) or (
+            self.layout == "BSV" and self.shift != "last" and seq == self.vocab)
 
     def expected_counters(self) -> dict[str, int]:
         if self.by_row_local:
