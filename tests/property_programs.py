@@ -186,7 +186,7 @@ class Case:
         out = [self.expected_counters()]
         if retried and not plain:
             out.append({"declined": 1, "declined:NOT_ROW_LOCAL": 1})
-        if retried and self.results_like_logits:
+        if self.row_local and self.results_like_logits and (self.by_row_local or self.reason is not None):
             out.append({"declined": 1, "declined:ESCAPES": 1})
         return out
 
