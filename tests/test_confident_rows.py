@@ -7,7 +7,8 @@ row's top token, ``1 - p`` and ``log p + H`` to the rounding of ``lse`` (half a 
 the whole gradient stayed stock's (what the other tests measure).  The forward now saves
 what ``lse`` rounded away, and each backward reads it: here held, element by element at
 the top tokens, to stock's error (the logits given; the lm_head fused, its loss in the
-graph, rows masked out, the logits kept).
+graph, rows masked out, the logits kept; and the vocab-parallel stages, which replay the
+user's maths and read no ``lse``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from tests import shard_heads
 from tests.helpers import chunked_counters
 from tests.numerics import F32
 
@@ -77,6 +79,15 @@ def masked_policy_loss_lm_head(hidden, weight, tokens, up=F32):
     return -(logprob_lm_head(hidden, weight, tokens, up) * keep).sum() / keep.sum()
 
 
+def _shard(head):
+    """A vocab-parallel head (``tests/shard_heads.py``, one rank's shard): its backward is
+    the user's own maths replayed (NOTE [vocab-parallel stages]), which reads no ``lse``."""
+    def fn(*args, up=F32):
+        return head(*args, up=up)
+    fn.__name__ = f"shard_{head.__name__}"
+    return fn
+
+
 CASES = {  # name -> (function, lm_head in the graph, options)
     "logprob": (logprob, False, {}),
     "entropy": (entropy, False, {}),
@@ -86,11 +97,17 @@ CASES = {  # name -> (function, lm_head in the graph, options)
     "masked_policy_loss_lm_head": (masked_policy_loss_lm_head, True, {}),
     "logprob_lm_head_kept": (logprob_lm_head, True, {"lm_head_plan": "kept_logits"}),
     "entropy_lm_head_kept": (entropy_lm_head, True, {"lm_head_plan": "kept_logits"}),
+    "shard_logprob": (_shard(shard_heads.logprob), False, {}),
+    "shard_entropy": (_shard(shard_heads.entropy), False, {}),
+    "shard_logprob_lm_head": (_shard(shard_heads.with_lm_head(shard_heads.logprob)), True, {}),
+    "shard_entropy_lm_head": (_shard(shard_heads.with_lm_head(shard_heads.entropy)), True, {}),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_top_token_gradient_no_further_from_fp64_than_stock(name):
+def test_top_token_gradient_no_further_from_fp64_than_stock(name, request):
+    if name.startswith("shard"):
+        request.getfixturevalue("one_rank_group")  # (conftest)
     fn, head, options = CASES[name]
     inputs = _lm_head_inputs() if head else _confident_logits()
     top = inputs[-1]
