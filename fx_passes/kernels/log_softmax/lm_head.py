@@ -70,16 +70,18 @@ def _forward_loop(head: Head, opts: HeadOptions, logits: Optional[torch.Tensor] 
         chunk = head.rows(r0, r1)
         out = body(chunk.hidden, head.weight, head.bias, chunk.tokens, head.scale, opts.scale_is_div,
                    opts.want_entropy, opts.transforms)
-        c_lse, c_lp, c_ent, c_lo = out[:4]
-        lse[r0:r1] = c_lse
-        lse_lo[r0:r1] = c_lo
-        if c_lp is not None:
-            logprob[r0:r1] = c_lp
-        if c_ent is not None:
-            entropy[r0:r1] = c_ent
+        _store((lse, logprob, entropy, lse_lo), r0, r1, out[:4])
         if logits is not None:
             logits[r0:r1] = out[4]
     return lse, logprob, entropy, lse_lo
+
+
+def _store(buffers: tuple, r0: int, r1: int, values) -> None:
+    """A chunk's per-row results written into rows ``r0:r1`` of their buffers (a result the
+    chunk did not compute, None, leaves its buffer's zeros)."""
+    for buf, value in zip(buffers, values, strict=True):
+        if value is not None:
+            buf[r0:r1] = value
 
 
 @torch.library.custom_op("chunked_logits::lm_head_stats", mutates_args=())

@@ -52,7 +52,7 @@ from ..ops.registry import CUDAGRAPH_UNSAFE, UNSAFE, emitted
 from ..tiling import BY_DEVICE, even_splits, kept_rows, resolve_budget
 from .bodies import compiled
 from .given import per_row_inputs
-from .lm_head import _shaped, lm_head_row_stats
+from .lm_head import _shaped, _store, lm_head_row_stats
 from .loss import logits_grad_into, stats_of_kept
 
 __all__ = ["KEPT", "lm_head_stats_kept", "lm_head_kept_backward", "kept_grads", "lm_head_row_stats_kept"]
@@ -89,14 +89,8 @@ def _fill(head: Head, opts: HeadOptions, logits: torch.Tensor):
             torch.mm(chunk.hidden, weight.t(), out=x)
         else:
             torch.addmm(bias, chunk.hidden, weight.t(), out=x)
-        c_lse, c_lp, c_ent, c_lo = body(x, chunk.tokens, head.scale, opts.scale_is_div, opts.want_entropy,
-                                        opts.transforms)
-        lse[r0:r1] = c_lse
-        lse_lo[r0:r1] = c_lo
-        if c_lp is not None:
-            logprob[r0:r1] = c_lp
-        if c_ent is not None:
-            entropy[r0:r1] = c_ent
+        _store((lse, logprob, entropy, lse_lo), r0, r1,
+               body(x, chunk.tokens, head.scale, opts.scale_is_div, opts.want_entropy, opts.transforms))
     return lse, logprob, entropy, lse_lo
 
 
