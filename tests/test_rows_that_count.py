@@ -73,6 +73,20 @@ def ppo_clip(h, w, tok, adv, mask, up=F32):  # the ratio from old log-probs (her
     return (loss * mask.to(up)).sum() / mask.to(up).sum().clamp(min=1)
 
 
+def ppo_clip_tensor_range(h, w, tok, adv, mask, up=F32):
+    """The clip range a tensor, one per row (as a 0-d tensor: a float hyperparameter that
+    Dynamo turned into an input under ``dynamic=True``): its interval bounds the clamp's."""
+    r = torch.exp(_lp(h, w, tok, up) - (adv.to(up) - 7.0))
+    eps = 0.15 + 0.05 * torch.tanh(adv.to(up))
+    loss = -torch.min(r * adv.to(up), torch.clamp(r, 1 - eps, 1 + eps) * adv.to(up))
+    return (loss * mask.to(up)).sum() / mask.to(up).sum().clamp(min=1)
+
+
+def clamp_by_region(h, w, tok, adv, mask, up=F32):  # a bound that depends on the region takes a gradient
+    lp = _lp(h, w, tok, up)
+    return (torch.clamp(lp * adv.to(up), min=lp) * mask).sum() / mask.sum()
+
+
 def sigmoid_masked(h, w, tok, adv, mask, up=F32):  # sigmoid has no rule: it proves nothing
     return (torch.sigmoid(_lp(h, w, tok, up)) * mask).sum() / mask.sum()
 
@@ -84,7 +98,8 @@ def entropy_unmasked(h, w, tok, adv, mask, up=F32):  # every row's entropy reach
     return -(lp * mask).sum() / mask.sum() - 0.01 * ent.mean()
 
 
-MASKED = [ce_ignore, masked_mean, where_mean, masked_fill_sum, entropy_masked, ppo_clip]
+MASKED = [ce_ignore, masked_mean, where_mean, masked_fill_sum, entropy_masked, ppo_clip,
+          ppo_clip_tensor_range]
 SHARES = (0.0, 0.5, 0.75)  # the shares of masked rows the tests run (values only: one program runs them all)
 _reference_and_stock = StockOnce(_inputs, SHARES)  # (FP64 reference, stock): once per fn, dtype, ...
 
@@ -163,7 +178,7 @@ def _non_finite_runs(fn) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("fn", [sigmoid_masked, entropy_unmasked], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [sigmoid_masked, entropy_unmasked, clamp_by_region], ids=lambda f: f.__name__)
 def test_what_no_rule_proves_runs_every_row(fn):
     """Every row runs, and the rewrite says why (its line, the summary, a counter)."""
     from fx_passes.reporting import summary as exit_summary
@@ -174,7 +189,8 @@ def test_what_no_rule_proves_runs_every_row(fn):
     ours, c = _ours(fn, inputs)
     assert c.get("gradients_in_forward") == 1 and "masked_rows" not in c and "rows_skipped" not in c, c
     assert_no_less_accurate(ours, stock, _reference(fn, inputs), torch.bfloat16, *BF16)
-    expected = "sigmoid has no rule" if fn is sigmoid_masked else "reads ent on every row, unmasked"
+    expected = {sigmoid_masked: "sigmoid has no rule", entropy_unmasked: "reads ent on every row, unmasked",
+                clamp_by_region: "clamp by a value of the region"}[fn]
     said = every_row_said()
     assert c.get("masked_rows_not_skipped") == 1 and len(said) == 1 and expected in said[0], (c, said)
     assert "1 rewrite(s) with a mask run every row" in exit_summary.format_text(exit_summary.collect())

@@ -25,6 +25,10 @@ known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else
 #   region (``+``, ``-``, negation, ``*`` by such a value, ``/`` by one: a masked mean's
 #   ``/ mask.sum()``, an entropy bonus ``- c * ent.mean()``), ending in the loss.
 #
+# A per-row operand may also be broadcast to the rows (``adv.unsqueeze(1)``, ``[B, 1]`` read
+# by ``[B, S]`` rows: TRL's GRPO advantages, one per sequence): NOTE [operands broadcast to
+# the rows].
+#
 # The loss must be a 0-d floating tensor that requires grad and leaves the graph, and no
 # other node of the tail (nor the stats) may be read outside it.  Anything else is
 # :class:`NoTail`: the region keeps the recompute path.
@@ -50,6 +54,18 @@ known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else
 # A sum over the rows in a 16-bit dtype (``x.sum(dtype=torch.bfloat16)``, a 16-bit scalar
 # part) is one rounding of the FP64 sum, as stock's one rounding of its FP32 sum: taken.
 
+# NOTE [operands broadcast to the rows]
+# The chunk loops read a per-row operand one value per row, a chunk's rows at a time
+# (``o.reshape(-1)[r0:r1]``).  An operand that a row node broadcasts to its rows (``[B, 1]``
+# or ``[S]`` read by ``[B, S]``) has no such rows, so the match makes them: once the tail is
+# matched, ``o.expand(rows)`` is added to the graph before its first reader, which reads it
+# instead (a view: the program computes what it did, and the view stays if a later step
+# declines the tail).  The loops then take it like any per-row operand (the call's
+# ``reshape(-1)`` copies its ``T`` values: 4 bytes a row).  Its sizes are the rows' own: a
+# symbolic size is read off a tensor the region already reads (the lm_head's hidden states, a
+# per-row operand), else the tail is declined with the old reason.  Only the match's own
+# operands change: an operand that needs a gradient is still declined.
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,6 +75,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
+from ..fx.emitter import Emitter
 from ..fx.graph_ops import (
     canon,
     is_collective,
@@ -123,6 +140,7 @@ class _Matcher:
         self.stats, self.n = stats, rows_numel
         self.kind: dict[Node, str] = {}
         self.row_operands: dict[Node, None] = {}
+        self.broadcast: dict[Node, Any] = {}  # a row operand broadcast to the rows -> the rows' shape
         self.whole: dict[Node, None] = {}
         self.collectives = False  # an all_reduce / wait_tensor of per-row values is a row node
         self.derive = False  # a loss tail to derive: no 16-bit rounding (NOTE [16-bit roundings in a tail])
@@ -142,6 +160,9 @@ class _Matcher:
             self.whole[a] = None
         elif per_row_shape is not None and same_shape(t.shape, per_row_shape):
             self.row_operands[a] = None
+        elif per_row_shape is not None and _broadcasts(t.shape, per_row_shape) and \
+                same_shape(self.broadcast.setdefault(a, per_row_shape), per_row_shape):
+            self.row_operands[a] = None  # (NOTE [operands broadcast to the rows])
         else:
             raise NoTail(f"{node.name} reads {a.name} {tuple(t.shape)}: neither one value per row of the "
                          "region in the result's shape nor a 0-d tensor")
@@ -280,6 +301,7 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
                 stack.append(u)
     for node in sorted(found - set(items), key=order.__getitem__):
         m.kind[node] = m.classify(node)
+    _expand_broadcasts(graph, m, [*stats.all_input_nodes, *m.row_operands], order)
     leaving = sorted((n for n in found if any(u.op == "output" for u in n.users)), key=order.__getitem__)
     if reads and leaving:
         nodes = sorted(found - set(items), key=order.__getitem__)
@@ -296,6 +318,51 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
     of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
     return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], loss, list(m.row_operands), list(m.whole),
                     [s for s in sizes if s in m.whole])
+
+
+def _broadcasts(shape: Any, rows: Any) -> bool:
+    """Does a tensor of ``shape`` broadcast to ``rows`` (and is not of that shape)?"""
+    if len(shape) > len(rows) or same_shape(shape, rows):
+        return False
+    return all(same(s, 1) or same(s, r) for s, r in zip(reversed(shape), reversed(rows)))
+
+
+def _expand_broadcasts(graph: Graph, m: _Matcher, known: list[Node], order: dict[Node, int]) -> None:
+    """Each operand broadcast to the rows becomes ``o.expand(rows)``, read by its row nodes
+    instead (NOTE [operands broadcast to the rows]); the sizes are numbers or read off
+    ``known`` tensors before its first reader; :class:`NoTail` (nothing changed) where a
+    size is in neither."""
+    plans = {}
+    for a, shape in m.broadcast.items():
+        readers = sorted((u for u in a.users if m.kind.get(u) == ROW), key=order.__getitem__)
+        sizes = _sizes(shape, [k for k in known if order.get(k, len(order)) < order[readers[0]]], m)
+        if sizes is None:
+            raise NoTail(f"{a.name} {tuple(_tensor(a).shape)} is broadcast to the rows {tuple(shape)}, "
+                         "whose sizes no tensor of the region gives")
+        plans[a] = readers, sizes
+    for a, (readers, sizes) in plans.items():
+        emit = Emitter(graph, readers[0])
+        sized = [emit.method("size", *size) if isinstance(size, tuple) else size for size in sizes]
+        expanded = emit.method("expand", a, *sized)
+        for u in readers:
+            u.replace_input_with(a, expanded)
+        m.row_operands = {(expanded if o is a else o): None for o in m.row_operands}
+
+
+def _sizes(shape: Any, known: list[Node], m: _Matcher) -> list | None:
+    """``shape``'s sizes: each a number, or ``(tensor, dim)`` of a ``known`` tensor (not
+    a tail node) of that size; None where one is neither."""
+    out = []
+    for size in shape:
+        if isinstance(size, int):
+            out.append(size)
+            continue
+        found = next(((k, d) for k in known if (t := _tensor(k)) is not None and k not in m.broadcast
+                      for d, s in enumerate(t.shape) if same(s, size)), None)
+        if found is None:
+            return None
+        out.append(found)
+    return out
 
 
 def _row_count(node: Node, item: Node) -> bool:

@@ -48,8 +48,6 @@ def _rule(node: Node) -> tuple[Kind, list]:
             args = [args[0], args[1], None]
         elif name == "clamp_max":
             args = [args[0], None, args[1]]
-        if any(isinstance(a, Node) for a in args[1:]):
-            raise _NoRule(f"{name} by a tensor")
         return rule, args
     if rule not in (Kind.SAME, Kind.ROW_VIEW) and node.kwargs:
         raise _NoRule(f"{name} with keyword arguments")
@@ -99,6 +97,17 @@ class _Interpreter:
         """A bound on ``|a|`` (inf or NaN when unknown)."""
         _, lo, hi = self.value(a)
         return self.f.magnitude(lo, hi)
+
+    def _bound(self, b, none: float) -> tuple:
+        """(low, high) ends of a clamp's bound ``b``: a number, or a tensor that does not
+        depend on the region (its interval: a bound that does would take a gradient too);
+        ``none`` where there is no bound."""
+        if b is None:
+            return none, none
+        if self._inner(b):
+            raise _NoRule("clamp by a value of the region")
+        _, lo, hi = self.value(b)
+        return lo, hi
 
     def _inner(self, a) -> bool:
         """Is ``a`` a value of the region (only an interval holds it)?"""
@@ -155,10 +164,9 @@ class _Interpreter:
             if k % 2:
                 return va, f.power(la, k), f.power(ua, k)
             return va, 0.0, f.power(self.size(args[0]), k)
-        if rule is Kind.CLAMP:
-            lo = args[1] if args[1] is not None else -math.inf
-            hi = args[2] if args[2] is not None else math.inf
-            return False, f.low(f.high(la, lo), hi), f.low(f.high(ua, lo), hi)
+        if rule is Kind.CLAMP:  # (nondecreasing in x and in each bound: the ends' images)
+            lo, hi = (self._bound(b, -math.inf if i == 1 else math.inf) for i, b in enumerate(args[1:3], 1))
+            return False, f.low(f.high(la, lo[0]), hi[0]), f.low(f.high(ua, lo[1]), hi[1])
         vb, lb, ub = self.value(args[1])
         if rule is Kind.EXTREMUM:
             pick = f.low if op_name(n) in ("min", "minimum", "fmin") else f.high
