@@ -241,19 +241,21 @@ class _Matcher:
         return SCALAR
 
 
-def match_loss_tail(graph: Graph, stats: Node) -> LossTail:
-    """The loss tail of the fused lm_head call ``stats``, or :class:`NoTail`."""
+def match_loss_tail(graph: Graph, stats: Node, ignore: frozenset = frozenset()) -> LossTail:
+    """The loss tail of the fused lm_head call ``stats``, or :class:`NoTail` (``ignore``:
+    nodes that read the region but nothing reads, which the rewrite erases: a per-sequence
+    sum ``rewrite/group_sums.py`` rewrote)."""
     if not _is_stats(stats):
         raise NoTail(f"{stats.name} is not a fused lm_head call")
     if len(stats.args) != 10:
         raise NoTail("the graph returns the logits too")
-    return match_tail(graph, stats, range(3))
+    return match_tail(graph, stats, range(3), ignore)
 
 
-def match_tail(graph: Graph, stats: Node, results: range) -> LossTail:
+def match_tail(graph: Graph, stats: Node, results: range, ignore: frozenset = frozenset()) -> LossTail:
     """The loss tail of the fused call ``stats``, whose items ``results`` are one value
-    per row each, or :class:`NoTail`."""
-    return _match(graph, stats, results, reads=False)
+    per row each, or :class:`NoTail` (``ignore``: :func:`match_loss_tail`'s)."""
+    return _match(graph, stats, results, reads=False, ignore=ignore)
 
 
 def match_reads(graph: Graph, stats: Node) -> LossTail:
@@ -276,7 +278,8 @@ def match_region_reads(graph: Graph, call: Node, n_results: int, collectives: bo
     return _match(graph, call, range(n_results), reads=True, collectives=collectives)
 
 
-def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: bool = False) -> LossTail:
+def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: bool = False,
+           ignore: frozenset = frozenset()) -> LossTail:
     items: dict[Node, int] = {}
     for u in stats.users:
         i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
@@ -296,14 +299,14 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
     sizes = [u for item in items for u in item.users if _row_count(u, item)]
     while stack:
         for u in stack.pop().users:
-            if u.op != "output" and u not in found and u not in sizes:
+            if u.op != "output" and u not in found and u not in sizes and u not in ignore:
                 found.add(u)
                 stack.append(u)
     for node in sorted(found - set(items), key=order.__getitem__):
         m.kind[node] = m.classify(node)
-    _expand_broadcasts(graph, m, [*stats.all_input_nodes, *m.row_operands], order)
     leaving = sorted((n for n in found if any(u.op == "output" for u in n.users)), key=order.__getitem__)
     if reads and leaving:
+        _expand_broadcasts(graph, m, [*stats.all_input_nodes, *m.row_operands], order)
         nodes = sorted(found - set(items), key=order.__getitem__)
         of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
         return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], leaving[-1], list(m.row_operands),
@@ -314,6 +317,7 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
     loss = leaving[0]
     if not requires_grad(loss):
         raise NoTail(f"the loss {loss.name} needs no gradient")
+    _expand_broadcasts(graph, m, [*stats.all_input_nodes, *m.row_operands], order)  # (matched: the last step)
     nodes = sorted(found - set(items), key=order.__getitem__)
     of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
     return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], loss, list(m.row_operands), list(m.whole),

@@ -46,6 +46,7 @@ from ..match.masks import masks_among
 from ..match.row_mask import skip_rows_body
 from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log, say_once
+from .group_sums import Regrouped, match_regrouped
 from .tail_graphs import _bodies, _final, _joined, _kinds
 
 __all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS", "keep_logits"]
@@ -106,6 +107,13 @@ def _weight_sums_fit(plan: str, hidden, weight, stock_fp32: bool = False, row_lo
         raise NoTail(why)
 
 
+def _committed(regrouped: Optional[Regrouped]) -> None:
+    """The user's per-sequence sums erased where the tail took them (counted)."""
+    if regrouped is not None:
+        counters["chunked_logits"]["per_sequence_sums"] += len(regrouped.chains)
+        regrouped.commit()
+
+
 def _check(graph: Graph, tail: LossTail, head: list, saved: list) -> None:
     """The call may run at the loss: the lm_head's operands ``head`` (hidden, weight,
     bias) and ``saved``, the other tensors it saves for its backward, unchanged in place
@@ -142,16 +150,20 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config, stock_fp32: boo
     head, opts = head_of_node(stats), HeadOptions.from_node(stats)
     keeps = opts.plan == "auto" and keeps_logits(meta(head.hidden).device.type, stock_fp32) \
         and bound_args(stats).get("returned_like") is None
+    regrouped = None  # (sums per sequence written as sums over the rows: NOTE [per-sequence sums])
     try:
-        tail = match_loss_tail(graph, stats)
+        tail, regrouped = match_regrouped(graph, stats, lambda ignore: match_loss_tail(graph, stats, ignore))
         if keeps and not (config.skip_masked_rows and skip_rows_body(tail)):  # (rows left out: the loop)
             raise NoTail("the call keeps its logits (tiling.keeps_logits), the loss stays in the graph")
         plan = _plan(tail, stock_fp32)
         _check(graph, tail, [head.hidden, head.weight, head.bias], [])
         tail_key, final_key = _bodies(tail)  # (before the graph changes: it may still say no)
     except (NoTail, Decline) as why:
+        if regrouped is not None:
+            regrouped.undo()
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
         return None
+    _committed(regrouped)
     _recount(graph, tail, head.hidden)
     why: list[str] = []  # (a masked loss that runs every row: why, NOTE [why every row runs])
     mask_key = (skip_rows_body(tail, why) or "") if config.skip_masked_rows else ""
@@ -184,8 +196,10 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
     why: list[str] = []  # (a masked loss that runs every row: why, NOTE [why every row runs])
     body = user_bodies.function(key)
     n_out = len(next(iter(body.graph.find_nodes(op="output"))).args[0])
+    regrouped = None  # (NOTE [per-sequence sums])
     try:
-        tail = match_tail(graph, call, range(n_out))
+        tail, regrouped = match_regrouped(graph, call,
+                                          lambda ignore: match_tail(graph, call, range(n_out), ignore))
         if not same(meta(next(iter(tail.items))).numel(), math.prod(meta(hidden).shape[:-1])):
             raise NoTail("its results are not one value per row of the logits")
         _check(graph, tail, [hidden, weight, bias], inputs)  # (the call saves its inputs too)
@@ -202,8 +216,11 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
             else "two_sweeps"  # (the others: bf16 GEMMs all the same, as the call without the loss)
         _weight_sums_fit(plan, meta(hidden), meta(weight), row_local=True)
     except (NoTail, Decline) as why:
+        if regrouped is not None:
+            regrouped.undo()
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
         return None
+    _committed(regrouped)
     _recount(graph, tail, hidden)
     with graph.inserting_before(tail.loss):
         flat = [graph.call_method("reshape", (o, -1)) for o in tail.row_operands]
