@@ -146,3 +146,21 @@ def test_a_tail_declined_for_another_reason_keeps_the_users_graph():
     assert ops(after) == ops(plain) and ops(after).count(".mean") == 1, ops(after)
     c = _compare(returns_logps, _inputs(torch.bfloat16), BF16, "two_sweeps")
     assert "gradients_in_forward" not in c and "per_sequence_sums" not in c, c
+
+
+def topk_grpo(hidden, weight, tokens, old, adv, mask, up=F32):
+    """A row-local region (a top-k filter, the rows flattened) under TRL's ``"grpo"``
+    normalisation: its tail (``rewrite_row_loss_tail``) takes the sums per sequence too."""
+    z = (hidden.flatten(0, 1) @ weight.T).to(up) / 0.7
+    z = z.masked_fill(z < z.topk(50, -1).values[..., -1:], float("-inf"))
+    logps = torch.log_softmax(z, -1).gather(-1, tokens.reshape(-1, 1)).squeeze(-1).view(old.shape)
+    loss = _per_token(hidden, weight, tokens, old, adv, up, logps)
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def test_a_row_local_region_takes_them_too():
+    inputs = _inputs(torch.bfloat16)
+    inputs[2] = (inputs[0].float() @ inputs[1].float().T).argmax(-1)  # (tokens the filter keeps)
+    c = _compare(topk_grpo, inputs, BF16, "two_sweeps")
+    assert {k: c.get(k) for k in ("row_local", "gradients_in_forward", "per_sequence_sums")} == \
+        {"row_local": 1, "gradients_in_forward": 1, "per_sequence_sums": 1}, c
