@@ -134,7 +134,8 @@ def _chain(p: Node, region: set[Node]) -> Optional[tuple]:
     """``(p, x, dims, chain, final)``: ``p`` sums per group (:func:`_partial`), each node of
     ``chain`` is a scalar-part op of the previous one's group values (its other operand
     not of the region, no gradient, the group shape kept), and ``final`` sums or averages
-    the last over all groups; else None."""
+    the last over all groups; else None.  The other operands are numbers, 0-d tensors
+    or one value a group."""
     part = _partial(p, region)
     if part is None:
         return None
@@ -155,6 +156,9 @@ def _chain(p: Node, region: set[Node]) -> Optional[tuple]:
         if not same_shape(out.shape, shape) or u.kwargs or cur not in args[:2] or args[:2].count(cur) != 1 \
                 or any(a in region or requires_grad(a) for a in others):
             return None
+        if any(not (same_shape(meta(a).shape, shape) or meta(a).dim() == 0) for a in others
+               if isinstance(meta(a), torch.Tensor)):
+            return None  # (one value a group, or one for all: ``a`` and ``d`` of those shapes)
         if rule.kind is Kind.SAME and out.dtype != meta(cur).dtype:
             return None  # (a rounding between the sums: not one sum of the rows)
         if rule.kind is Kind.FACTOR and name == "div" and args[0] is not cur:
