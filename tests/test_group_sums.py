@@ -10,38 +10,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
-from fx_passes.testing.gemms import cpu_out_dtype_kernels
-from tests.helpers import chunked_counters, ops, rewrite_graphs
-from tests.numerics import F32, TOLERANCES, assert_no_less_accurate, reference, run
+from tests.grpo_losses import GRAD, compare, inputs, logps, padding_skipped, per_token_loss
+from tests.helpers import ops, rewrite_graphs
+from tests.numerics import F32, TOLERANCES
 
-B, S, H, V = 4, 24, 32, 512
 BF16, FP16 = TOLERANCES
-GRAD = (0, 1)
-
-
-def _logps(hidden, weight, tokens, up):
-    return torch.log_softmax((hidden @ weight.T).to(up), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _per_token(hidden, weight, tokens, old, adv, up, logps=None):
-    """TRL ``GRPOTrainer._compute_loss``'s per-token loss (token-level ratios, no KL)."""
-    logps = _logps(hidden, weight, tokens, up) if logps is None else logps
-    coef_1 = torch.exp(logps - old.to(up))
-    coef_2 = torch.clamp(coef_1, 0.8, 1.28)
-    return -torch.min(coef_1 * adv.to(up).unsqueeze(1), coef_2 * adv.to(up).unsqueeze(1))
 
 
 def trl_grpo(hidden, weight, tokens, old, adv, mask, up=F32):
-    loss = _per_token(hidden, weight, tokens, old, adv, up)
+    loss = per_token_loss(hidden, weight, tokens, old, adv, up)
     return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
 def verl_seq_mean_token_mean(hidden, weight, tokens, old, adv, mask, up=F32):
     """verl's ``agg_loss``: each sequence's token mean, averaged over the sequences that
     have a token (a masked mean with ``(seq_mask > 0)``)."""
-    loss = _per_token(hidden, weight, tokens, old, adv, up)
+    loss = per_token_loss(hidden, weight, tokens, old, adv, up)
     seq_mask = torch.sum(mask, dim=-1)
     seq_losses = torch.sum(loss * mask, dim=-1) / (seq_mask + 1e-8)
     seq_mask = (seq_mask > 0).to(up)
@@ -49,62 +34,26 @@ def verl_seq_mean_token_mean(hidden, weight, tokens, old, adv, mask, up=F32):
 
 
 def verl_seq_mean_token_sum(hidden, weight, tokens, old, adv, mask, up=F32):
-    loss = _per_token(hidden, weight, tokens, old, adv, up)
+    loss = per_token_loss(hidden, weight, tokens, old, adv, up)
     return torch.mean(torch.sum(loss * mask, dim=-1))
 
 
 def offset_and_token_mean(hidden, weight, tokens, old, adv, mask, up=F32):
     """A mean per sequence (``x.mean(-1)``), an offset per sequence and a constant: the
     chain's ``a`` and ``d`` both."""
-    per = (-_logps(hidden, weight, tokens, up) * mask).mean(-1)
+    per = (-logps(hidden, weight, tokens, up) * mask).mean(-1)
     return (2.0 - (per * 0.5 + adv.to(up)) + 1.0).sum()
 
 
 LOSSES = [trl_grpo, verl_seq_mean_token_mean, verl_seq_mean_token_sum, offset_and_token_mean]
 
 
-def _inputs(dtype, empty_sequence=False):
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(B, S, H, generator=g).to(dtype)
-    weight = (torch.randn(V, H, generator=g) * 2 / H**0.5).to(dtype)
-    tokens = torch.randint(0, V, (B, S), generator=g)
-    old = torch.randn(B, S, generator=g) * 0.1 - 6
-    adv = torch.randn(B, generator=g)
-    mask = torch.ones(B, S, dtype=torch.long)  # (TRL's completion_mask, verl's response_mask: integers)
-    for b in range(B):  # (completions of different lengths; the rest padding)
-        mask[b, S // 2 + 3 * b:] = 0
-    if empty_sequence:
-        mask[2] = 0
-    return [hidden, weight, tokens, old, adv, mask]
-
-
-def _compare(fn, inputs, dtype_tol, plan, dynamic=False):
-    ref = reference(fn, inputs, GRAD)
-    torch._dynamo.reset()
-    stock = run(torch.compile(fn, backend="inductor", dynamic=dynamic), inputs, GRAD)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
-                             options={"lm_head_plan": plan, "chunk_budget_mib": 0.03})
-    with cpu_out_dtype_kernels():
-        ours = run(compiled, inputs, GRAD)
-    assert_no_less_accurate(ours, stock, ref, inputs[0].dtype, *dtype_tol.values[1:])
-    return chunked_counters()
-
-
-def _skipped(c: dict, inputs) -> bool:
-    """Every padding row left out (the rows kept rounded up to a multiple of 8: chunks stay
-    aligned)."""
-    padding = int((inputs[-1] == 0).sum())
-    return c.get("masked_rows") == 1 and padding - 8 < c.get("rows_skipped", 0) <= padding
-
-
 @pytest.mark.parametrize("fn", LOSSES, ids=lambda f: f.__name__)
 def test_per_sequence_losses_taken_and_padding_skipped(fn):
-    inputs = _inputs(torch.bfloat16)
-    c = _compare(fn, inputs, BF16, "two_sweeps")
+    data = inputs(torch.bfloat16)
+    c = compare(fn, data, BF16, "two_sweeps")
     assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
-    assert _skipped(c, inputs), c
+    assert padding_skipped(c, data), c
 
 
 CASES = [(FP16, "two_sweeps", False, False), (BF16, "gpu", False, False), (BF16, "two_sweeps", True, False),
@@ -116,17 +65,17 @@ CASES = [(FP16, "two_sweeps", False, False), (BF16, "gpu", False, False), (BF16,
 def test_dtypes_plans_dynamic_shapes_and_an_empty_sequence(tol, plan, dynamic, empty):
     """fp16, the ``gpu`` plan, symbolic sizes (the group count read off ``mask.sum(-1)``),
     and a sequence with no token (verl's ``seq_mask > 0`` leaves it out; stock's value)."""
-    inputs = _inputs(tol.values[0], empty)
-    c = _compare(verl_seq_mean_token_mean if empty else trl_grpo, inputs, tol, plan, dynamic)
+    data = inputs(tol.values[0], empty_sequence=empty)
+    c = compare(verl_seq_mean_token_mean if empty else trl_grpo, data, tol, plan, dynamic)
     assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
-    assert _skipped(c, inputs), c
+    assert padding_skipped(c, data), c
 
 
 def test_the_graph_sums_over_the_rows():
     """``((x * m).sum(-1) / c).mean()`` becomes ``(x * m * (1 / c)[:, None]).sum() / B``
     before the tail is taken into the call: the user's per-sequence ops are gone."""
-    inputs = [x.requires_grad_(i in GRAD) for i, x in enumerate(_inputs(torch.bfloat16))]
-    before, after = rewrite_graphs(trl_grpo, *inputs, lm_head_plan="two_sweeps")
+    data = [x.requires_grad_(i in GRAD) for i, x in enumerate(inputs(torch.bfloat16))]
+    before, after = rewrite_graphs(trl_grpo, *data, lm_head_plan="two_sweeps")
     assert ops(before).endswith(".sum .sum .clamp truediv .mean"), ops(before)
     assert ops(after).endswith(".sum .clamp truediv .unsqueeze .expand lm_head_loss"), ops(after)
 
@@ -135,16 +84,16 @@ def test_a_tail_declined_for_another_reason_keeps_the_users_graph():
     """The log-probs also leave the graph: the tail is declined after the rewrite of its
     sums, which is undone (the graph's ops are the user's, stock's numerics)."""
     def returns_logps(hidden, weight, tokens, old, adv, mask, up=F32):
-        logps = _logps(hidden, weight, tokens, up)
-        loss = _per_token(hidden, weight, tokens, old, adv, up, logps)
-        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(), logps.detach()
+        lp = logps(hidden, weight, tokens, up)
+        loss = per_token_loss(hidden, weight, tokens, old, adv, up, lp)
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(), lp.detach()
 
-    inputs = _inputs(torch.bfloat16)
-    _, plain = rewrite_graphs(returns_logps, *[x.requires_grad_(i in GRAD) for i, x in enumerate(inputs)],
+    data = inputs(torch.bfloat16)
+    _, plain = rewrite_graphs(returns_logps, *[x.requires_grad_(i in GRAD) for i, x in enumerate(data)],
                               lm_head_plan="two_sweeps", gradients_in_forward=False)
-    _, after = rewrite_graphs(returns_logps, *inputs, lm_head_plan="two_sweeps")
+    _, after = rewrite_graphs(returns_logps, *data, lm_head_plan="two_sweeps")
     assert ops(after) == ops(plain) and ops(after).count(".mean") == 1, ops(after)
-    c = _compare(returns_logps, _inputs(torch.bfloat16), BF16, "two_sweeps")
+    c = compare(returns_logps, inputs(torch.bfloat16), BF16, "two_sweeps")
     assert "gradients_in_forward" not in c and "per_sequence_sums" not in c, c
 
 
@@ -153,14 +102,14 @@ def topk_grpo(hidden, weight, tokens, old, adv, mask, up=F32):
     normalisation: its tail (``rewrite_row_loss_tail``) takes the sums per sequence too."""
     z = (hidden.flatten(0, 1) @ weight.T).to(up) / 0.7
     z = z.masked_fill(z < z.topk(50, -1).values[..., -1:], float("-inf"))
-    logps = torch.log_softmax(z, -1).gather(-1, tokens.reshape(-1, 1)).squeeze(-1).view(old.shape)
-    loss = _per_token(hidden, weight, tokens, old, adv, up, logps)
+    lp = torch.log_softmax(z, -1).gather(-1, tokens.reshape(-1, 1)).squeeze(-1).view(old.shape)
+    loss = per_token_loss(hidden, weight, tokens, old, adv, up, lp)
     return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
 def test_a_row_local_region_takes_them_too():
-    inputs = _inputs(torch.bfloat16)
-    inputs[2] = (inputs[0].float() @ inputs[1].float().T).argmax(-1)  # (tokens the filter keeps)
-    c = _compare(topk_grpo, inputs, BF16, "two_sweeps")
+    data = inputs(torch.bfloat16)
+    data[2] = (data[0].float() @ data[1].float().T).argmax(-1)  # (tokens the filter keeps)
+    c = compare(topk_grpo, data, BF16, "two_sweeps")
     assert {k: c.get(k) for k in ("row_local", "gradients_in_forward", "per_sequence_sums")} == \
         {"row_local": 1, "gradients_in_forward": 1, "per_sequence_sums": 1}, c
