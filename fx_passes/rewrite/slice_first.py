@@ -16,7 +16,11 @@ the lm_head chunk by chunk.  The move is undone when the region is not rewritten
 # each row of its hidden states on its own: ``linear(h, w, b)[i]`` is ``linear(h[i], w, b)``,
 # each row the same dot products (a GEMM of fewer rows, which may block its sums
 # differently: no more error than stock's, as every GEMM the pass makes, and
-# ``tests/test_row_local_slices.py`` checks it against FP64).
+# ``tests/test_row_local_slices.py`` checks it against FP64).  The sliced hidden states are
+# made contiguous: ATen's ``linear`` of a strided ``[B, S, H]`` input (``h[:, :-1]``) runs
+# ``matmul`` then adds the bias, rounding the dot products to bf16 before the bias is added
+# (5 bf16 spacings off at a logit of 0.07 where the bias was 1.5, seen), where stock's
+# ``linear`` of the whole contiguous ``h`` runs one ``addmm`` that rounds once.
 #
 # The move is made when the one reader of the upcast is a row view that does not keep dim
 # 0 whole (``is_row_view``: basic indexing that keeps each row's V entries whole, here a
@@ -161,6 +165,9 @@ def slice_first(graph: Graph, up: Node) -> Optional[SliceFirst]:
         if through:
             h = head.hidden
             hidden = _node(graph, new, "call_function", operator.getitem, (h, index), {}, h)
+            # (contiguous: ``linear`` of a strided 3-D input adds its bias after rounding the
+            # matmul's output, a second rounding stock's ``addmm`` does not make)
+            hidden = _node(graph, new, "call_method", "contiguous", (hidden,), {}, h)
             args = tuple(hidden if a is h else a for a in logits.args)
             kwargs = {k: hidden if v is h else v for k, v in logits.kwargs.items()}
             rows = _node(graph, new, logits.op, logits.target, args, kwargs, logits)
