@@ -323,7 +323,9 @@ def _say_no_out_dtype(device_type: str) -> None:
 #   ``grad_weight``.  The logits are recomputed once in each sweep.
 # * ``"fp32_tiles"`` (other CPUs): one sweep over vocabulary blocks x row tiles on FP32
 #   copies of the model-precision operands (the same maths: exact products, FP32
-#   accumulation, one rounding), ``grad_hidden`` accumulated in FP32 for a bounded
+#   accumulation, one rounding; the logits of a biased lm_head from the model-precision
+#   operands, as the forward made them: NOTE [the logits the backward recomputes] in
+#   ``log_softmax/lm_head_sweeps.py``), ``grad_hidden`` accumulated in FP32 for a bounded
 #   group of rows at a time.  FP32 GEMM is the faster kernel there (a CPU without bf16
 #   units runs a bf16 GEMM through conversions).
 # * ``"gpu"`` (CUDA, XPU: where this torch has ``aten::mm.dtype`` for the device):

@@ -24,6 +24,19 @@ from .gpu_plan import out_dtype_blocks
 __all__ = ["lm_head_grads", "two_sweeps"]
 
 
+# NOTE [the logits the backward recomputes]
+# The backward forms each row's gradient from the logits it recomputes and the ``lse`` /
+# entropy the forward saved, so the two must see the same model-precision logits: at a
+# confident row ``sum_v p_v (l_v + H) = 0`` cancels, and logits one spacing apart between
+# the passes made an fp16 hidden-state gradient 8x stock's error (vocabulary 2, seen by the
+# property tests' long profile).  The plans recompute them with the op the forward ran
+# (``F.linear`` in model precision), or, ``"fp32_tiles"``, as an FP32 product rounded once:
+# the same values where the forward's GEMM rounds its FP32 sum once.  A bias is where
+# kernels differ: a CPU's fp16 / bf16 ``linear`` may round the product before adding the
+# bias (``round(round(h @ w) + b)``), so with a bias ``"fp32_tiles"`` recomputes the logits
+# from the model-precision operands as the forward did (its gradient GEMMs stay FP32).
+
+
 @dataclasses.dataclass
 class _Backward:
     """The backward's inputs, and its sweeps over the vocabulary."""
@@ -59,11 +72,14 @@ class _Backward:
                     t.zero_()
             return
         cols, rows = backward_tiles(self.budget_bytes, last - first, vocab, width, fp32)
+        # (with a bias, fp32_tiles recomputes the logits from the model-precision operands,
+        # as the forward made them: NOTE [the logits the backward recomputes])
+        fp32_logits = fp32 and bias is None
         for v0, v1 in even_splits(vocab, cols):
             w32 = weight[v0:v1].float()
             b_blk = bias[v0:v1] if bias is not None else None
             w_in = w32 if fp32 else weight[v0:v1]
-            b_in = b_blk.float() if fp32 and b_blk is not None else b_blk
+            w_logits = w32 if fp32_logits else weight[v0:v1]
             # grad_weight[block]: FP32 accumulation (inside one matmul, or across the row
             # tiles in this [cols, H] FP32 block), stored in model precision once
             gw = torch.zeros(v1 - v0, width, dtype=torch.float32, device=weight.device) \
@@ -73,7 +89,8 @@ class _Backward:
             for t0, t1 in even_splits(last - first, rows):
                 t0, t1 = t0 + first, t1 + first
                 h_in = hidden[t0:t1].float() if fp32 else hidden[t0:t1]
-                g = self.grad_of_tile(body, h_in, w_in, b_in, v0, v1, t0, t1)
+                h_logits = h_in if fp32_logits else hidden[t0:t1]
+                g = self.grad_of_tile(body, h_logits, w_logits, b_blk, v0, v1, t0, t1)
                 g32 = g.float()
                 if gw is not None:
                     gw.addmm_(g32.t(), h_in)
@@ -84,12 +101,12 @@ class _Backward:
                 a0, a1 = max(t0, r0), min(t1, r1)  # the tile's rows this sweep accumulates
                 if acc is not None and a0 < a1:
                     acc[a0 - r0:a1 - r0].addmm_(g32[a0 - t0:a1 - t0], w32)
-                del g, g32, h_in  # (before the next tile's gradient and its FP32 copy are made)
+                del g, g32, h_in, h_logits  # (before the next tile's gradient and its FP32 copy are made)
             if gw is not None:
                 grad_weight[v0:v1] = gw
             if gb is not None:
                 grad_bias[v0:v1] = gb
-            del w32, w_in, b_in, gw, gb  # (the block's FP32 copies and sums, before the next block's)
+            del w32, w_in, w_logits, gw, gb  # (the block's FP32 copies and sums, before the next block's)
 
     def tile(self, t0: int, t1: int, v0: int, v1: int) -> torch.Tensor:
         """``grad_of_tile`` of the model-precision operands (``two_sweeps``)."""
