@@ -60,6 +60,16 @@ CASES = [(FP16, "two_sweeps", False, False), (BF16, "gpu", False, False), (BF16,
          (BF16, "two_sweeps", False, True)]
 
 
+@pytest.mark.parametrize("fn", [verl_seq_mean_token_sum, offset_and_token_mean], ids=lambda f: f.__name__)
+def test_a_symbolic_count_of_sequences_read_off_the_hidden_states(fn):
+    """Under ``dynamic=True`` a mean over the sequences, or a constant added per sequence,
+    needs their count: where no operand of the chain has one value a sequence, it is read
+    off the hidden states' dims."""
+    data = inputs(torch.bfloat16)
+    c = compare(fn, data, BF16, "two_sweeps", dynamic=True)
+    assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
+
+
 @pytest.mark.parametrize("tol,plan,dynamic,empty", CASES,
                          ids=["fp16", "gpu_plan", "dynamic", "empty_sequence"])
 def test_dtypes_plans_dynamic_shapes_and_an_empty_sequence(tol, plan, dynamic, empty):

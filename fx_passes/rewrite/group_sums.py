@@ -26,9 +26,11 @@ the tail is declined after all.
 # Inductor then compiles is the user's own.  Numerics: stock rounds each group's FP32 sum,
 # then each quotient, then their mean; the loop forms one FP32 product ``x * a_b`` a row and
 # sums those in FP64 (``tests/test_group_sums.py``: no further from FP64 than stock).  A mean
-# per group (``x.mean(-1)``) is a sum times ``1 / S``; a chain whose sizes are symbolic where
-# a number is needed (``1 / S``, a constant ``d`` summed over ``B`` groups, a mean over them)
-# reads them off a tensor of the chain of that shape, or is left as it is.
+# per group (``x.mean(-1)``) is a sum over ``S``; where a size is symbolic and needed (``S``,
+# the ``B`` groups a constant ``d`` is summed over or a mean averages) it is read off an
+# operand of the chain with that many elements or a dim of the region's inputs (the hidden
+# states'), else the chain is left as it is.  An operand of the chain is a tensor of one
+# value a group or a 0-d one: a symbolic number there leaves the chain as it is.
 
 from __future__ import annotations
 
@@ -93,10 +95,11 @@ def regroup(graph: Graph, stats: Node) -> Optional[Regrouped]:
                 stack.append(u)
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = Regrouped(graph)
+    known = [n for n in stats.all_input_nodes if isinstance(meta(n), torch.Tensor)]
     for p in sorted(region, key=order.__getitem__):
         found = _chain(p, region)
         if found is not None and p not in done.dead:
-            _rewrite(done, *found)
+            _rewrite(done, *found, known)
     return done if done.swaps else None
 
 
@@ -156,15 +159,21 @@ def _chain(p: Node, region: set[Node]) -> Optional[tuple]:
         if not same_shape(out.shape, shape) or u.kwargs or cur not in args[:2] or args[:2].count(cur) != 1 \
                 or any(a in region or requires_grad(a) for a in others):
             return None
-        if any(not (same_shape(meta(a).shape, shape) or meta(a).dim() == 0) for a in others
-               if isinstance(meta(a), torch.Tensor)):
-            return None  # (one value a group, or one for all: ``a`` and ``d`` of those shapes)
+        if not all(_per_group(a, shape) for a in others):
+            return None
         if rule.kind is Kind.SAME and out.dtype != meta(cur).dtype:
             return None  # (a rounding between the sums: not one sum of the rows)
         if rule.kind is Kind.FACTOR and name == "div" and args[0] is not cur:
             return None
         chain.append(u)
         cur = u
+
+
+def _per_group(a: Node, shape: Any) -> bool:
+    """Is ``a`` one value a group or one for all (``a`` and ``d`` then of those shapes)?  A
+    symbolic number is neither (a node's example value needs a tensor)."""
+    t = meta(a)
+    return isinstance(t, torch.Tensor) and (t.dim() == 0 or same_shape(t.shape, shape))
 
 
 class _Coefficients:
@@ -203,48 +212,72 @@ class _Coefficients:
             self.a, self.d = self.op(operator.mul, -1.0, self.a), self.op(operator.sub, other, self.d)
 
 
-def _count(size: Any, like: list[Node]) -> Any:
-    """``size`` (a number of elements) as a number, or as a node counting the elements of a
-    tensor of ``like`` that has that many; None where there is none."""
-    if isinstance(size, int):
-        return size
+def _count(shape: Any, like: list[Node]) -> Optional[list]:
+    """The number of groups (the elements of ``shape``) as factors to multiply: numbers,
+    ``(t,)`` (the elements of a tensor ``t`` of ``like`` that has that many) or ``(t, d)``
+    (dim ``d`` of one of that size); None where a symbolic size is in none of them."""
+    total = math.prod(shape)
+    if isinstance(total, int):
+        return [total]
     for n in like:
         t = meta(n)
-        if isinstance(t, torch.Tensor) and same(t.numel(), size):
-            return (n,)
-    return None
+        if isinstance(t, torch.Tensor) and same(t.numel(), total):
+            return [(n,)]
+    factors = []
+    for size in shape:
+        found = size if isinstance(size, int) else next(
+            ((n, d) for n in like if isinstance(t := meta(n), torch.Tensor)
+             for d, s in enumerate(t.shape) if same(s, size)), None)
+        if found is None:
+            return None
+        factors.append(found)
+    return factors
 
 
-def _rewrite(done: Regrouped, p: Node, x: Node, dims: list[int], chain: list[Node], final: Node) -> None:
+def _rewrite(done: Regrouped, p: Node, x: Node, dims: list[int], chain: list[Node], final: Node,
+             known: list[Node]) -> None:
     """``final`` read as one sum over the rows (NOTE [per-sequence sums]), where the sizes
-    it needs are known (else the chain is left as it is)."""
+    it needs are known (``known``: tensors before the region that may give them; else the
+    chain is left as it is)."""
     groups = meta(p)
     operands = [a for n in chain for a in n.all_input_nodes if a not in (p, *chain)]
-    per_group = _count(groups.numel(), operands)
-    mean_size = math.prod(meta(x).shape[d] for d in dims) if op_name(p) == "mean" else 1
-    if per_group is None or not isinstance(mean_size, int):
+    count = _count(groups.shape, operands + known)
+    per_mean = _count([meta(x).shape[d] for d in dims], known) if op_name(p) == "mean" else []
+    if per_mean is None:
         return
     emit = Emitter(done.graph, final)
     c = _Coefficients(emit)
-    if mean_size != 1:
-        c.a = 1.0 / mean_size
     cur = p
     for node in chain:
         c.step(node, cur)
         cur = node
-    n_groups = per_group if isinstance(per_group, int) else emit.method("numel", *per_group)
+    whole_d = isinstance(c.d, Node) and same_shape(meta(c.d).shape, groups.shape)
+    if count is None and (op_name(final) == "mean" or not (whole_d or c.d == 0.0)):
+        for n in reversed(emit.added):  # (the coefficients made so far: the chain stays as it is)
+            done.graph.erase_node(n)
+        return
+
+    def by_each(t: Any, factors: list, fn) -> Any:
+        """``t`` (a tensor node or a number) times / over each factor in turn (a symbolic
+        size only ever with a tensor: a node's example value needs one)."""
+        for f in factors:
+            f = f if isinstance(f, int) else emit.method("numel" if len(f) == 1 else "size", *f)
+            if not isinstance(t, Node) and isinstance(f, Node):
+                t = emit.method("new_full", x, (), t)
+            t = c.op(fn, t, f)
+        return t
     scale = c.a
-    if isinstance(scale, Node):
+    if isinstance(scale, Node) and meta(scale).dim():
         for _ in dims:
             scale = emit.method("unsqueeze", scale, -1)
-    rows = c.op(operator.mul, x, scale)
+    rows = by_each(c.op(operator.mul, x, scale), per_mean, operator.truediv)  # (a mean per group)
     total = emit.method("sum", rows, **final.kwargs)
-    if isinstance(c.d, Node) and same_shape(meta(c.d).shape, groups.shape):
+    if whole_d:
         total = emit.function(operator.add, total, emit.method("sum", c.d))
     elif isinstance(c.d, Node) or c.d != 0.0:
-        total = emit.function(operator.add, total, c.op(operator.mul, c.d, n_groups))
+        total = emit.function(operator.add, total, by_each(c.d, count, operator.mul))
     if op_name(final) == "mean":
-        total = emit.function(operator.truediv, total, n_groups)
+        total = by_each(total, count, operator.truediv)
     keep_meta(total, final)  # (its value's metadata, and the user's line for the log)
     final.replace_all_uses_with(total)
     done.added += emit.added
