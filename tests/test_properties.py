@@ -396,6 +396,41 @@ def test_biased_lm_head_logits_recomputed_as_the_forward_made_them(plan, monkeyp
                                      lm_head="linear_bias", train=True, dynamic=True, seed=1337)))
 
 
+@pytest.mark.parametrize("mask", ["graph", "none"])  # row_local, row_local_sweeps
+def test_per_row_cross_entropy_in_a_row_local_region_full_compile(mask) -> None:
+    """Was a bug (the full matrix and the long profile found it): a row-local region with a per-row
+    ``F.cross_entropy`` under ``dynamic=True``; the custom op's fake kernel ran the body below
+    autograd, where torch's Python decomposition of ``aten.nll_loss`` reads
+    ``reduction='none'`` as a sum, and Inductor's size assertion on the 0-d fake result failed
+    the compile (NOTE [fake bodies decompose as ATen does])."""
+    check_full(Case(dtype="bf16", layout="BSV", rows=3, batch=2, vocab=33, shift="before", temp="none",
+                    index_head="ce", row_heads=("ent_exp", "ent_plogp"), reduction="sum", ignore_index=0,
+                    explicit_kwargs=True, keepdim=True, mask=mask, lm_head="matmul", chunk="two_rows",
+                    train=True, dynamic=True, twist="several_indices", seed=10276, row_local=True))
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
+def test_fake_body_results_shaped_as_the_real_ones(loss) -> None:
+    """The fake kernels' run of a body (below autograd, symbolic sizes) gives the real shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fx_passes.kernels.ops import user_bodies
+
+    def body(z, t):
+        z = z.float()
+        return (getattr(torch.nn.functional, loss)(z.log_softmax(-1) if loss == "nll_loss" else z, t,
+                                                   reduction="none", ignore_index=0),)
+
+    key = user_bodies.register(torch.fx.symbolic_trace(body))
+    z, t = torch.randn(5, 7).bfloat16(), torch.tensor([1, 0, 2, 6, 3])
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode, torch._C._AutoDispatchBelowADInplaceOrView():
+        (got,) = user_bodies.fake_function(key)(mode.from_tensor(z), mode.from_tensor(t))
+    assert got.dim() == 1 and got.dtype == torch.float32
+    assert body(z, t)[0].shape == (5,)
+
+
 def test_nll_loss_module_built_inside_the_function() -> None:
     """Was a bug: NLLLoss() puts torch._C._log_api_usage_once in the graph (ORDER)."""
     check_transformed(normalize(Case(layout="BSV", index_head="nll", loss_module=True, train=True)))

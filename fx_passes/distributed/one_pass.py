@@ -337,7 +337,7 @@ def _forward(name: str, hidden, weight, externals, budget_bytes: int,
 def _fake(name: str, hidden, weight, externals, budget_bytes: int, plan: str = "auto") -> list[torch.Tensor]:
     backward_plan(hidden.device, hidden.dtype, plan)  # (its one-time probe at compile time, not in a step)
     x = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    got = _run(ONE_PASS_PLANS[name], x, list(externals), user_bodies.function)
+    got = _run(ONE_PASS_PLANS[name], x, list(externals), user_bodies.fake_function)
     return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in got]
 
 

@@ -12,14 +12,42 @@ if compiling fails, counted as the caller's ``counter``).
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import torch
 from torch.fx import GraphModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .body_compiler import compile_body
 from .registry import GRAPH_BODIES
 
-__all__ = ["register", "function", "body", "backward_body", "vjp_function"]
+__all__ = ["register", "function", "fake_function", "body", "backward_body", "vjp_function"]
+
+# NOTE [fake bodies decompose as ATen does]
+# A custom op's fake kernel runs below autograd, so a CompositeImplicitAutograd op of the
+# body (``F.nll_loss``'s ``aten.nll_loss``, ``F.cross_entropy``'s) reaches the fake
+# mode whole, and with symbolic sizes the fake mode prefers torch's Python decomposition
+# table.  Its ``aten.nll_loss`` entry is ``F.nll_loss``'s reference, which reads ATen's
+# integer ``reduction`` as ``size_average``: ``reduction='none'`` (0) is taken for a sum,
+# a 0-d fake result where the kernel returns one value per row (torch 2.11-2.13), and
+# Inductor's size assertion fails the user's compile.  Above autograd, and in the body
+# that really runs, such ops decompose in C++; :func:`fake_function` makes them do so here too.
+
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+class _CompositesInCpp(TorchDispatchMode):
+    """CompositeImplicitAutograd ops decomposed by their ATen kernel, as above autograd."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "aten" and func.has_kernel_for_dispatch_key(_COMPOSITE):
+            with self:  # (the ops it decomposes into: also here first)
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
 
 
 def register(gm: GraphModule) -> str:
@@ -32,6 +60,17 @@ def register(gm: GraphModule) -> str:
 def function(key: str) -> GraphModule:
     """The stage's reductions, uncompiled (fake-tensor shapes, eager fallback)."""
     return GRAPH_BODIES[key]
+
+
+def fake_function(key: str) -> Callable[..., tuple]:
+    """Body ``key`` for the fake tensors of a custom op's fake kernel: its results shaped as
+    the real body makes them (see NOTE [fake bodies decompose as ATen does])."""
+    fn = GRAPH_BODIES[key]
+
+    def run(*args: torch.Tensor) -> tuple:
+        with _CompositesInCpp():
+            return tuple(fn(*args))
+    return run
 
 
 def body(key: str, counter: str = "shard_body_eager"):

@@ -39,7 +39,7 @@ COUNTER = "row_local_body_eager"
 
 def fake_results(key: str, rows, whole) -> list[torch.Tensor]:
     """Empty tensors shaped like body ``key``'s results (the custom ops' fake kernels)."""
-    results = user_bodies.function(key)(*rows, *whole)
+    results = user_bodies.fake_function(key)(*rows, *whole)
     return [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in results]
 
 
