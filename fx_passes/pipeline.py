@@ -2,7 +2,7 @@
 :data:`PASSES`, in order (each rewrite returns an ``Outcome``; ``reporting.outcome.counted``
 turns it into counters and the log line)::
 
-    canonical       out_of_place, merge_row_slices (same program, plainer spelling)
+    canonical       torch_names, out_of_place, merge_row_slices (same program, plainer spelling)
     vocab_parallel  find_shard_regions -> rewrite_shard_region (each region)
     regions         find_regions -> rewrite_region, else rewrite_row_region (each region);
                     rewrite_loss_tail on each lm_head call a rewrite fused
@@ -54,6 +54,7 @@ from .reporting.report import (
 from .reporting.session import session
 from .rewrite.in_place import out_of_place
 from .rewrite.loss_tail import fused_calls, keep_logits, rewrite_loss_tail
+from .rewrite.numpy_names import torch_names
 from .rewrite.row_local import rewrite_row_region
 from .rewrite.row_slices import merge_row_slices
 from .rewrite.skip_rows import skip_unread_rows
@@ -265,13 +266,15 @@ def _div_by_one(graph: Graph, config: Config, run: _Run) -> None:
 
 
 def _canonical(graph: Graph, config: Config, run: _Run) -> None:
-    """Spellings the matchers read as their plain forms: in-place maths on a fresh FP32
-    copy made out of place, loops over the rows merged (both the same program).  Kept only
-    where a region is then rewritten (``_canonical_kept``)."""
+    """Spellings the matchers read as their plain forms: NumPy's argument names on torch's
+    ops in torch's, in-place maths on a fresh FP32 copy made out of place, loops over the
+    rows merged (each the same program).  Kept only where a region is then rewritten
+    (``_canonical_kept``)."""
     if config.report_only or not config.rewrite:
         return
     snapshot = graph_snapshot(graph)
-    done = {"in_place_made_out_of_place": out_of_place(graph), "row_slices_merged": merge_row_slices(graph)}
+    done = {"numpy_names_renamed": torch_names(graph), "in_place_made_out_of_place": out_of_place(graph),
+            "row_slices_merged": merge_row_slices(graph)}
     if any(done.values()):
         run.canonical = (snapshot, done, counters[COUNTER]["rewritten"])
 
