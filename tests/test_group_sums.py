@@ -47,6 +47,22 @@ def offset_and_token_mean(hidden, weight, tokens, old, adv, mask, up=F32):
 
 LOSSES = [trl_grpo, verl_seq_mean_token_mean, verl_seq_mean_token_sum, offset_and_token_mean]
 
+SUBTRACTIONS = {"minus_number": lambda per, adv: per - 1.0, "minus_tensor": lambda per, adv: per - adv,
+                "torch_sub": lambda per, adv: torch.sub(per, adv),
+                "rsub": lambda per, adv: torch.rsub(per, 2.0), "number_minus": lambda per, adv: 2.0 - per,
+                "tensor_minus": lambda per, adv: adv - per}
+
+
+@pytest.mark.parametrize("spelling", SUBTRACTIONS)
+def test_each_subtraction_in_the_chain_keeps_its_sign(spelling):
+    """Was a bug: ``per_sequence - c`` was rewritten as ``+ c`` (a silently wrong loss)."""
+    def fn(hidden, weight, tokens, old, adv, mask, up=F32):
+        per = (-logps(hidden, weight, tokens, up) * mask).mean(-1)
+        return SUBTRACTIONS[spelling](per, adv.to(up)).sum()
+
+    c = compare(fn, inputs(torch.bfloat16), BF16, "two_sweeps")
+    assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
+
 
 @pytest.mark.parametrize("fn", LOSSES, ids=lambda f: f.__name__)
 def test_per_sequence_losses_taken_and_padding_skipped(fn):

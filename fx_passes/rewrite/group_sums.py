@@ -206,8 +206,10 @@ class _Coefficients:
             self.a, self.d = self.op(fn, self.a, other), self.op(fn, self.d, other)
         elif kind is Kind.NEGATE:
             self.a, self.d = self.op(operator.mul, -1.0, self.a), self.op(operator.mul, -1.0, self.d)
-        elif kind is Kind.SUM_OF_TERMS and (name == "add" or (args[0] is cur) == (name == "sub")):
-            self.d = self.op(operator.add, self.d, other)  # (cur + other; rsub(other, cur))
+        elif kind is Kind.SUM_OF_TERMS and name == "add":
+            self.d = self.op(operator.add, self.d, other)
+        elif kind is Kind.SUM_OF_TERMS and (args[0] is cur) == (name == "sub"):
+            self.d = self.op(operator.sub, self.d, other)  # (cur - other: sub(cur, other), rsub(other, cur))
         elif kind is Kind.SUM_OF_TERMS:  # other - cur
             self.a, self.d = self.op(operator.mul, -1.0, self.a), self.op(operator.sub, other, self.d)
 
