@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.grpo_losses import GRAD, compare, inputs, logps, padding_skipped, per_token_loss
-from tests.helpers import ops, rewrite_graphs
+from tests.helpers import chunked_counters, ops, rewrite_graphs
 from tests.numerics import F32, TOLERANCES
 
 BF16, FP16 = TOLERANCES
@@ -139,3 +139,103 @@ def test_a_row_local_region_takes_them_too():
     c = compare(topk_grpo, data, BF16, "two_sweeps")
     assert {k: c.get(k) for k in ("row_local", "gradients_in_forward", "per_sequence_sums")} == \
         {"row_local": 1, "gradients_in_forward": 1, "per_sequence_sums": 1}, c
+
+
+# ---- a loop over packed sequences (miles' sum_of_sample_mean): the groups are a split's items ----
+
+LENGTHS = [20, 28, 16, 32]  # (B * S rows, packed: one sequence after another)
+
+
+def packed(tol=BF16, empty=False):
+    """The inputs as packed ``[T]`` rows (advantages a token); each sequence's first rows
+    masked (its prompt, as miles' loss masks leave it out), one sequence all masked with
+    ``empty``."""
+    hidden, weight, tokens, old, _, _ = inputs(tol.values[0])
+    adv = torch.randn(old.numel(), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(old.numel(), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(LENGTHS):
+        mask[start:start + 4 + 2 * i] = 0
+        start += n
+    if empty:
+        mask[LENGTHS[0]:sum(LENGTHS[:2])] = 0
+    return [hidden.flatten(0, 1), weight, tokens.flatten(), old.flatten(), adv, mask]
+
+
+def packed_loss(hidden, weight, tokens, old, adv, up):
+    lp = torch.log_softmax((hidden @ weight.T).to(up), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ratio = (lp - old.to(up)).exp()
+    return torch.maximum(-adv.to(up) * ratio, -adv.to(up) * ratio.clamp(1 - 0.2, 1 + 0.28))
+
+
+def miles_sample_mean(hidden, weight, tokens, old, adv, mask, up=F32):
+    """miles' ``sum_of_sample_mean``: each sample's masked mean, summed over the samples."""
+    loss = packed_loss(hidden, weight, tokens, old, adv, up)
+    return sum([(x_i * m_i).sum() / torch.clamp_min(m_i.sum(), 1)
+                for x_i, m_i in zip(loss.split(LENGTHS, dim=0), mask.split(LENGTHS, dim=0))])
+
+
+def miles_per_token(hidden, weight, tokens, old, adv, mask, up=F32):
+    """Its ``calculate_per_token_loss`` branch: the samples' masked sums over all their tokens."""
+    loss = packed_loss(hidden, weight, tokens, old, adv, up)
+    masks = mask.split(LENGTHS)
+    total = sum((x_i * m_i).sum() for x_i, m_i in zip(loss.split(LENGTHS), masks))
+    return total / torch.clamp_min(mask.sum(), 1)
+
+
+def sample_means_scaled(hidden, weight, tokens, old, adv, mask, up=F32):
+    """Each sample's plain mean (no mask), scaled and offset, over the sample count."""
+    loss = packed_loss(hidden, weight, tokens, old, adv, up)
+    return (sum(0.5 * x_i.mean() - 1.0 for x_i in loss.split(LENGTHS)) + 2.0) / len(LENGTHS)
+
+
+def packed_padding_skipped(c: dict, data) -> bool:
+    masked = int((data[-1] == 0).sum())
+    return c.get("masked_rows") == 1 and masked - 8 * len(LENGTHS) < c.get("rows_skipped", 0) <= masked
+
+
+@pytest.mark.parametrize("fn", [miles_sample_mean, miles_per_token], ids=lambda f: f.__name__)
+def test_a_loop_over_packed_sequences_taken_and_masked_rows_skipped(fn):
+    data = packed()
+    c = compare(fn, data, BF16, "two_sweeps")
+    assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
+    assert packed_padding_skipped(c, data), c
+
+
+@pytest.mark.parametrize("tol,plan,empty", [(FP16, "two_sweeps", False), (BF16, "gpu", True)],
+                         ids=["fp16", "gpu_plan_empty_sample"])
+def test_packed_sequences_fp16_gpu_plan_and_an_empty_sample(tol, plan, empty):
+    c = compare(miles_sample_mean, packed(tol, empty), tol, plan)
+    assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
+
+
+def test_packed_sample_means_without_a_mask():
+    c = compare(sample_means_scaled, packed(), BF16, "two_sweeps")
+    assert c.get("gradients_in_forward") == 1 and c.get("per_sequence_sums") == 1, c
+
+
+def test_a_loop_over_packed_sequences_as_one_sum_in_the_graph():
+    """The items' ops are gone: ``(x * mask * cat(1 / clamp_min(m_i.sum(), 1))).sum()``
+    (the mask the items were split from, so that its zeros are the rows left out)."""
+    data = [x.requires_grad_(i in GRAD) for i, x in enumerate(packed())]
+    before, after = rewrite_graphs(miles_sample_mean, *data, lm_head_plan="two_sweeps")
+    assert ops(before).count(".split") == 2 and ops(before).endswith("add add add add"), ops(before)
+    assert ops(after).count(".split") == 1 and "cat" in ops(after) and ops(after).endswith("lm_head_loss"), \
+        ops(after)
+
+
+def test_symbolic_lengths_leave_the_loop_as_it_is():
+    """Lengths passed in under ``dynamic=True`` are symbolic (one graph serves every list):
+    the loop is left as it is, its value the user's."""
+    def fn(hidden, weight, tokens, old, adv, mask, lengths):
+        loss = packed_loss(hidden, weight, tokens, old, adv, F32)
+        return sum((x_i * m_i).sum() / torch.clamp_min(m_i.sum(), 1)
+                   for x_i, m_i in zip(loss.split(lengths), mask.split(lengths)))
+
+    data = packed()
+    compiled = torch.compile(fn, backend="chunked_logits", dynamic=True,
+                             options={"lm_head_plan": "two_sweeps", "chunk_budget_mib": 0.03})
+    for lengths in (LENGTHS, [32, 16, 40, 8]):
+        assert torch.allclose(compiled(*data, list(lengths)), fn(*data, list(lengths)), rtol=1e-5)
+    c = chunked_counters()
+    assert c.get("rewritten") == 1 and "per_sequence_sums" not in c, c

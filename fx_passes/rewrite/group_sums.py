@@ -1,4 +1,5 @@
 """Sums per sequence in a loss tail, made one sum over the rows (NOTE [per-sequence sums]).
+A loop over packed sequences (a ``split`` of the rows, Python's ``sum``) too.
 
 TRL's ``"grpo"`` loss and verl's ``"seq-mean-token-mean"`` normalise each sequence by its own
 token count before the mean over the sequences,
@@ -31,6 +32,16 @@ the tail is declined after all.
 # operand of the chain with that many elements or a dim of the region's inputs (the hidden
 # states'), else the chain is left as it is.  An operand of the chain is a tensor of one
 # value a group or a 0-d one: a symbolic number there leaves the chain as it is.
+#
+# The groups may also be the items of a ``split`` of the rows into static sizes: a loop
+# over packed sequences (miles' ``sum_of_sample_mean``, ``sum((x_i * m_i).sum() /
+# m_i.sum().clamp_min(1) for x_i, m_i in zip(x.split(lengths), masks))``).  Each item's
+# values times one operand not of the region (its mask), summed or averaged whole, then an
+# affine chain of 0-d values, and the items' values added one after another (Python's
+# ``sum``, numbers beside them): ``(x * m * cat(a_i)).sum() + sum(d_i)`` (:func:`_rewrite_split`),
+# ``m`` the mask the items' operands were split from (so that the rows it zeroes are the rows
+# a loss leaves out, NOTE [rows a loss leaves out]) or their ``cat``.  An empty item's mean
+# (NaN) leaves the loop as it is.
 
 from __future__ import annotations
 
@@ -97,9 +108,15 @@ def regroup(graph: Graph, stats: Node) -> Optional[Regrouped]:
     done = Regrouped(graph)
     known = [n for n in stats.all_input_nodes if isinstance(meta(n), torch.Tensor)]
     for p in sorted(region, key=order.__getitem__):
+        if p in done.dead:
+            continue
         found = _chain(p, region)
-        if found is not None and p not in done.dead:
+        if found is not None:
             _rewrite(done, *found, known)
+            continue
+        items = _split_items(p, region, order)
+        if items is not None:
+            _rewrite_split(done, p, *items, known)
     return done if done.swaps else None
 
 
@@ -285,6 +302,172 @@ def _rewrite(done: Regrouped, p: Node, x: Node, dims: list[int], chain: list[Nod
     done.added += emit.added
     done.swaps.append((final, total))
     done.chains.append([p, *chain, final])
+
+
+def _split_items(p: Node, region: set[Node], order: dict[Node, int]) -> Optional[tuple]:
+    """``(x, dim, sizes, items, fold)`` where ``p = x.split(sizes, dim)`` splits a floating
+    ``x`` of the region into groups of rows (NOTE [per-sequence sums], a loop over packed
+    sequences), each item ``(item, operand, reduce, chain)`` is the group's values, times
+    one ``operand`` not of the region (or None), summed (or averaged) whole, then a
+    scalar-part chain of values not of the region, and ``fold`` adds the items' last
+    values together, one after another (Python's ``sum``), with numbers; else None."""
+    if op_name(p) != "split" or p.op not in ("call_method", "call_function") or len(p.args) < 2:
+        return None
+    x, sizes, kwargs = p.args[0], p.args[1], dict(p.kwargs)
+    dim = p.args[2] if len(p.args) > 2 else kwargs.pop("dim", 0)
+    xt = meta(x)
+    if x not in region or kwargs or not isinstance(xt, torch.Tensor) or not xt.is_floating_point() \
+            or not isinstance(dim, int) or dim % max(xt.dim(), 1) != 0:
+        return None
+    if isinstance(sizes, int) and isinstance(xt.shape[0], int) and sizes > 0:
+        sizes = [min(sizes, xt.shape[0] - a) for a in range(0, xt.shape[0], sizes)]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(n, int) for n in sizes):
+        return None
+    getitems = {u.args[1]: u for u in p.users if u.target is operator.getitem and isinstance(u.args[1], int)}
+    if len(getitems) != len(p.users) or sorted(getitems) != list(range(len(sizes))):
+        return None
+    items, lasts = [], []
+    for i in range(len(sizes)):
+        item = _split_item(getitems[i], region)
+        if item is None or (op_name(item[2]) == "mean" and sizes[i] == 0):
+            return None  # (an empty item's mean is NaN)
+        items.append(item)
+        lasts.append(item[-1][-1] if item[-1] else item[2])
+    fold = _fold(lasts, order)
+    return None if fold is None else (x, dim, list(sizes), items, fold)
+
+
+def _split_item(g: Node, region: set[Node]) -> Optional[tuple]:
+    """``(g, operand, reduce, chain)`` of one item of a split (:func:`_split_items`)."""
+    shape, cur, operand = meta(g).shape, g, None
+    if len(cur.users) != 1:
+        return None
+    (u,) = cur.users
+    if op_name(u) == "mul" and not u.kwargs and len(u.args) == 2 and u.args.count(cur) == 1:
+        operand = next(a for a in u.args if a is not cur)
+        t = meta(operand)
+        if not isinstance(operand, Node) or operand in region or requires_grad(operand) \
+                or not isinstance(t, torch.Tensor) or not same_shape(t.shape, shape) \
+                or not same_shape(meta(u).shape, shape) or not meta(u).is_floating_point():
+            return None
+        cur = u
+        if len(cur.users) != 1:
+            return None
+        (u,) = cur.users
+    out = meta(u)
+    if op_name(u) not in ("sum", "mean") or u.args != (cur,) or u.kwargs \
+            or not isinstance(out, torch.Tensor) or out.dim() != 0 or out.dtype != meta(cur).dtype:
+        return None
+    reduce, chain, cur = u, [], u
+    while len(cur.users) == 1:
+        (u,) = cur.users
+        name, out = op_name(u), meta(u)
+        rule, _ = tail_rule(u, name)
+        others = [a for a in u.all_input_nodes if a is not cur]
+        if rule is None or rule.kind is Kind.REDUCE_ROWS or any(a in region for a in others):
+            break
+        args = _args(u)
+        if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point() or u.kwargs \
+                or cur not in args[:2] or args[:2].count(cur) != 1 or any(requires_grad(a) for a in others) \
+                or not all(_per_group(a, ()) for a in others):
+            return None
+        if (rule.kind is Kind.SAME and out.dtype != meta(cur).dtype) or \
+                (rule.kind is Kind.FACTOR and op_name(u) == "div" and args[0] is not cur):
+            return None
+        chain.append(u)
+        cur = u
+    return g, operand, reduce, chain
+
+
+def _fold(lasts: list[Node], order: dict[Node, int]) -> Optional[list[Node]]:
+    """The adds that sum ``lasts`` one after another (``((0 + a) + b) + c``: Python's
+    ``sum``, or written out), numbers beside them; the last add is the total.  None
+    where the values meet otherwise."""
+    left, fold, cur = set(lasts), [], min(lasts, key=order.__getitem__)
+    left.discard(cur)
+    while left:
+        if len(cur.users) != 1:
+            return None
+        (u,) = cur.users
+        if u.target not in (operator.add, torch.add) or u.kwargs or len(u.args) != 2 or cur not in u.args:
+            return None
+        (other,) = [a for a in u.args if a is not cur] or [cur]
+        if other in left:
+            left.discard(other)
+        elif isinstance(other, Node):
+            return None
+        fold.append(u)
+        cur = u
+    while len(cur.users) == 1 and (u := next(iter(cur.users))).target in (operator.add, torch.add) \
+            and not u.kwargs and len(u.args) == 2 and sum(a is cur for a in u.args) == 1 \
+            and all(not isinstance(a, Node) for a in u.args if a is not cur):
+        fold.append(u)  # (a number added after the last item)
+        cur = u
+    return fold if fold else None
+
+
+def _rewrite_split(done: Regrouped, p: Node, x: Node, dim: int, sizes: list[int], items: list[tuple],
+                   fold: list[Node], known: list[Node]) -> None:
+    """The fold's total read as one sum over the rows of ``x`` times a mask and a factor a
+    row: ``sum_i (a_i * sum(x_i * m_i) + d_i) = sum(x * m * cat(a_i)) + sum_i d_i`` (``m``
+    the split mask itself where every ``m_i`` is its item, as the row-skipping reads it;
+    a factor that is a number made with ``new_full`` of a tensor of ``known``)."""
+    operands = [operand for _, operand, _, _ in items]
+    if (any(o is None for o in operands) and not all(o is None for o in operands)) or not known:
+        return
+    total = fold[-1]
+    emit = Emitter(done.graph, total)
+    c_all, factors = _Coefficients(emit), []
+    xt = meta(x)
+    for (g, operand, reduce, chain), n in zip(items, sizes):
+        c = _Coefficients(emit)
+        if op_name(reduce) == "mean":
+            c.a = 1.0 / n if n else 0.0
+        cur = reduce
+        for node in chain:
+            c.step(node, cur)
+            cur = node
+        factors.append(c.a)
+        c_all.d = c_all.op(operator.add, c_all.d, c.d)
+    for u in fold:
+        for a in u.args:
+            if not isinstance(a, Node):
+                c_all.d = c_all.op(operator.add, c_all.d, a)
+    rows = c_all.op(operator.mul, x, _whole(emit, operands, p, dim, sizes))
+    if any(isinstance(a, Node) or a != 1.0 for a in factors):
+        def block(a: Any, n: int) -> Node:
+            shape = (n, *xt.shape[1:])
+            if isinstance(a, Node):
+                return emit.method("expand", a, shape)
+            return emit.method("new_full", known[0], shape, a, dtype=xt.dtype)
+        scale = [block(a, n) for a, n in zip(factors, sizes)]
+        scale = emit.function(torch.cat, scale, dim) if len(scale) > 1 else scale[0]
+        rows = c_all.op(operator.mul, rows, scale)
+    new = emit.method("sum", rows)
+    if isinstance(c_all.d, Node) or c_all.d != 0.0:
+        new = emit.function(operator.add, new, c_all.d)
+    keep_meta(new, total)
+    total.replace_all_uses_with(new)
+    done.added += emit.added
+    done.swaps.append((total, new))
+    nodes = {p, *fold}
+    for g, operand, reduce, chain in items:
+        nodes |= {g, reduce, *chain, *(u for u in g.users if u is not reduce)}
+    order = {n: i for i, n in enumerate(done.graph.nodes)}
+    done.chains.append(sorted(nodes, key=order.__getitem__))
+
+
+def _whole(emit: Emitter, operands: list, p: Node, dim: int, sizes: list[int]) -> Any:
+    """The items' operands as one tensor of the rows: the tensor a split of the same sizes
+    made them from, else their ``cat`` (1.0 where there are none)."""
+    if operands[0] is None:
+        return 1.0
+    q = operands[0].args[0] if operands[0].target is operator.getitem else None
+    if isinstance(q, Node) and op_name(q) == "split" and q.args[1:] == p.args[1:] and q.kwargs == p.kwargs \
+            and all(o.target is operator.getitem and o.args == (q, i) for i, o in enumerate(operands)) \
+            and len(q.users) == len(operands):
+        return q.args[0]
+    return emit.function(torch.cat, operands, dim)
 
 
 def match_regrouped(graph: Graph, call: Node, match) -> tuple[Any, Optional[Regrouped]]:
