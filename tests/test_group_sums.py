@@ -239,3 +239,15 @@ def test_symbolic_lengths_leave_the_loop_as_it_is():
         assert torch.allclose(compiled(*data, list(lengths)), fn(*data, list(lengths)), rtol=1e-5)
     c = chunked_counters()
     assert c.get("rewritten") == 1 and "per_sequence_sums" not in c, c
+
+
+def test_a_sample_value_read_elsewhere_leaves_the_loop_as_it_is():
+    """One sample's mean also returned (a logged metric): the loop stays the user's."""
+    def fn(hidden, weight, tokens, old, adv, mask, up=F32):
+        loss = packed_loss(hidden, weight, tokens, old, adv, up)
+        means = [(x_i * m_i).sum() / torch.clamp_min(m_i.sum(), 1)
+                 for x_i, m_i in zip(loss.split(LENGTHS), mask.split(LENGTHS))]
+        return sum(means), means[1].detach()
+
+    c = compare(fn, packed(), BF16, "two_sweeps")
+    assert "per_sequence_sums" not in c and "pass_failed" not in c, c

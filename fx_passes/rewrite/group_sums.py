@@ -392,7 +392,7 @@ def _fold(lasts: list[Node], order: dict[Node, int]) -> Optional[list[Node]]:
         if u.target not in (operator.add, torch.add) or u.kwargs or len(u.args) != 2 or cur not in u.args:
             return None
         (other,) = [a for a in u.args if a is not cur] or [cur]
-        if other in left:
+        if other in left and len(other.users) == 1:  # (an item's value read elsewhere too: kept)
             left.discard(other)
         elif isinstance(other, Node):
             return None
