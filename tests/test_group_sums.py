@@ -251,3 +251,34 @@ def test_a_sample_value_read_elsewhere_leaves_the_loop_as_it_is():
 
     c = compare(fn, packed(), BF16, "two_sweeps")
     assert "per_sequence_sums" not in c and "pass_failed" not in c, c
+
+
+# ---- the per-token path (the loss stays in the graph): its masked rows skipped too ----
+
+@pytest.mark.parametrize("fn,packed_rows", [(trl_grpo, False), (verl_seq_mean_token_mean, False),
+                                            (miles_sample_mean, True)],
+                         ids=["trl_grpo", "verl_seq_mean_token_mean", "miles_sample_mean"])
+def test_per_token_path_skips_the_masked_rows_of_per_sequence_losses(fn, packed_rows):
+    """``fp32_tiles`` (a loss left in the graph, the lm_head's per-token results read by
+    it): the sums per sequence written as sums over the rows let the reads' skip graph see
+    the mask, and the padding rows leave the loop (NOTE [per-token rows a mask leaves
+    out])."""
+    data = packed() if packed_rows else inputs(torch.bfloat16)
+    c = compare(fn, data, BF16, "fp32_tiles")
+    assert "gradients_in_forward" not in c and c.get("per_sequence_sums") == 1, c
+    assert (packed_padding_skipped if packed_rows else padding_skipped)(c, data), c
+
+
+def test_per_token_path_with_every_row_read_keeps_the_users_graph():
+    """The log-probs also leave the graph: every row is read, nothing is skipped, and the
+    sums per sequence are the user's again."""
+    def returns_logps(hidden, weight, tokens, old, adv, mask, up=F32):
+        lp = logps(hidden, weight, tokens, up)
+        loss = per_token_loss(hidden, weight, tokens, old, adv, up, lp)
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(), lp.detach()
+
+    data = [x.requires_grad_(i in GRAD) for i, x in enumerate(inputs(torch.bfloat16))]
+    _, after = rewrite_graphs(returns_logps, *data, lm_head_plan="fp32_tiles")
+    assert ops(after).count(".mean") == 1 and ".sum .sum .clamp truediv .mean" in ops(after), ops(after)
+    c = compare(returns_logps, inputs(torch.bfloat16), BF16, "fp32_tiles")
+    assert "per_sequence_sums" not in c and "masked_rows" not in c, c

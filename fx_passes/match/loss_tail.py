@@ -258,16 +258,17 @@ def match_tail(graph: Graph, stats: Node, results: range, ignore: frozenset = fr
     return _match(graph, stats, results, reads=False, ignore=ignore)
 
 
-def match_reads(graph: Graph, stats: Node) -> LossTail:
+def match_reads(graph: Graph, stats: Node, ignore: frozenset = frozenset()) -> LossTail:
     """What reads a fused lm_head call that keeps its per-token results (no loss in the
     call): the same kinds of node as a loss tail, but any number of values may leave the
     graph, per row or not, with or without a gradient (``leaving``; ``loss`` is the last
     of them).  Its skip graph (:mod:`fx_passes.match.row_mask`) decides, per row, whether
-    the results' values matter; :class:`NoTail` when another kind of node reads them."""
+    the results' values matter; :class:`NoTail` when another kind of node reads them
+    (``ignore``: :func:`match_loss_tail`'s)."""
     if not _is_stats(stats) or len(stats.args) != 10:
         raise NoTail("the call returns the logits too" if _is_stats(stats)
                      else f"{stats.name} is not a fused call")
-    return _match(graph, stats, range(3), reads=True)
+    return _match(graph, stats, range(3), reads=True, ignore=ignore)
 
 
 def match_region_reads(graph: Graph, call: Node, n_results: int, collectives: bool = False) -> LossTail:

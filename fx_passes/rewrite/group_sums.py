@@ -50,13 +50,14 @@ import operator
 from typing import Any, Optional
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
 from ..fx.emitter import Emitter
 from ..fx.graph_ops import keep_meta, meta, op_name, requires_grad, same, same_shape
 from ..fx.op_rules import Kind, tail_rule
 
-__all__ = ["Regrouped", "regroup"]
+__all__ = ["Regrouped", "regroup", "match_regrouped", "committed"]
 
 COUNTER = "chunked_logits"
 
@@ -488,3 +489,10 @@ def match_regrouped(graph: Graph, call: Node, match) -> tuple[Any, Optional[Regr
     except NoTail:
         done.undo()
         raise
+
+
+def committed(regrouped: Optional[Regrouped]) -> None:
+    """The user's per-sequence sums erased where the match took them (counted)."""
+    if regrouped is not None:
+        counters[COUNTER]["per_sequence_sums"] += len(regrouped.chains)
+        regrouped.commit()

@@ -46,7 +46,7 @@ from ..match.masks import masks_among
 from ..match.row_mask import skip_rows_body
 from ..reporting.outcome import LossInCall
 from ..reporting.report import Decline, log, say_once
-from .group_sums import Regrouped, match_regrouped
+from .group_sums import committed, match_regrouped
 from .tail_graphs import _bodies, _final, _joined, _kinds
 
 __all__ = ["rewrite_loss_tail", "rewrite_row_loss_tail", "fused_calls", "GEMMS", "keep_logits"]
@@ -107,13 +107,6 @@ def _weight_sums_fit(plan: str, hidden, weight, stock_fp32: bool = False, row_lo
         raise NoTail(why)
 
 
-def _committed(regrouped: Optional[Regrouped]) -> None:
-    """The user's per-sequence sums erased where the tail took them (counted)."""
-    if regrouped is not None:
-        counters["chunked_logits"]["per_sequence_sums"] += len(regrouped.chains)
-        regrouped.commit()
-
-
 def _check(graph: Graph, tail: LossTail, head: list, saved: list) -> None:
     """The call may run at the loss: the lm_head's operands ``head`` (hidden, weight,
     bias) and ``saved``, the other tensors it saves for its backward, unchanged in place
@@ -163,7 +156,7 @@ def rewrite_loss_tail(graph: Graph, stats: Node, config: Config, stock_fp32: boo
             regrouped.undo()
         log.debug("chunked_logits: %s: no gradients in the forward: %s", stats.name, why)
         return None
-    _committed(regrouped)
+    committed(regrouped)
     _recount(graph, tail, head.hidden)
     why: list[str] = []  # (a masked loss that runs every row: why, NOTE [why every row runs])
     mask_key = (skip_rows_body(tail, why) or "") if config.skip_masked_rows else ""
@@ -220,7 +213,7 @@ def rewrite_row_loss_tail(graph: Graph, call: Node, rows: tuple, whole: tuple,
             regrouped.undo()
         log.debug("chunked_logits: %s: no gradients in the forward: %s", call.name, why)
         return None
-    _committed(regrouped)
+    committed(regrouped)
     _recount(graph, tail, hidden)
     with graph.inserting_before(tail.loss):
         flat = [graph.call_method("reshape", (o, -1)) for o in tail.row_operands]

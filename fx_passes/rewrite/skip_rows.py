@@ -25,6 +25,7 @@ from ..match.loss_tail import NoTail, match_reads, match_region_reads
 from ..match.masks import masks_among
 from ..match.row_mask import skip_rows_of_reads
 from ..reporting.report import log
+from .group_sums import Regrouped, committed, match_regrouped
 
 __all__ = ["skip_unread_rows", "skip_unread_region_rows"]
 
@@ -38,11 +39,21 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[li
     if not config.skip_masked_rows:
         return False
 
+    regrouped: list[Regrouped] = []  # (sums per sequence as sums over the rows: NOTE [per-sequence sums])
+
     def find(said: list[str]) -> Optional[tuple[str, list[Node]]]:
         if len(stats.args) > 10:  # (``returned_like``: the graph returns the logits, every row)
             raise NoTail("the graph returns its logits")
-        return skip_rows_of_reads(match_reads(graph, stats), said)
-    return _masked_call(graph, stats, find, lm_head_row_stats_masked, why)
+        tail, done = match_regrouped(graph, stats, lambda ignore: match_reads(graph, stats, ignore))
+        regrouped.extend([done] if done is not None else [])
+        return skip_rows_of_reads(tail, said)
+    masked = _masked_call(graph, stats, find, lm_head_row_stats_masked, why)
+    for done in regrouped:
+        if masked:
+            committed(done)
+        else:
+            done.undo()
+    return masked
 
 
 def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config,
