@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 import torch.fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fx_passes.rewrite import numpy_names
 from tests.grpo_losses import compare, inputs, logps, padding_skipped
@@ -92,6 +93,7 @@ def _names(x, mask):
 def test_calls_renamed_as_torch_parses_them():
     gm = torch.fx.symbolic_trace(_names)
     x, mask = torch.randn(3, 5), (torch.rand(3, 5) > 0.3).float()
+    FakeTensorProp(gm).propagate(x, mask)  # (the example values Dynamo's graphs carry)
     want = gm(x, mask)
     assert numpy_names.torch_names(gm.graph) == 6
     gm.recompile()
@@ -116,10 +118,13 @@ def test_python_functions_and_both_spellings_not_renamed():
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(3, 4)
     graph.output((graph.call_function(user_fn, (x,), {"axis": 1}),
                   graph.call_method("sum", (x,), {"axis": 0, "dim": 0})))
     assert numpy_names.torch_names(graph) == 0
-    assert numpy_names.torch_names(torch.fx.symbolic_trace(f).graph) == 0
+    gm = torch.fx.symbolic_trace(f)
+    FakeTensorProp(gm).propagate(torch.randn(3, 4))
+    assert numpy_names.torch_names(gm.graph) == 0
 
 
 def test_a_graph_with_no_region_keeps_its_names(caplog):

@@ -23,6 +23,8 @@ import types
 import torch
 from torch.fx import Graph, Node
 
+from ..fx.graph_ops import meta
+
 __all__ = ["torch_names"]
 
 _ALIASES = {"axis": "dim", "keepdims": "keepdim"}
@@ -33,7 +35,8 @@ def _parsed_by_torch(node: Node) -> bool:
     """Does torch's C++ argument parser read ``node``'s arguments?"""
     if node.op == "call_method":
         method = getattr(torch.Tensor, str(node.target), None)
-        return isinstance(method, (types.MethodDescriptorType, types.BuiltinFunctionType))
+        return isinstance(method, (types.MethodDescriptorType, types.BuiltinFunctionType)) \
+            and bool(node.args) and isinstance(meta(node.args[0]), torch.Tensor)
     return (node.op == "call_function" and isinstance(node.target, types.BuiltinFunctionType)
             and getattr(torch, getattr(node.target, "__name__", ""), None) is node.target)
 
