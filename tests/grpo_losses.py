@@ -45,17 +45,17 @@ def inputs(dtype, padding=None, empty_sequence=False):
     return [hidden, weight, tokens, old, adv, mask]
 
 
-def compare(fn, data, tol, plan, dynamic=False, grad=GRAD) -> dict:
+def compare(fn, data, tol, plan, dynamic=False, grad=GRAD, **options) -> dict:
     """``fn`` compiled by stock Inductor and by chunked_logits (``plan``; a small budget:
-    several chunks), ours no further from FP64 than stock's (``tol``: a TOLERANCES
-    param); ours's counters."""
+    several chunks; ``options``: more of the backend's), ours no further from FP64 than
+    stock's (``tol``: a TOLERANCES param); ours's counters."""
     ref = reference(fn, data, grad)
     torch._dynamo.reset()
     stock = run(torch.compile(fn, backend="inductor", dynamic=dynamic), data, grad)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(fn, backend="chunked_logits", dynamic=dynamic,
-                             options={"lm_head_plan": plan, "chunk_budget_mib": 0.03})
+                             options={"lm_head_plan": plan, "chunk_budget_mib": 0.03, **options})
     with cpu_out_dtype_kernels():
         ours = run(compiled, data, grad)
     assert_no_less_accurate(ours, stock, ref, data[0].dtype, *tol.values[1:])

@@ -269,6 +269,25 @@ def test_per_token_path_skips_the_masked_rows_of_per_sequence_losses(fn, packed_
     assert (packed_padding_skipped if packed_rows else padding_skipped)(c, data), c
 
 
+def per_row_temperature_grpo(hidden, weight, tokens, old, adv, mask, up=F32):
+    """A row-local region (a temperature a row) under TRL's ``"grpo"`` normalisation."""
+    z = (hidden.flatten(0, 1) @ weight.T).to(up) / (1.0 + 0.1 * old.reshape(-1, 1).abs())
+    lp = torch.log_softmax(z, -1).gather(-1, tokens.reshape(-1, 1)).squeeze(-1).view(old.shape)
+    loss = per_token_loss(hidden, weight, tokens, old, adv, up, lp)
+    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+@pytest.mark.parametrize("in_forward", [True, False], ids=["row_local_loss", "row_local_sweeps"])
+def test_a_row_local_region_skips_the_masked_rows_either_way(in_forward):
+    """The row-local loss (gradients in the forward) and, the loss left in the graph, the
+    sweeps' reads: both see the mask through the sums over the rows."""
+    data = inputs(torch.bfloat16)
+    c = compare(per_row_temperature_grpo, data, BF16, "two_sweeps", gradients_in_forward=in_forward,
+                leave_to_stock=False)
+    assert c.get("row_local") == 1 and c.get("per_sequence_sums") == 1, c
+    assert ("gradients_in_forward" in c) == in_forward and padding_skipped(c, data), c
+
+
 def test_per_token_path_with_every_row_read_keeps_the_users_graph():
     """The log-probs also leave the graph: every row is read, nothing is skipped, and the
     sums per sequence are the user's again."""

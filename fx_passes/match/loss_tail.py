@@ -271,12 +271,13 @@ def match_reads(graph: Graph, stats: Node, ignore: frozenset = frozenset()) -> L
     return _match(graph, stats, range(3), reads=True, ignore=ignore)
 
 
-def match_region_reads(graph: Graph, call: Node, n_results: int, collectives: bool = False) -> LossTail:
+def match_region_reads(graph: Graph, call: Node, n_results: int, collectives: bool = False,
+                       ignore: frozenset = frozenset()) -> LossTail:
     """:func:`match_reads` of a row-local call (``row_local_sweeps``) whose ``n_results``
     per-row results the graph keeps; :class:`NoTail` when another kind of node reads them.
     ``collectives``: a functional ``all_reduce`` / ``wait_tensor`` of per-row values is a
     row node (a vocab-parallel call's readers)."""
-    return _match(graph, call, range(n_results), reads=True, collectives=collectives)
+    return _match(graph, call, range(n_results), reads=True, collectives=collectives, ignore=ignore)
 
 
 def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: bool = False,

@@ -47,13 +47,7 @@ def skip_unread_rows(graph: Graph, stats: Node, config: Config, why: Optional[li
         tail, done = match_regrouped(graph, stats, lambda ignore: match_reads(graph, stats, ignore))
         regrouped.extend([done] if done is not None else [])
         return skip_rows_of_reads(tail, said)
-    masked = _masked_call(graph, stats, find, lm_head_row_stats_masked, why)
-    for done in regrouped:
-        if masked:
-            committed(done)
-        else:
-            done.undo()
-    return masked
+    return _kept(regrouped, _masked_call(graph, stats, find, lm_head_row_stats_masked, why))
 
 
 def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple, config: Config,
@@ -77,13 +71,28 @@ def skip_unread_region_rows(graph: Graph, call: Node, rows: tuple, whole: tuple,
             why.append(reason)
         return False
 
+    regrouped: list[Regrouped] = []  # (as skip_unread_rows)
+
     def find(said: list[str]) -> Optional[tuple[str, list[Node]]]:
         n_out = len(next(iter(user_bodies.function(key).graph.find_nodes(op="output"))).args[0])
-        tail = match_region_reads(graph, call, n_out)
+        tail, done = match_regrouped(graph, call, lambda ignore: match_region_reads(graph, call, n_out,
+                                                                                    ignore=ignore))
+        regrouped.extend([done] if done is not None else [])
         nodes = [*inputs[:index], None, *inputs[index:n - 1]]
         masks = {i for i, o in enumerate(nodes) if o is not None and o in masks_among(tail, [o])}
         return skip_rows_of_region_reads(key, index, rows, whole, tail, masks, said)
-    return _masked_call(graph, call, find, row_local_sweeps_masked, why, masked)
+    return _kept(regrouped, _masked_call(graph, call, find, row_local_sweeps_masked, why, masked))
+
+
+def _kept(regrouped: list[Regrouped], masked: bool) -> bool:
+    """The sums per sequence written as sums over the rows kept where rows are skipped
+    (counted), else the user's again; returns ``masked``."""
+    for done in regrouped:
+        if masked:
+            committed(done)
+        else:
+            done.undo()
+    return masked
 
 
 def _masked_call(graph: Graph, call: Node, find, target, why: Optional[list[str]],
