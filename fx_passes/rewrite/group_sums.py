@@ -330,7 +330,9 @@ def _split_items(p: Node, region: set[Node], order: dict[Node, int]) -> Optional
     items, lasts = [], []
     for i in range(len(sizes)):
         item = _split_item(getitems[i], region)
-        if item is None or (op_name(item[2]) == "mean" and sizes[i] == 0):
+        if item is None or (op_name(item[2]) == "mean" and not isinstance(_numel(item[0]), int)):
+            return None
+        if op_name(item[2]) == "mean" and _numel(item[0]) == 0:
             return None  # (an empty item's mean is NaN)
         items.append(item)
         lasts.append(item[-1][-1] if item[-1] else item[2])
@@ -380,6 +382,11 @@ def _split_item(g: Node, region: set[Node]) -> Optional[tuple]:
     return g, operand, reduce, chain
 
 
+def _numel(item: Node) -> Any:
+    """The number of elements of a split's item (symbolic where a size is)."""
+    return math.prod(meta(item).shape)
+
+
 def _fold(lasts: list[Node], order: dict[Node, int]) -> Optional[list[Node]]:
     """The adds that sum ``lasts`` one after another (``((0 + a) + b) + c``: Python's
     ``sum``, or written out), numbers beside them; the last add is the total.  None
@@ -423,7 +430,7 @@ def _rewrite_split(done: Regrouped, p: Node, x: Node, dim: int, sizes: list[int]
     for (g, operand, reduce, chain), n in zip(items, sizes):
         c = _Coefficients(emit)
         if op_name(reduce) == "mean":
-            c.a = 1.0 / n if n else 0.0
+            c.a = 1.0 / _numel(g)  # (over every element of the item, its trailing dims too)
         cur = reduce
         for node in chain:
             c.step(node, cur)
