@@ -61,8 +61,22 @@ def verl_agg_loss(mode: str):
     return fn
 
 
+def verl_actor_loss(hidden, weight, tokens, old, adv, mask, up=F32):
+    """verl's actor loss: the policy loss, an entropy bonus and the ``low_var_kl`` penalty,
+    each a ``"token-mean"`` (``masked_mean``), on temperature-scaled FP32 logits."""
+    logits = (hidden @ weight.T).to(up) / 0.7
+    lp = torch.gather(torch.log_softmax(logits, dim=-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - torch.sum(torch.softmax(logits, dim=-1) * logits, dim=-1)
+    ratio = torch.exp(torch.clamp(lp - old.to(up), min=-20.0, max=20.0))
+    adv = adv.to(up).unsqueeze(1)
+    pg = verl_masked_mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)), mask)
+    kl = torch.clamp(old.to(up) + 0.05 - lp, min=-20, max=20)
+    kl = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    return pg - 0.001 * verl_masked_mean(entropy, mask) + 0.001 * verl_masked_mean(kl, mask)
+
+
 LOSSES = [*(openrlhf_policy_loss(token, kl) for kl in (False, True) for token in (True, False)),
-          verl_agg_loss("token-mean"), verl_agg_loss("seq-mean-token-mean")]
+          verl_agg_loss("token-mean"), verl_agg_loss("seq-mean-token-mean"), verl_actor_loss]
 
 
 @pytest.mark.parametrize("fn", LOSSES, ids=lambda f: f.__name__)
