@@ -404,9 +404,17 @@ def program_source(case: Case, reference: bool = False) -> str:
     emit({"none": "h = x", "matmul": "h = hidden @ lm_w.T", "linear": "h = F.linear(hidden, lm_w)",
           "linear_bias": "h = F.linear(hidden, lm_w, lm_b)"}[c.lm_head])
     if reference and c.lm_head != "none":
-        # The program's logits are the model-precision matmul output: round the exact ones
-        # the same way, so that the reference differs from the program only downstream.
-        emit(f"h = h.to({DTYPES[c.dtype]}).double()")
+        # The program's logits are the model-precision matmul output: take its very values
+        # (the same op on the same model-precision inputs, which the FP64 ones hold
+        # exactly), so that the reference differs from the program only downstream.  (Not
+        # the exact product rounded once: a 16-bit GEMM on a CPU misrounds a logit now and
+        # then, stock and the pass read that one alike, and stock's own rounding of a
+        # temperature applied after it may land back on the exact value where the pass's
+        # FP32 division cannot.)
+        d = DTYPES[c.dtype]
+        emit("h = h + (({}).double() - h).detach()".format({
+            "matmul": f"hidden.to({d}) @ lm_w.to({d}).T", "linear": f"F.linear(hidden.to({d}), lm_w.to({d}))",
+            "linear_bias": f"F.linear(hidden.to({d}), lm_w.to({d}), lm_b.to({d}))"}[c.lm_head]))
         emit("h = keep_grad(h)  # (the exact gradient of the logits: term_scales)")
     if c.mask == "graph":
         emit("h = h.masked_fill(mask, float('-inf'))")

@@ -431,6 +431,19 @@ def test_fake_body_results_shaped_as_the_real_ones(loss) -> None:
     assert body(z, t)[0].shape == (5,)
 
 
+def test_reference_reads_the_logits_the_16_bit_gemm_made() -> None:
+    """Was a harness bug (``HYPOTHESIS_PROFILE=long`` found it): the reference rounded the
+    exact lm_head product to fp16 where this CPU's fp16 GEMM misrounds one logit of the 160;
+    stock and the pass read that logit alike, stock's rounding of ``t * h`` landed back on
+    the exact value, the pass's (moved, FP32) scaling could not: an entropy 7.8e-5 off where
+    stock was 1.3e-6, its max error 18x under stock's.  The reference now reads the GEMM's
+    own values."""
+    check_transformed(normalize(Case(dtype="fp16", layout="BSV", vocab=16, temp="tensor0d",
+                                     temp_where="before", temp_op="rmul", index_head=None,
+                                     row_heads=("ent_plogp",), reduction="none", lm_head="matmul",
+                                     dynamic=True, seed=5)))
+
+
 def test_nll_loss_module_built_inside_the_function() -> None:
     """Was a bug: NLLLoss() puts torch._C._log_api_usage_once in the graph (ORDER)."""
     check_transformed(normalize(Case(layout="BSV", index_head="nll", loss_module=True, train=True)))
