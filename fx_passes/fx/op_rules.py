@@ -63,6 +63,7 @@ class Kind(enum.Enum):
     POWER = "``x ** k`` for a whole number 1 <= k <= 8 (``pow``, ``square``): 0 where x is 0"
     CLAMP = "its operand clamped to number bounds: a derivative of 0 or 1"
     EXTREMUM = "the smaller / larger of two tensors per element: a derivative of 0, 1/2 or 1 each"
+    COMPARE = "a comparison of two operands per element: 0 or 1 (False / True), no gradient"
 
 
 ANY = object()  # (a keyword argument any value of which keeps the rule)
@@ -121,6 +122,8 @@ ZERO_ROWS: dict[str, Kind] = {
     **dict.fromkeys(("pow", "square"), Kind.POWER),
     **dict.fromkeys(("clamp", "clip", "clamp_min", "clamp_max"), Kind.CLAMP),
     **dict.fromkeys(("min", "max", "minimum", "maximum"), Kind.EXTREMUM),
+    **dict.fromkeys(("gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal",
+                     "not_equal"), Kind.COMPARE),
 }
 
 aten = torch.ops.aten

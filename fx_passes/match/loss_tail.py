@@ -66,6 +66,28 @@ known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else
 # per-row operand), else the tail is declined with the old reason.  Only the match's own
 # operands change: an operand that needs a gradient is still declined.
 
+# NOTE [values of several rows read back by a row]
+# What reads per-token results that stay in the graph (``match_reads``; ``match_region_reads``
+# without collectives) is not a loss to derive: the graph keeps its ops, and the skip graph
+# (``match/row_mask.py``) only asks, per row, whether leaving the row out changes a value
+# the graph reads.  So these readers may also sum rows over some dims (``(x * m).sum(-1)``,
+# a mean per sequence) and compute anything pure from sums (GSPO's ``exp`` of a sequence's
+# mean log-ratio, a sequence's normalisation, verl's clip fraction and approximate KL).
+# The skip graph asks of a sum over some dims what it asks of a sum over all rows: the row
+# adds exactly 0 and gets an exactly-zero cotangent (its incoming gradient taken as a
+# finite number: NOTE [per-token rows a mask leaves out]).  Where every sum holds that,
+# every value computed from sums is stock's, so it needs no fact; a row that reads one back
+# (``ratio * adv`` broadcast to the tokens) knows it by no bound (``[-inf, inf]``, maybe NaN:
+# never a zero, a condition or a divisor's distance from 0; ``tail_facts._Interpreter.derived``),
+# and must give it exactly 0 of gradient back: its own cotangent exactly 0 and its
+# derivative in that value finite (``0 * inf`` there would turn the value's gradient NaN on
+# every row of its sequence in stock's program alone; ``_Interpreter._passes_back_zero``).
+# A comparison (``torch.gt(pg2, pg1)``) is 0 or 1 and passes no gradient (``Kind.COMPARE``).
+# Not taken: a row value bounded by a clamp of such a value (verl's GSPO clamps
+# ``lp - lp.detach() + seq`` at 10): the bound does not hold for a NaN, and every row runs.
+# A loss to derive (``match_loss_tail``) keeps its affine scalar part; a vocab-parallel
+# call's readers (collectives) keep the rules as they were.
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,7 +109,7 @@ from ..fx.graph_ops import (
     same,
     same_shape,
 )
-from ..fx.op_rules import Kind, tail_row_rule, tail_rule
+from ..fx.op_rules import FLOATS, Kind, tail_row_rule, tail_rule
 from ..kernels.log_softmax.lm_head import lm_head_row_stats
 from .short_floats import VIEWS, computed_short, rounds_to_16_bits
 
@@ -144,6 +166,7 @@ class _Matcher:
         self.whole: dict[Node, None] = {}
         self.collectives = False  # an all_reduce / wait_tensor of per-row values is a row node
         self.derive = False  # a loss tail to derive: no 16-bit rounding (NOTE [16-bit roundings in a tail])
+        self.loose = False  # reads (no collective): NOTE [values of several rows read back by a row]
 
     def operand(self, node: Node, a: Node, per_row_shape: Any) -> None:
         """``a`` (not in the tail) read by ``node``: a per-row tensor of ``per_row_shape``
@@ -180,17 +203,21 @@ class _Matcher:
             raise NoTail(f"{node.name} ({name}) does not make one tensor")
         inner = [a for a in node.all_input_nodes if a in self.kind]
         kinds = {self.kind[a] for a in inner}
-        if kinds == {ROW}:
+        if kinds == {ROW} or (self.loose and ROW in kinds):
             return self._row_side(node, name, out, inner)
         if ROW in kinds:
             raise NoTail(f"{node.name} ({name}) mixes per-row values with a sum over the rows")
+        if self.loose:
+            return self._derived(node)
         return self._scalar_side(node, name, out, inner)
 
     def _row_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
         src = _tensor(inner[0])
-        if name in ("sum", "mean") and out.dim() == 0:
-            rule, why = tail_rule(node, name)  # (fx/op_rules.py: the one table of what ops mean)
-            if rule is None:
+        if name in ("sum", "mean") and (out.dim() == 0 or self.loose):
+            why = tail_rule(node, name)[1]  # (fx/op_rules.py: the one table of what ops mean)
+            if why and self.loose:  # (a sum over some dims: NOTE [values of several rows read back by a row])
+                why = _partial_sum_why(node)
+            if why:
                 raise NoTail(f"{node.name}: {why}")
             if not src.is_floating_point():
                 raise NoTail(f"{node.name} sums a tensor of {src.dtype}")
@@ -210,7 +237,11 @@ class _Matcher:
             raise NoTail(f"{node.name} ({name}) rounds each row's value to {out.dtype}, where stock's fused "
                          "kernel keeps FP32 and rounds the sum once (NOTE [16-bit roundings in a tail])")
         for a in node.all_input_nodes:
-            if a in self.kind:
+            if a in self.kind and self.kind[a] != ROW:  # (loose: a value of several rows, read back)
+                shape = _tensor(a).shape
+                if not _broadcasts(shape, out.shape) and not same_shape(shape, out.shape):
+                    raise NoTail(f"{node.name} broadcasts {a.name} {tuple(shape)} to {tuple(out.shape)}")
+            elif a in self.kind:
                 t = _tensor(a)
                 if t.dim() and not same_shape(t.shape, out.shape):
                     raise NoTail(f"{node.name} broadcasts {a.name} {tuple(t.shape)} to {tuple(out.shape)}")
@@ -220,6 +251,16 @@ class _Matcher:
                     raise NoTail(f"{node.name} reads {a.name}, {_tensor(a).dtype} the graph computes: stock "
                                  "fuses it into the tail's kernel, FP32 (NOTE [16-bit roundings in a tail])")
         return ROW
+
+    def _derived(self, node: Node) -> str:
+        """(loose) A node computed from sums of the rows and values that are not the rows'
+        (NOTE [values of several rows read back by a row]): any pure op; the tensors it
+        reads are kept as values read whole (a mask's count is how ``masks_among`` knows a
+        floating mask)."""
+        for a in node.all_input_nodes:
+            if a not in self.kind and (is_scalar(a) or _tensor(a) is not None):
+                self.whole[a] = None
+        return SCALAR
 
     def _scalar_side(self, node: Node, name: str, out: torch.Tensor, inner: list[Node]) -> str:
         if out.dim() != 0 or not out.is_floating_point():
@@ -294,7 +335,7 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
     if any(t is None for t in read) or not all(same(t.numel(), read[0].numel()) for t in read):
         raise NoTail("the results the graph reads are not one value per row each")
     m = _Matcher(stats, read[0].numel())
-    m.collectives, m.derive = collectives, not reads
+    m.collectives, m.derive, m.loose = collectives, not reads, reads and not collectives
     m.kind.update(dict.fromkeys(items, ROW))
     order = {n: i for i, n in enumerate(graph.nodes)}
     found, stack = set(items), list(items)
@@ -324,6 +365,23 @@ def _match(graph: Graph, stats: Node, results: range, reads: bool, collectives: 
     of = {kind: [n for n in nodes if m.kind[n] == kind] for kind in (ROW, REDUCE, SCALAR)}
     return LossTail(stats, items, of[ROW], of[REDUCE], of[SCALAR], loss, list(m.row_operands), list(m.whole),
                     [s for s in sizes if s in m.whole])
+
+
+def _partial_sum_why(node: Node) -> str:
+    """Why a sum / mean over some dims (``x.sum(-1)``, ``torch.mean(x, dim=(0, 1),
+    keepdim=True)``, a floating ``dtype``) is not read as one; "" where it is."""
+    args, kwargs = list(node.args[1:]), dict(node.kwargs)
+    names = ["dim", "keepdim", "dtype"]
+    if len(args) > len(names) or set(kwargs) - set(names) - {"input"}:
+        return f"{op_name(node)} with arguments the rule does not read"
+    given = {**dict(zip(names, args)), **kwargs}
+    dim = given.get("dim")
+    dims = dim if isinstance(dim, (tuple, list)) else [dim]
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return f"{op_name(node)} over dims {dim!r}"
+    if not isinstance(given.get("keepdim", False), bool) or given.get("dtype") not in (None, *FLOATS):
+        return f"{op_name(node)} with keepdim {given.get('keepdim')!r}, dtype {given.get('dtype')!r}"
+    return ""
 
 
 def _broadcasts(shape: Any, rows: Any) -> bool:

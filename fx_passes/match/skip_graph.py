@@ -124,7 +124,9 @@ class _Facts:
 
     def capped(self, lo: Fact, hi: Fact, dtype: Any) -> tuple[Fact, Fact]:
         """``[lo, hi]``, or ``[-inf, inf]`` where a value that large might round to inf in
-        ``dtype`` (any interval of a value that is not a float)."""
+        ``dtype`` (any interval of a value that is not a float; ``[0, 1]`` of a boolean)."""
+        if dtype is torch.bool:
+            return 0.0, 1.0
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             return -math.inf, math.inf
         cap = torch.finfo(dtype).max / 2

@@ -60,6 +60,8 @@ def _rule(node: Node) -> tuple[Kind, list]:
         return rule, [args[0], int(k)]
     if rule is Kind.EXTREMUM and (len(args) != 2 or not all(isinstance(a, Node) for a in args)):
         raise _NoRule(f"{name} of one tensor (a reduction)")
+    if rule is Kind.COMPARE and len(args) != 2:
+        raise _NoRule(f"{name} of {len(args)} operands")
     return rule, args
 
 
@@ -69,9 +71,14 @@ Value = tuple[Fact, Fact, Fact]  # (V: exactly 0, L, U: an interval holding the 
 class _Interpreter:
     """The facts of each tail node, as nodes of the skip graph (NOTE [rows a loss leaves out])."""
 
+    derived: frozenset = frozenset()  # (a row-local body's interpreter reads none)
+
     def __init__(self, f: _Facts, tail: LossTail, env: dict[Node, Node]) -> None:
         self.f, self.tail, self.env = f, tail, env
         self.inner = set(tail.items) | set(tail.rows)
+        # sums of the rows and what is computed from them, read back by rows (a sequence's
+        # value read by its tokens: NOTE [values of several rows read back by a row])
+        self.derived = set(tail.reductions) | set(tail.scalars)
         self.masks = _mask_like(tail)
         self.facts: dict[Node, Value] = {}
         self.unknown: list[str] = []  # the ops with no rule, said (NOTE [why every row runs])
@@ -81,6 +88,8 @@ class _Interpreter:
         f = self.f
         if isinstance(a, Node) and a in self.inner:
             return self.facts[a]
+        if isinstance(a, Node) and a in self.derived:
+            return False, -math.inf, math.inf
         if isinstance(a, Node):
             x = self.env[a]
             exact = f.g.call_method("double", (x,))
@@ -111,7 +120,7 @@ class _Interpreter:
 
     def _inner(self, a) -> bool:
         """Is ``a`` a value of the region (only an interval holds it)?"""
-        return isinstance(a, Node) and a in self.inner
+        return isinstance(a, Node) and (a in self.inner or a in self.derived)
 
     def _apart_from_0(self, lo: Fact, hi: Fact) -> Fact:
         """Does ``[lo, hi]`` leave 0 out (False where either end is NaN)?"""
@@ -124,7 +133,7 @@ class _Interpreter:
             return c
         if not isinstance(c, Node) or getattr(meta(c), "dtype", None) != torch.bool:
             raise _NoRule("a condition that is not a boolean tensor")
-        if c in self.inner:
+        if c in self.inner or c in self.derived:
             raise _NoRule("a condition that depends on the region")
         return self.env[c]
 
@@ -150,6 +159,13 @@ class _Interpreter:
 
     def _forward(self, n: Node) -> Value:
         f, (rule, args) = self.f, _rule(n)
+        if rule is Kind.COMPARE:  # (False or True, whatever its operands hold: NaN compares False)
+            return False, 0.0, 1.0
+        several = [a for a in args if isinstance(a, Node) and a in self.derived]
+        if several and rule is not Kind.SELECT:  # (NOTE [values of several rows read back by a row])
+            self.unknown.append(f"{n.name} reads {several[0].name}, a value of several rows that no bound "
+                                "holds")
+            return False, -math.inf, math.inf
         if rule in (Kind.SAME, Kind.ROW_VIEW):
             return self.value(args[0])
         va, la, ua = self.value(args[0])
@@ -226,7 +242,31 @@ class _Interpreter:
         skip: Fact = True
         for item in self.tail.items:
             skip = f.and_(skip, Zc.get(item, True))
+        for n in self.tail.rows:
+            if any(a in self.derived for a in n.all_input_nodes):
+                skip = f.and_(skip, self._passes_back_zero(n, Zc.get(n, True)))
         return skip
+
+    def _passes_back_zero(self, n: Node, z: Fact) -> Fact:
+        """Does row node ``n``, which reads a value of several rows, give it exactly 0 from
+        this row (NOTE [values of several rows read back by a row]: that value's gradient
+        then stays stock's on every other row): its own cotangent exactly 0 (``z``) and
+        its derivative in that value finite (the other factor of a product; a sum, a
+        selection, a comparison: at most 1)."""
+        try:
+            rule, args = _rule(n)
+        except _NoRule:
+            return False
+        if rule is Kind.COMPARE:
+            return True
+        if rule in (Kind.SAME, Kind.ROW_VIEW, Kind.NEGATE, Kind.SUM_OF_TERMS, Kind.SELECT, Kind.EXTREMUM):
+            return z
+        if rule is Kind.FACTOR and op_name(n) == "mul" and len(args) == 2:
+            (a, b), several = args, [isinstance(x, Node) and x in self.derived for x in args]
+            if all(several):
+                return False
+            return self.f.and_(z, self.finite(b if several[0] else a))
+        return False
 
     def _backward(self, n: Node, z: Fact, m: Fact) -> list[tuple[Any, Fact, Fact]]:
         """(operand, Zc, Mc) of the cotangent ``n`` passes to each operand (a zero
@@ -234,6 +274,8 @@ class _Interpreter:
         f, (rule, args) = self.f, _rule(n)
         if rule in (Kind.SAME, Kind.ROW_VIEW, Kind.NEGATE):
             return [(args[0], True, 0.0) if op_name(n) == "detach" else (args[0], z, m)]
+        if rule is Kind.COMPARE:  # (a boolean: no gradient reaches its operands)
+            return []
         if rule in (Kind.CLAMP, Kind.EXTREMUM):  # (a derivative of 0, 1 or 1/2 per operand)
             return [(a, z, m) for a in (args[:1] if rule is Kind.CLAMP else args)]
         if rule is Kind.EXP:  # c * exp(x)
