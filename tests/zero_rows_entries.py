@@ -48,16 +48,12 @@ ENTRIES = {
     "max": lambda lp, adv, m, mf: _where(torch.max(lp * adv, lp.clamp(-3.0, 0.0) * adv), m),
     "minimum": lambda lp, adv, m, mf: torch.minimum(lp * adv, lp * 0.5) * mf,
     "maximum": lambda lp, adv, m, mf: torch.maximum(lp * adv, lp * 0.5) * mf,
-    # (a comparison: 0 or 1 added to the log-prob, so the product is finite only by its rule)
-    "gt": lambda lp, adv, m, mf: ((lp > -3.0).float() + lp) * adv * mf,
+    # (a comparison: 0 or 1 added to the log-prob, so the product is finite only by its rule;
+    # ATen's long names are op_name's short ones)
+    "gt": lambda lp, adv, m, mf: (torch.greater(lp, -3.0).float() + lp) * adv * mf,
     "lt": lambda lp, adv, m, mf: ((lp < adv).float() + lp) * adv * mf,
-    "ge": lambda lp, adv, m, mf: (torch.ge(lp, -3.0).float() + lp) * adv * mf,
-    "le": lambda lp, adv, m, mf: ((lp <= lp * 0.5).float() + lp) * adv * mf,
+    "ge": lambda lp, adv, m, mf: (torch.greater_equal(lp, -3.0).float() + lp) * adv * mf,
+    "le": lambda lp, adv, m, mf: (torch.less_equal(lp, lp * 0.5).float() + lp) * adv * mf,
     "eq": lambda lp, adv, m, mf: ((lp == -3.0).float() + lp) * adv * mf,
-    "ne": lambda lp, adv, m, mf: ((lp != adv).float() + lp) * adv * mf,
-    "greater": lambda lp, adv, m, mf: (torch.greater(lp, -3.0).float() + lp) * adv * mf,
-    "less": lambda lp, adv, m, mf: (torch.less(lp, adv).float() + lp) * adv * mf,
-    "greater_equal": lambda lp, adv, m, mf: (torch.greater_equal(lp, -3.0).float() + lp) * adv * mf,
-    "less_equal": lambda lp, adv, m, mf: (torch.less_equal(lp, adv).float() + lp) * adv * mf,
-    "not_equal": lambda lp, adv, m, mf: (torch.not_equal(lp, -3.0).float() + lp) * adv * mf,
+    "ne": lambda lp, adv, m, mf: (torch.not_equal(lp, adv).float() + lp) * adv * mf,
 }

@@ -83,7 +83,8 @@ _METHOD_PARAMS: dict[str, tuple[str, ...]] = {
 # Python operator names -> ATen's
 _ATEN_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and_": "bitwise_and", "and": "bitwise_and",
                "or_": "bitwise_or", "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
-               "inv": "bitwise_not", "mod": "remainder", "pos": "positive", "logsigmoid": "log_sigmoid"}
+               "inv": "bitwise_not", "mod": "remainder", "pos": "positive", "logsigmoid": "log_sigmoid",
+               "greater": "gt", "less": "lt", "greater_equal": "ge", "less_equal": "le", "not_equal": "ne"}
 # reflected dunders (``2 * x`` is ``x.__rmul__(2)``): the same op ("rsub" is ATen's own)
 _REFLECTED = {"radd", "rmul", "rtruediv", "rfloordiv", "rpow", "rand", "ror", "rxor", "rmod"}
 

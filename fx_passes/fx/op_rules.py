@@ -122,8 +122,7 @@ ZERO_ROWS: dict[str, Kind] = {
     **dict.fromkeys(("pow", "square"), Kind.POWER),
     **dict.fromkeys(("clamp", "clip", "clamp_min", "clamp_max"), Kind.CLAMP),
     **dict.fromkeys(("min", "max", "minimum", "maximum"), Kind.EXTREMUM),
-    **dict.fromkeys(("gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal",
-                     "not_equal"), Kind.COMPARE),
+    **dict.fromkeys(("gt", "lt", "ge", "le", "eq", "ne"), Kind.COMPARE),  # (``greater`` .. : op_name's)
 }
 
 aten = torch.ops.aten
