@@ -123,6 +123,20 @@ REGIONS: dict[str, tuple[str, list[str], str, int]] = {
         "m = (tok % 3 > 0).to(up)",
         "loss = -(picked * m).sum() / m.sum()",
     ], "loss, (picked * m).detach()", 2),
+    # the same read through a sum per sequence and what is computed from it (a GSPO-like
+    # sequence ratio, returned too): NOTE [values of several rows read back by a row]
+    "masked_sequences": ("h, w, tok", [
+        "h = h * 1",
+        "w = w * 1",
+        "logits = h @ w.T",
+        "z = logits.to(up)",
+        "lp = torch.log_softmax(z, -1)",
+        "picked = lp.gather(-1, tok[:, None]).squeeze(-1).view(2, -1)",
+        "m = (tok % 3 > 0).to(up).view(2, -1)",
+        "n = m.sum(-1, keepdim=True).clamp(min=1)",
+        "ratio = torch.exp(((picked + 2.0) * m).sum(-1, keepdim=True) / n)",
+        "loss = -((torch.minimum(ratio, ratio.clamp(0.9, 1.1)) * m).sum(-1, keepdim=True) / n).mean()",
+    ], "loss, ratio.detach()", 2),
     # the same in the row-local engine: a label-smoothed CE per token (a body the lm_head
     # path does not derive), its per-row results kept (kernels/row_local/masked.py)
     "masked_row_local": ("h, w, tok", [
@@ -192,6 +206,7 @@ _APPLIES = {
     # the in-place changes and graph breaks around the call; the grad-mode wraps are lm_head's)
     "masked": ("tok_add", "mul_h", "zero_h_view", "mul_w", "mul_logits", "rng", "seed"),
     "masked_row_local": ("tok_add", "mul_h", "mul_logits", "seed"),
+    "masked_sequences": ("tok_add", "mul_h", "mul_logits", "seed"),
     "returned": _LM_CHANGES,
     "vocab": ("no_grad", "enable_grad", "mul_h", "zero_w_view", "mul_logits", "tok_add"),
     "masked_vocab": ("tok_add",),  # (the mask's input changed in place at each place)

@@ -115,6 +115,8 @@ def test_the_hostile_suite_rewrites_as_well_as_declines():
     # (its per-row results kept, the rows the mask leaves unread skipped)
     assert seen["masked_row_local"].get("row_local_lm_head") == 1, seen
     assert seen["masked_row_local"].get("masked_rows") == 1, seen
+    sequences = seen["masked_sequences"]  # (read through sums per sequence)
+    assert sequences.get("masked_rows") == 1 and sequences.get("rows_skipped"), seen
     assert seen["vocab"].get("vocab_parallel_lm_head") == 1, seen
     assert seen["masked_vocab"].get("vocab_parallel_one_pass") == 1, seen
     assert seen["masked_vocab"].get("masked_rows") == 1 and seen["masked_vocab"].get("rows_skipped"), seen
