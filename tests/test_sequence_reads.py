@@ -5,6 +5,7 @@ the graph (``fp32_tiles``: the per-token path) and the padding rows leave the ch
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -30,6 +31,16 @@ def trl_gspo(hidden, weight, tokens, old, adv, mask, up=F32):
     a = adv.to(up).unsqueeze(1)
     per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
     return _seq_mean(per_token_loss, mask).mean()
+
+
+def openrlhf_gspo(hidden, weight, tokens, old, adv, mask, up=F32):
+    """OpenRLHF's ``PolicyLoss`` with ``policy_loss_type="gspo"``: the sequence's ratio times
+    the mask, then its ``masked_mean`` per sequence (NumPy's ``axis=``)."""
+    log_ratio = logps(hidden, weight, tokens, up) - old.to(up)
+    ratio = ((log_ratio * mask).sum(axis=-1) / mask.sum(axis=-1)).exp().unsqueeze(-1) * mask
+    a = adv.to(up).unsqueeze(1)
+    loss = -torch.min(ratio * a, ratio.clamp(1 - 0.2, 1 + 0.28) * a)
+    return ((loss * mask).sum(axis=-1) / mask.sum(axis=-1)).mean()
 
 
 def _masked_mean(x, mask):
@@ -72,10 +83,11 @@ def _patterns(fn, data) -> tuple[list, list, dict]:
     return _pattern(ours), _pattern(stock), chunked_counters()
 
 
-def test_gspo_sequence_ratio_skips_the_padding():
+@pytest.mark.parametrize("fn", [trl_gspo, openrlhf_gspo], ids=lambda f: f.__name__)
+def test_gspo_sequence_ratio_skips_the_padding(fn):
     """Before: every row ran ("sum makes (4,), not one value per row of the region")."""
     data = inputs(torch.bfloat16)
-    c = compare(trl_gspo, data, BF16, "fp32_tiles")
+    c = compare(fn, data, BF16, "fp32_tiles")
     assert padding_skipped(c, data), c
 
 
