@@ -83,8 +83,9 @@ known in the forward (:mod:`fx_passes.kernels.log_softmax.loss`).  Anything else
 # derivative in that value finite (``0 * inf`` there would turn the value's gradient NaN on
 # every row of its sequence in stock's program alone; ``_Interpreter._passes_back_zero``).
 # A comparison (``torch.gt(pg2, pg1)``) is 0 or 1 and passes no gradient (``Kind.COMPARE``).
-# Not taken: a row value bounded by a clamp of such a value (verl's GSPO clamps
-# ``lp - lp.detach() + seq`` at 10): the bound does not hold for a NaN, and every row runs.
+# A row value computed from such a value and the row's own results through ops whose value
+# is the same in both programs on a row left out (verl's GSPO: ``lp - lp.detach() + seq``)
+# is read as that (NOTE [the same value in both programs] in ``match/tail_facts.py``).
 # A loss to derive (``match_loss_tail``) keeps its affine scalar part; a vocab-parallel
 # call's readers (collectives) keep the rules as they were.
 

@@ -4,6 +4,25 @@ backward (a zero cotangent, a bound on it).  See NOTE [rows a loss leaves out] i
 ``match/row_mask.py``, which builds the skip graph from these facts.
 """
 
+# NOTE [the same value in both programs]
+# Where the reads sum rows over some dims and read the sums back (NOTE [values of several
+# rows read back by a row] in ``match/loss_tail.py``), a row left out need not read 0: it
+# must read what stock's program reads.  On a row left out the rewritten program computes
+# the reads from the results' stand-ins (values of their intervals), stock's from the true
+# results; every other input (an operand, a value of several rows, once every sum agrees)
+# is the same in both.  So besides ``V`` each row node has ``S``: its value is the same in
+# both programs (exactly 0 where ``V``; a pure op of same values; ``x - x.detach()``, the
+# straight-through spelling, is exactly 0 where ``x`` is finite).  A sum's term or a
+# returned value may be ``V`` or ``S``: verl's GSPO, ``exp(clamp(lp - lp.detach() +
+# seq.detach(), max=10))`` times the advantage and the mask, is ``S`` on a masked row
+# whatever the sequence's value, NaN included.  Backward, ``Zn``: the cotangent is exactly 0
+# in both programs, or not finite in both (the masked op's backward turns a left-out row's
+# cotangent that is not 0 into stock's NaN gradients).  A zero cotangent times a derivative
+# finite in both, or the same in both (``exp`` of an ``S`` value), is 0 or NaN in both; a
+# choice (a clamp, a ``max``) must be made on ``S`` values to pass one that is not finite.
+# Only tails that read such values use ``S`` and ``Zn``; elsewhere ``S`` is ``V`` and ``Zn``
+# is ``Zc`` (exactly 0), as before.
+
 from __future__ import annotations
 
 import math
@@ -13,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, meta, op_name
+from ..fx.graph_ops import canon, meta, op_name, requires_grad
 from ..fx.op_rules import ZERO_ROWS, Kind
 from .loss_tail import LossTail
 from .masks import _mask_like, no_rule, why_every_row
@@ -72,6 +91,7 @@ class _Interpreter:
     """The facts of each tail node, as nodes of the skip graph (NOTE [rows a loss leaves out])."""
 
     derived: frozenset = frozenset()  # (a row-local body's interpreter reads none)
+    reads_back = False
 
     def __init__(self, f: _Facts, tail: LossTail, env: dict[Node, Node]) -> None:
         self.f, self.tail, self.env = f, tail, env
@@ -79,8 +99,13 @@ class _Interpreter:
         # sums of the rows and what is computed from them, read back by rows (a sequence's
         # value read by its tokens: NOTE [values of several rows read back by a row])
         self.derived = set(tail.reductions) | set(tail.scalars)
+        # (only reads kept in the graph, whose masked op turns a left-out row's cotangent that
+        # is not 0 into stock's NaNs, have rows reading such values: NOTE [the same value in
+        # both programs]; a loss loop's sums must get exactly 0 from a row left out)
+        self.reads_back = any(a in self.derived for n in tail.rows for a in n.all_input_nodes)
         self.masks = _mask_like(tail)
         self.facts: dict[Node, Value] = {}
+        self.same: dict[Node, Fact] = {}  # NOTE [the same value in both programs]
         self.unknown: list[str] = []  # the ops with no rule, said (NOTE [why every row runs])
 
     def value(self, a) -> Value:
@@ -143,6 +168,7 @@ class _Interpreter:
         ``items[i]``: a row-local body's, ``match/body_mask.skip_rows_of_region_reads``)."""
         for item, i in self.tail.items.items():
             self.facts[item] = items[i] if items is not None else (False, bounds[2 * i], bounds[2 * i + 1])
+            self.same[item] = False
         for n in self.tail.rows:
             try:
                 v, lo, hi = self._forward(n)
@@ -150,17 +176,35 @@ class _Interpreter:
                 self.unknown.append(no_rule(n, e))
                 v, lo, hi = False, -math.inf, math.inf
             self.facts[n] = (v, *self.f.capped(lo, hi, getattr(meta(n), "dtype", None)))
+            same: Fact = True  # (a pure op on the same values: NOTE [the same value in both programs])
+            for a in n.all_input_nodes:
+                same = self.f.and_(same, self.is_same(a))
+            self.same[n] = self.f.or_(v, same)
         skip: Fact = True
         for r in self.tail.reductions:
-            skip = self.f.and_(skip, self.facts[r.all_input_nodes[0]][0])
+            skip = self.f.and_(skip, self._read_as_stock(r.all_input_nodes[0]))
         for n in leaving:
-            skip = self.f.and_(skip, self.facts[n][0])
+            skip = self.f.and_(skip, self._read_as_stock(n))
         return skip
+
+    def is_same(self, a) -> Fact:
+        """Is ``a`` the same value in stock's program and in the rewritten one, on a row left
+        out (NOTE [the same value in both programs])?  A number, an operand or a value of
+        several rows is; a result is not."""
+        return self.same.get(a, True) if isinstance(a, Node) and a in self.inner else True
+
+    def _read_as_stock(self, n: Node) -> Fact:
+        """A summed or returned row value is stock's: exactly 0, or (reads of values of
+        several rows only) the same value in both programs."""
+        return self.f.or_(self.facts[n][0], self.same[n]) if self.reads_back else self.facts[n][0]
 
     def _forward(self, n: Node) -> Value:
         f, (rule, args) = self.f, _rule(n)
         if rule is Kind.COMPARE:  # (False or True, whatever its operands hold: NaN compares False)
             return False, 0.0, 1.0
+        if _straight_through(n, rule, args):  # (x - x.detach(): exactly 0 where x is finite)
+            fin = self.finite(args[0])
+            return fin, f.select(fin, 0.0, -math.inf), f.select(fin, 0.0, math.inf)
         several = [a for a in args if isinstance(a, Node) and a in self.derived]
         if several and rule is not Kind.SELECT:  # (NOTE [values of several rows read back by a row])
             self.unknown.append(f"{n.name} reads {several[0].name}, a value of several rows that no bound "
@@ -214,34 +258,35 @@ class _Interpreter:
     def backward(self, weights: list, leaving: list[Node] = ()) -> Fact:
         """Where every result the tail reads gets an exactly-zero cotangent (``weights``:
         each sum's, a node or a number; a per-row value ``leaving`` the graph gets any)."""
-        f, Zc, Mc = self.f, {}, {}
+        f, Zc, Mc, Zn = self.f, {}, {}, {}  # (Zn: NOTE [the same value in both programs])
 
-        def add(x, z: Fact, m: Fact) -> None:
+        def add(x, z: Fact, m: Fact, zn: Fact) -> None:
             if isinstance(x, Node) and x in self.inner:
                 Zc[x] = f.and_(Zc.get(x, True), z)
                 Mc[x] = f.plus(Mc.get(x, 0.0), m)
+                Zn[x] = f.and_(Zn.get(x, True), f.or_(z, zn))
         for r, w in zip(self.tail.reductions, weights):
             if isinstance(w, Node):
-                add(r.all_input_nodes[0], f.call(operator.eq, w, 0), f.call(torch.abs, w))
+                add(r.all_input_nodes[0], f.call(operator.eq, w, 0), f.call(torch.abs, w), False)
             else:
-                add(r.all_input_nodes[0], w == 0, abs(w))
+                add(r.all_input_nodes[0], w == 0, abs(w), False)
         for n in leaving:
-            add(n, False, math.inf)
+            add(n, False, math.inf, False)
         for n in reversed(self.tail.rows):
             if n in Zc:
                 z, m = Zc[n], f.capped(f.minus(0.0, Mc[n]), Mc[n], getattr(meta(n), "dtype", None))[1]
                 try:
                     for a, za, ma in self._backward(n, z, m):
-                        add(a, za, ma)
+                        add(a, za, ma, f.and_(Zn[n], self._same_slope(n, a)) if self.reads_back else False)
                 except _NoRule as e:
                     self.unknown.append(no_rule(n, e))
                     for a in n.all_input_nodes:
-                        add(a, False, math.inf)
+                        add(a, False, math.inf, False)
         # (each result's cotangent facts, for a row-local body's backward after these reads)
         self.cotangents = {item: (Zc.get(item, True), Mc.get(item, 0.0)) for item in self.tail.items}
         skip: Fact = True
         for item in self.tail.items:
-            skip = f.and_(skip, Zc.get(item, True))
+            skip = f.and_(skip, Zn.get(item, True))
         for n in self.tail.rows:
             if any(a in self.derived for a in n.all_input_nodes):
                 skip = f.and_(skip, self._passes_back_zero(n, Zc.get(n, True)))
@@ -253,6 +298,8 @@ class _Interpreter:
         then stays stock's on every other row): its own cotangent exactly 0 (``z``) and
         its derivative in that value finite (the other factor of a product; a sum, a
         selection, a comparison: at most 1)."""
+        if not any(requires_grad(a) for a in n.all_input_nodes if a in self.derived):
+            return True  # (a detached value: nothing flows back to it)
         try:
             rule, args = _rule(n)
         except _NoRule:
@@ -266,6 +313,27 @@ class _Interpreter:
             if all(several):
                 return False
             return self.f.and_(z, self.finite(b if several[0] else a))
+        return False
+
+    def _same_slope(self, n: Node, a: Node) -> Fact:
+        """Does ``n``'s backward pass ``a`` its cotangent times a derivative that is finite
+        in both programs or the same in both, and choose (a clamp, a ``max``) the same way in
+        both (NOTE [the same value in both programs])?  Then a cotangent exactly 0 in both,
+        or not finite in both, stays so."""
+        f, (rule, args) = self.f, _rule(n)
+        if rule in (Kind.SAME, Kind.ROW_VIEW, Kind.NEGATE, Kind.SUM_OF_TERMS, Kind.SELECT):
+            return True  # (a derivative of 1 or -1; a selection by a condition the region does not change)
+        if rule in (Kind.EXP, Kind.LOG, Kind.POWER, Kind.CLAMP):  # (of its one tensor operand)
+            return self.is_same(args[0])
+        if rule is Kind.EXTREMUM:
+            return f.and_(self.is_same(args[0]), self.is_same(args[1]))
+        if rule is Kind.FACTOR and op_name(n) == "mul":
+            if args[0] is args[1]:  # (x * x: 2 x)
+                return self.is_same(a)
+            other = args[1] if args[0] is a else args[0]
+            return f.or_(self.finite(other), self.is_same(other))
+        if rule is Kind.FACTOR:  # (x / y: 1 / y and -x / y ** 2)
+            return f.and_(self.is_same(args[0]), self.is_same(args[1]))
         return False
 
     def _backward(self, n: Node, z: Fact, m: Fact) -> list[tuple[Any, Fact, Fact]]:
@@ -311,6 +379,13 @@ class _Interpreter:
         cond = self.condition(c)
         return [(x, f.or_(f.not_(cond), z), f.select(cond, m, 0.0)),
                 (y, f.or_(cond, z), f.select(cond, 0.0, m))]
+
+
+def _straight_through(n: Node, rule: Kind, args: list) -> bool:
+    """``x - x.detach()`` (the straight-through spelling): 0 in the forward."""
+    d = args[1] if rule is Kind.SUM_OF_TERMS and op_name(n) == "sub" and len(args) == 2 else None
+    x = args[0] if isinstance(args[0], Node) else None
+    return x is not None and isinstance(d, Node) and op_name(d) == "detach" and d.args[:1] == (x,)
 
 
 def _select(n: Node, args: list) -> tuple:
