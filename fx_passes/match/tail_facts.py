@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from ..fx.graph_ops import canon, meta, op_name, requires_grad
+from ..fx.graph_ops import canon, meta, op_name
 from ..fx.op_rules import ZERO_ROWS, Kind
 from .loss_tail import LossTail
 from .masks import _mask_like, no_rule, why_every_row
@@ -191,7 +191,7 @@ class _Interpreter:
         """Is ``a`` the same value in stock's program and in the rewritten one, on a row left
         out (NOTE [the same value in both programs])?  A number, an operand or a value of
         several rows is; a result is not."""
-        return self.same.get(a, True) if isinstance(a, Node) and a in self.inner else True
+        return self.same.get(a, False) if isinstance(a, Node) and a in self.inner else True
 
     def _read_as_stock(self, n: Node) -> Fact:
         """A summed or returned row value is stock's: exactly 0, or (reads of values of
@@ -298,7 +298,7 @@ class _Interpreter:
         then stays stock's on every other row): its own cotangent exactly 0 (``z``) and
         its derivative in that value finite (the other factor of a product; a sum, a
         selection, a comparison: at most 1)."""
-        if not any(requires_grad(a) for a in n.all_input_nodes if a in self.derived):
+        if not any(_may_need_grad(a) for a in n.all_input_nodes if a in self.derived):
             return True  # (a detached value: nothing flows back to it)
         try:
             rule, args = _rule(n)
@@ -379,6 +379,12 @@ class _Interpreter:
         cond = self.condition(c)
         return [(x, f.or_(f.not_(cond), z), f.select(cond, m, 0.0)),
                 (y, f.or_(cond, z), f.select(cond, 0.0, m))]
+
+
+def _may_need_grad(a: Node) -> bool:
+    """Does ``a`` need a gradient, or is its example value unknown?"""
+    v = meta(a)
+    return not isinstance(v, torch.Tensor) or v.requires_grad
 
 
 def _straight_through(n: Node, rule: Kind, args: list) -> bool:
